@@ -1,0 +1,71 @@
+"""PyTorch reference implementations: tree attention over a paged cache and the KV commit.
+
+Readable and exact; used on CPU and as the oracle the Triton kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata, unpack_mask_bits
+
+
+def gather_request_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Paged cache [num_blocks, block_size, Hkv, D] -> one request's [num_tokens, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    return cache.index_select(0, blocks).flatten(0, 1)[:num_tokens]
+
+
+def tree_attention_reference(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    out = torch.empty_like(q)
+    qs = meta.query_start_host
+    for r in range(meta.num_requests):
+        q_lo, q_hi = qs[r], qs[r + 1]
+        if q_hi == q_lo:
+            continue
+        prefix, tree = meta.prefix_lens_host[r], meta.tree_lens_host[r]
+        num_kv = prefix + tree
+        k = gather_request_kv(k_cache, meta.block_tables[r], num_kv)
+        v = gather_request_kv(v_cache, meta.block_tables[r], num_kv)
+        mask = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool, device=q.device)
+        mask[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree)
+        o = F.scaled_dot_product_attention(
+            q[q_lo:q_hi].transpose(0, 1),  # [Hq, n, D]
+            k.transpose(0, 1),  # [Hkv, S, D]
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q_lo:q_hi] = o.transpose(0, 1)
+    return out
+
+
+def commit_kv_reference(
+    k_cache: torch.Tensor,  # [L, num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,  # [N] int64
+    dst_slots: torch.Tensor,  # [N] int64
+) -> None:
+    """Move KV of accepted tree nodes to their committed slots, in every layer.
+
+    Within one request the accepted path's source slots never precede their destinations, and
+    a slot may be both a destination and (earlier) another copy's source; gathering all sources
+    before scattering makes the overlap harmless.
+    """
+    if src_slots.numel() == 0:
+        return
+    for cache in (k_cache, v_cache):
+        flat = cache.flatten(1, 2)  # [L, slots, Hkv, D]
+        flat[:, dst_slots] = flat[:, src_slots].clone()

@@ -1,0 +1,1 @@
+"""Augury's shared package: everything the services import (model runtime, trees, verification)."""

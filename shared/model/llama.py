@@ -1,0 +1,116 @@
+"""Our LLaMA-family forward pass over one packed batch (no padding).
+
+Every token of the batch (prompt chunks, single decode tokens, tree nodes of several requests)
+goes through each layer together; only attention looks at request boundaries, through
+`AttentionMetadata`. Logits are computed only for the rows the caller asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels.attention_metadata import AttentionMetadata
+from shared.model.config import ModelConfig
+
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for all positions, computed once (HF's rotate-half convention)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)  # [P, D]
+        self.sin = emb.sin().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D], positions [T] -> rotated x."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.has_qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+
+class LlamaModel(nn.Module):
+    """Weights plus a stateless forward; the KV cache is passed in (the runner owns it)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        num_out = cfg.num_output_tokens or cfg.vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, num_out, bias=False)
+        # Full-vocabulary id of each output row (identity unless the output vocab is reduced).
+        self.register_buffer("output_token_ids", torch.arange(num_out), persistent=False)
+        self.rope: RotaryEmbedding | None = None
+        self.requires_grad_(False)
+
+    def init_rope(self, device: torch.device) -> None:
+        cfg = self.cfg
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [L, num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        attention: AttentionFn,
+    ) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        assert self.rope is not None, "call init_rope() after moving the model to its device"
+        num_tokens = input_ids.shape[0]
+        scale = cfg.head_dim**-0.5
+        slots = meta.slot_mapping
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
+            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), positions)
+            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            k_cache[i].flatten(0, 1)[slots] = k
+            v_cache[i].flatten(0, 1)[slots] = v
+            o = attention(q, k_cache[i], v_cache[i], meta, scale)
+            x = x + layer.o_proj(o.reshape(num_tokens, -1))
+            h = rms_norm(x, layer.post_attn_norm, cfg.rms_norm_eps)
+            gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
+            x = x + layer.down_proj(torch.nn.functional.silu(gate) * up)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, num_out]
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()

@@ -1,0 +1,78 @@
+"""Load a local Hugging Face LLaMA-family checkpoint directory (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.errors import UnsupportedModelError
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaModel
+
+OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
+
+
+def read_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: not a Hugging Face checkpoint directory")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LlamaModel:
+    """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections."""
+    path = Path(path)
+    cfg = read_config(path)
+    w = _read_tensors(path)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in w:
+            raise UnsupportedModelError(f"checkpoint {path} lacks tensor {name!r}")
+        return w.pop(name)
+
+    model = LlamaModel(cfg)
+    model.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))
+        if cfg.has_qkv_bias:
+            layer.qkv_proj.bias.copy_(
+                torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+            )
+        layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+        gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+        layer.gate_up_proj.weight.copy_(torch.cat(gate_up, 0))
+        layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+    model.norm.copy_(take("model.norm.weight"))
+    if "lm_head.weight" in w:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    elif cfg.tie_word_embeddings and cfg.num_output_tokens is None:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        raise UnsupportedModelError(f"checkpoint {path} lacks lm_head.weight")
+    if OUTPUT_TOKEN_IDS_KEY in w:
+        model.output_token_ids = take(OUTPUT_TOKEN_IDS_KEY).long()
+    model = model.to(device=device, dtype=dtype)
+    model.output_token_ids = model.output_token_ids.long()
+    model.init_rope(torch.device(device))
+    return model.eval()

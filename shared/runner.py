@@ -1,0 +1,263 @@
+"""The model runner: owns the model, its paged KV cache and every tensor built from a batch.
+
+Callers describe work per request in plain Python (`ForwardItem`): which new tokens, and for each
+its parent inside the request's *tree region* (the uncommitted slots after the committed prefix).
+A prompt chunk is a chain whose nodes are committed right after the forward; a verifier tree is
+committed along its accepted path; a drafter's tree is discarded once the tree is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata, num_mask_words
+from kernels.reference import commit_kv_reference, tree_attention_reference
+from shared.errors import ContextLengthError, InvalidRequestError
+from shared.kv_cache import PagedKVCache
+from shared.model.llama import AttentionFn, LlamaModel
+
+LogitsRows = Literal["all", "last", "none"]
+
+
+@dataclass
+class ForwardItem:
+    request_id: str
+    tokens: Sequence[int]
+    # Parent of each new token inside the request's tree region: an index of a node cached by an
+    # earlier forward, or of an earlier token of this item; -1 attaches it to the prefix end.
+    parents: Sequence[int]
+    logits: LogitsRows = "all"
+
+    @classmethod
+    def chain(cls, request_id: str, tokens: Sequence[int], logits: LogitsRows = "last"):
+        return cls(request_id, tokens, list(range(-1, len(tokens) - 1)), logits)
+
+
+@dataclass
+class _Sequence:
+    num_cached: int = 0  # committed tokens whose KV is in the cache
+    # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
+    # ancestor bitmask over tree-region indices, as a Python int.
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    masks: list[int] = field(default_factory=list)
+
+    def clear_tree(self) -> None:
+        self.parents.clear()
+        self.depths.clear()
+        self.masks.clear()
+
+
+def mask_words(masks: Sequence[int], num_words: int) -> np.ndarray:
+    """Python-int bitmasks -> [N, num_words] int64 (bit j of row i in word j // 64)."""
+    nbytes = 8 * num_words
+    raw = b"".join(m.to_bytes(nbytes, "little") for m in masks)
+    return np.frombuffer(raw, dtype=np.int64).reshape(len(masks), num_words).copy()
+
+
+def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
+    """Chosen once at start: the Triton kernels on CUDA, the PyTorch reference elsewhere."""
+    if device.type == "cuda":
+        try:
+            from kernels.triton_tree_attention import commit_kv_triton, tree_attention_triton
+        except ImportError:
+            pass
+        else:
+            return tree_attention_triton, commit_kv_triton
+    return tree_attention_reference, commit_kv_reference
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        block_size: int = 16,
+        kv_memory_bytes: int = 256 << 20,
+        attention: AttentionFn | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cache = PagedKVCache(
+            self.cfg,
+            block_size=block_size,
+            memory_bytes=kv_memory_bytes,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        default_attention, self._commit_kv = select_attention(self.device)
+        self.attention = attention or default_attention
+        self._seqs: dict[str, _Sequence] = {}
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def add_request(self, request_id: str) -> None:
+        self.cache.add(request_id)
+        self._seqs[request_id] = _Sequence()
+
+    def free_request(self, request_id: str) -> None:
+        if request_id in self._seqs:
+            del self._seqs[request_id]
+            self.cache.free(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def num_cached(self, request_id: str) -> int:
+        return self._seqs[request_id].num_cached
+
+    def tree_size(self, request_id: str) -> int:
+        return len(self._seqs[request_id].parents)
+
+    # ---- the forward ---------------------------------------------------------------------------
+    def _validate(self, item: ForwardItem, seq: _Sequence) -> None:
+        n = len(item.tokens)
+        if n == 0 or len(item.parents) != n:
+            raise InvalidRequestError(
+                f"request {item.request_id}: {n} tokens with {len(item.parents)} parents"
+            )
+        vocab = self.cfg.vocab_size
+        bad = [t for t in item.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} out of range [0, {vocab})", param="prompt"
+            )
+        base = len(seq.parents)
+        for i, p in enumerate(item.parents):
+            if not -1 <= p < base + i:
+                raise InvalidRequestError(f"node {base + i} has parent {p}: not an earlier node")
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One packed forward; returns each item's logits [rows, num_output_tokens]."""
+        seqs = [self._seqs[item.request_id] for item in items]
+        plans = []
+        for item, seq in zip(items, seqs, strict=True):
+            self._validate(item, seq)
+            base = len(seq.parents)
+            depths = list(seq.depths)
+            for p in item.parents:
+                depths.append(0 if p < 0 else depths[p] + 1)
+            new_depths = depths[base:]
+            last_position = seq.num_cached + max(new_depths)
+            if last_position >= self.max_context:
+                raise ContextLengthError(
+                    f"request {item.request_id} would reach position {last_position}, past the "
+                    f"model's context of {self.max_context} tokens",
+                    param="max_tokens",
+                )
+            plans.append((base, new_depths))
+        for item, seq, (base, _) in zip(items, seqs, plans, strict=True):
+            self.cache.reserve(item.request_id, seq.num_cached + base + len(item.tokens))
+
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[np.ndarray] = []
+        new_masks: list[int] = []
+        query_start = [0]
+        logit_rows: list[int] = []
+        row_counts: list[int] = []
+        for item, seq, (base, new_depths) in zip(items, seqs, plans, strict=True):
+            n = len(item.tokens)
+            start = query_start[-1]
+            tokens.extend(item.tokens)
+            positions.extend(seq.num_cached + d for d in new_depths)
+            lo = seq.num_cached + base
+            slots.append(self.cache.slots(item.request_id, lo, lo + n))
+            for i, p in enumerate(item.parents):
+                m = (seq.masks[p] if p >= 0 else 0) | (1 << (base + i))
+                seq.masks.append(m)
+                new_masks.append(m)
+            seq.parents.extend(item.parents)
+            seq.depths.extend(new_depths)
+            query_start.append(start + n)
+            rows = {"all": range(start, start + n), "last": [start + n - 1], "none": []}
+            chosen = rows[item.logits]
+            logit_rows.extend(chosen)
+            row_counts.append(len(chosen))
+
+        dev = self.device
+        tree_lens = [len(seq.parents) for seq in seqs]
+        prefix_lens = [seq.num_cached for seq in seqs]
+        max_blocks = max(len(self.cache.blocks(item.request_id)) for item in items)
+        table = np.full((len(items), max_blocks), -1, dtype=np.int32)
+        for r, item in enumerate(items):
+            blocks = self.cache.blocks(item.request_id)
+            table[r, : len(blocks)] = blocks
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
+            tree_lens=torch.tensor(tree_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            tree_mask=torch.from_numpy(mask_words(new_masks, num_mask_words(max(tree_lens)))).to(
+                dev
+            ),
+            query_start_host=query_start,
+            prefix_lens_host=prefix_lens,
+            tree_lens_host=tree_lens,
+        )
+        hidden = self.model.hidden_states(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.cache.k,
+            self.cache.v,
+            self.attention,
+        )
+        logits = self.model.logits(hidden[logit_rows]) if logit_rows else hidden.new_empty(0, 0)
+        return list(logits.split(row_counts)) if logit_rows else [logits] * len(items)
+
+    # ---- after the forward --------------------------------------------------------------------
+    def commit(self, paths: Mapping[str, Sequence[int]]) -> None:
+        """Keep only each request's accepted path of tree nodes, compacted after its prefix.
+
+        `paths[rid]` lists tree-region nodes root-first, each the parent of the next (empty keeps
+        nothing). Their KV moves to the committed slots; the rest of the tree region is dropped.
+        """
+        src: list[np.ndarray] = []
+        dst: list[np.ndarray] = []
+        for rid, path in paths.items():
+            seq = self._seqs[rid]
+            for k, node in enumerate(path):
+                expected = -1 if k == 0 else path[k - 1]
+                if not 0 <= node < len(seq.parents) or seq.parents[node] != expected:
+                    raise ValueError(f"request {rid}: {list(path)} is not a root-first path")
+            if path:
+                offsets = np.asarray(path, dtype=np.int64)
+                moved = offsets != np.arange(len(path))
+                if moved.any():
+                    lo = seq.num_cached
+                    all_slots = self.cache.slots(rid, lo, lo + len(seq.parents))
+                    src.append(all_slots[offsets[moved]])
+                    dst.append(all_slots[np.arange(len(path))[moved]])
+            seq.num_cached += len(path)
+            seq.clear_tree()
+            self.cache.shrink(rid, seq.num_cached)
+        if src:
+            self._commit_kv(
+                self.cache.k,
+                self.cache.v,
+                torch.from_numpy(np.concatenate(src)).to(self.device),
+                torch.from_numpy(np.concatenate(dst)).to(self.device),
+            )
+
+    def discard_tree(self, request_id: str) -> None:
+        self.commit({request_id: []})
+
+    def prefill(self, items: Mapping[str, Sequence[int]]) -> list[torch.Tensor]:
+        """Forward prompt chunks (chains) and commit them; returns logits of each last token."""
+        forward_items = [ForwardItem.chain(rid, toks) for rid, toks in items.items()]
+        logits = self.forward(forward_items)
+        self.commit({rid: range(len(toks)) for rid, toks in items.items()})
+        return logits
