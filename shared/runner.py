@@ -18,7 +18,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata, num_mask_words
 from kernels.reference import commit_kv_reference, tree_attention_reference
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.kv_cache import PagedKVCache
+from shared.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
 
 LogitsRows = Literal["all", "last", "none"]
@@ -109,6 +109,21 @@ class ModelRunner:
         if request_id in self._seqs:
             del self._seqs[request_id]
             self.cache.free(request_id)
+
+    def swap_out(self, request_id: str) -> SwappedKV:
+        """Move a request's committed KV to host memory and free its blocks (preemption)."""
+        seq = self._seqs.pop(request_id)
+        return self.cache.swap_out(request_id, seq.num_cached)
+
+    def swap_in(self, request_id: str, swapped: SwappedKV) -> None:
+        self.cache.swap_in(request_id, swapped)
+        self._seqs[request_id] = _Sequence(num_cached=swapped.num_tokens)
+
+    def blocks_needed(self, request_id: str | None, num_new_tokens: int) -> int:
+        """Blocks a forward of `num_new_tokens` more tokens would have to allocate."""
+        have = len(self.cache.blocks(request_id)) if request_id in self._seqs else 0
+        used = self.num_cached(request_id) if request_id in self._seqs else 0
+        return max(0, self.cache.num_blocks_for(used + num_new_tokens) - have)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._seqs

@@ -40,7 +40,7 @@ def make_tiny_checkpoint(
         rope_theta=10000.0,
         tie_word_embeddings=tie,
         bos_token_id=1,
-        eos_token_id=2,
+        eos_token_id=None,  # no end of sequence: outputs run to max_tokens on both sides
     )
     model = LlamaForCausalLM(cfg)
     # Larger weights than the default init make the distributions peaked and varied, so a

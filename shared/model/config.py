@@ -29,6 +29,9 @@ class ModelConfig:
     # A reduced output vocabulary (a draft that predicts only the target's most frequent tokens):
     # output row i of lm_head is token `output_token_ids[i]` of the full vocabulary.
     num_output_tokens: int | None = None
+    # A factorized input embedding (small drafts): embed_tokens is [vocab, rank] and a learned
+    # projection `embed_proj` [hidden, rank] lifts it to the hidden size.
+    embedding_rank: int | None = None
 
     @property
     def num_query_per_kv(self) -> int:
@@ -71,4 +74,5 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             num_output_tokens=cfg.get("augury_num_output_tokens"),
+            embedding_rank=cfg.get("augury_embedding_rank"),
         )

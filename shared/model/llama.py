@@ -67,7 +67,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         num_out = cfg.num_output_tokens or cfg.vocab_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rank = cfg.embedding_rank
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, rank or cfg.hidden_size)
+        self.embed_proj = nn.Linear(rank, cfg.hidden_size, bias=False) if rank else None
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         self.lm_head = nn.Linear(cfg.hidden_size, num_out, bias=False)
@@ -97,6 +99,8 @@ class LlamaModel(nn.Module):
         scale = cfg.head_dim**-0.5
         slots = meta.slot_mapping
         x = self.embed_tokens(input_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)

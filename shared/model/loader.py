@@ -13,6 +13,7 @@ from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
 
 OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
+EMBED_PROJ_KEY = "augury.embed_proj.weight"
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -49,6 +50,8 @@ def load_model(
 
     model = LlamaModel(cfg)
     model.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+    if model.embed_proj is not None:
+        model.embed_proj.weight.copy_(take(EMBED_PROJ_KEY))
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         layer.input_norm.copy_(take(p + "input_layernorm.weight"))
@@ -66,7 +69,7 @@ def load_model(
     model.norm.copy_(take("model.norm.weight"))
     if "lm_head.weight" in w:
         model.lm_head.weight.copy_(take("lm_head.weight"))
-    elif cfg.tie_word_embeddings and cfg.num_output_tokens is None:
+    elif cfg.tie_word_embeddings and cfg.num_output_tokens is None and cfg.embedding_rank is None:
         model.lm_head.weight = model.embed_tokens.weight
     else:
         raise UnsupportedModelError(f"checkpoint {path} lacks lm_head.weight")

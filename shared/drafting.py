@@ -1,0 +1,288 @@
+"""Building candidate token trees with a draft model, batched across requests.
+
+The drafter's cache holds every committed token of a request, the root included (unlike the
+target's, whose root KV is computed by the verify forward). A draft step
+
+1. appends the tokens committed since the last step (the last of them is the new root) in one
+   chain forward, whose last logits give the root's children;
+2. grows each request's tree one layer per forward: the new nodes attend to the prefix and to
+   their ancestors in the tree region;
+3. discards the tree region, so the cache again holds exactly the committed tokens.
+
+Four ways to pick children, all batched: a chain of k; SpecInfer's static expansion <k1..km>;
+AdaServe's beam of depth d and width w (§4.3 step 1); and the CMU thesis's throughput-optimal
+dynamic tree under a token budget with size, depth and width limits across the batch (§3.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from shared.runner import ForwardItem, ModelRunner
+from shared.sampling import DRAFT_STREAM, SamplingParams, processed_probs, sample, step_rng
+from shared.tree import DETERMINISTIC, SparseDist, TokenTree
+
+DraftKind = Literal["chain", "static", "beam", "dynamic"]
+
+
+@dataclass(frozen=True)
+class DraftMethod:
+    kind: DraftKind = "chain"
+    k: int = 4  # chain length
+    expansion: tuple[int, ...] = (2, 2, 1, 1)  # static <k1..km>
+    depth: int = 4  # beam depth d
+    width: int = 2  # beam width w
+    budget: int = 32  # dynamic: draft tokens across the batch
+    max_size: int = 16  # dynamic: draft tokens per tree
+    max_depth: int = 6  # dynamic
+    max_width: int = 4  # dynamic: nodes per layer
+    top_children: int = 4  # dynamic: children proposed per leaf (the thesis uses 4)
+    proposal_top_k: int = 32  # sampled children come from this renormalized top-k
+
+    def __post_init__(self) -> None:
+        limits = [self.k, self.depth, self.width, self.budget, self.max_size, self.max_depth]
+        limits += [self.max_width, self.top_children, self.proposal_top_k, *self.expansion]
+        if min(limits) < 1 or not self.expansion:
+            raise ValueError(f"draft method {self} has a non-positive limit")
+
+    @property
+    def num_layers(self) -> int:
+        return {
+            "chain": self.k,
+            "static": len(self.expansion),
+            "beam": self.depth,
+            "dynamic": self.max_depth,
+        }[self.kind]
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    new_tokens: Sequence[int]  # committed since this drafter last saw the request; last = root
+    params: SamplingParams
+    seed: int
+    step: int
+    max_depth: int  # no deeper than this (tokens left to generate, room in the context)
+
+
+@dataclass
+class _Growing:
+    """One request's tree while it grows; `region` maps forwarded nodes to tree-region slots."""
+
+    req: DraftRequest
+    rng: np.random.Generator
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    logq: list[float] = field(default_factory=lambda: [0.0])
+    path_lp: list[float] = field(default_factory=lambda: [0.0])
+    proposal_of: list[int] = field(default_factory=lambda: [DETERMINISTIC])
+    proposals: list[SparseDist] = field(default_factory=list)
+    depth: list[int] = field(default_factory=lambda: [0])
+    pruned: set[int] = field(default_factory=set)
+    region: dict[int, int] = field(default_factory=lambda: {0: -1})  # the root is in the prefix
+    frontier: list[int] = field(default_factory=lambda: [0])  # nodes whose logits we hold
+    frontier_logits: torch.Tensor | None = None  # [len(frontier), num_out]
+
+    def add(self, parent: int, token: int, logq: float, proposal: int = DETERMINISTIC) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.logq.append(logq)
+        self.path_lp.append(self.path_lp[parent] + logq)
+        self.proposal_of.append(proposal)
+        self.depth.append(self.depth[parent] + 1)
+        return len(self.tokens) - 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.tokens) - 1 - len(self.pruned)
+
+    def result(self) -> TokenTree:
+        tree = TokenTree.build(
+            self.tokens, self.parents, self.logq, self.proposal_of, self.proposals
+        )
+        if not self.pruned:
+            return tree
+        return tree.subtree([i for i in range(len(self.tokens)) if i not in self.pruned])
+
+
+class Drafter:
+    """One draft model and the per-request draft KV it keeps in step with committed tokens."""
+
+    def __init__(self, runner: ModelRunner, name: str = "draft") -> None:
+        self.runner = runner
+        self.name = name
+        self.output_ids = runner.model.output_token_ids  # [num_out] full-vocab ids
+
+    def free(self, request_id: str) -> None:
+        self.runner.free_request(request_id)
+
+    # ---- the draft step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, requests: Sequence[DraftRequest], method: DraftMethod) -> dict[str, TokenTree]:
+        if not requests:
+            return {}
+        for req in requests:
+            if not self.runner.has_request(req.request_id):
+                self.runner.add_request(req.request_id)
+        root_logits = self.runner.forward(
+            [ForwardItem.chain(r.request_id, r.new_tokens) for r in requests]
+        )
+        self.runner.commit({r.request_id: range(len(r.new_tokens)) for r in requests})
+        trees = [
+            _Growing(r, step_rng(r.seed, r.step, DRAFT_STREAM), [int(r.new_tokens[-1])])
+            for r in requests
+        ]
+        for tree, logits in zip(trees, root_logits, strict=True):
+            tree.frontier_logits = logits
+        budget_left = method.budget
+        for layer in range(1, method.num_layers + 1):
+            active = [t for t in trees if t.frontier and layer <= t.req.max_depth]
+            if method.kind == "dynamic":
+                added = self._grow_dynamic(active, method, budget_left)
+                budget_left = method.budget - sum(t.num_draft_tokens for t in trees)
+            else:
+                added = {id(t): self._grow_layer(t, method, layer) for t in active}
+            for t in trees:
+                t.frontier = [n for n in added.get(id(t), []) if n not in t.pruned]
+            if layer == method.num_layers:
+                break
+            self._forward_frontier([t for t in trees if t.frontier and layer < t.req.max_depth])
+        for req in requests:
+            self.runner.discard_tree(req.request_id)
+        return {t.req.request_id: t.result() for t in trees}
+
+    def _forward_frontier(self, trees: list[_Growing]) -> None:
+        if not trees:
+            return
+        items = []
+        for t in trees:
+            base = self.runner.tree_size(t.req.request_id)
+            parents = [t.region[t.parents[n]] for n in t.frontier]
+            t.region.update({n: base + i for i, n in enumerate(t.frontier)})
+            items.append(ForwardItem(t.req.request_id, [t.tokens[n] for n in t.frontier], parents))
+        for t, logits in zip(trees, self.runner.forward(items), strict=True):
+            t.frontier_logits = logits
+
+    # ---- child selection -----------------------------------------------------------------------
+    def _log_q(self, t: _Growing) -> torch.Tensor:
+        """[len(frontier), num_out] log-probabilities used as acceptance estimates."""
+        assert t.frontier_logits is not None
+        temperature = t.req.params.temperature or 1.0
+        return torch.log_softmax(t.frontier_logits.double() / temperature, dim=-1)
+
+    def _is_sampled(self, t: _Growing, method: DraftMethod) -> bool:
+        return not t.req.params.is_greedy and method.kind in ("chain", "static")
+
+    def _grow_layer(self, t: _Growing, method: DraftMethod, layer: int) -> list[int]:
+        """Chain, static expansion and beam: every kept node of the last layer gets children."""
+        if self._is_sampled(t, method):
+            per_node = 1 if method.kind == "chain" else method.expansion[layer - 1]
+            return self._sample_children(t, per_node, method)
+        logq = self._log_q(t)
+        if method.kind == "beam":
+            return self._beam_layer(t, logq, method.width)
+        per_node = 1 if method.kind == "chain" else method.expansion[layer - 1]
+        top = logq.topk(per_node, dim=-1)
+        added = []
+        for row, node in enumerate(t.frontier):
+            for lp, idx in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+                added.append(t.add(node, int(self.output_ids[idx]), lp))
+        return added
+
+    def _beam_layer(self, t: _Growing, logq: torch.Tensor, width: int) -> list[int]:
+        """AdaServe: the w children with the highest path probability among all w x |V|."""
+        path = torch.tensor([t.path_lp[n] for n in t.frontier], dtype=torch.float64)
+        scores = (logq + path[:, None]).flatten()
+        best = scores.topk(min(width, scores.numel())).indices.tolist()
+        num_out = logq.shape[1]
+        added = []
+        for flat in best:
+            row, idx = divmod(flat, num_out)
+            added.append(t.add(t.frontier[row], int(self.output_ids[idx]), float(logq[row, idx])))
+        return added
+
+    def _sample_children(self, t: _Growing, per_node: int, method: DraftMethod) -> list[int]:
+        """Draw children i.i.d. from a renormalized top-k of the processed draft distribution."""
+        assert t.frontier_logits is not None
+        probs = processed_probs(t.frontier_logits, t.req.params)  # [F, num_out]
+        k = min(method.proposal_top_k, probs.shape[1])
+        top = probs.topk(k, dim=-1)
+        added = []
+        for row, node in enumerate(t.frontier):
+            mass = top.values[row]
+            keep = mass > 0
+            q_probs = (mass[keep] / mass[keep].sum()).numpy()
+            q_ids = self.output_ids[top.indices[row][keep]].numpy()
+            t.proposals.append(SparseDist(ids=q_ids, probs=q_probs))
+            proposal = len(t.proposals) - 1
+            q_tensor = torch.from_numpy(q_probs)
+            for _ in range(per_node):
+                j = sample(q_tensor, t.rng.random())
+                added.append(t.add(node, int(q_ids[j]), float(np.log(q_probs[j])), proposal))
+        return added
+
+    def _grow_dynamic(
+        self, trees: list[_Growing], method: DraftMethod, budget_left: int
+    ) -> dict[int, list[int]]:
+        """Thesis Alg. 1, one layer for the whole batch.
+
+        Each leaf of the last layer proposes its top children; per tree the best `max_width` by
+        accumulated probability are candidates. Candidates are taken best-first across the batch:
+        a child is added while its tree has room and the budget lasts; past a limit it replaces
+        the lowest-probability node (of its own tree if the tree is full, of any tree if the
+        budget is spent) when it beats it; a tree's first refused child ends that tree's layer.
+        """
+        candidates: list[tuple[float, int, int, int, float]] = []  # (path lp, tree, node, tok, lq)
+        for ti, t in enumerate(trees):
+            logq = self._log_q(t)
+            top = logq.topk(min(method.top_children, logq.shape[1]), dim=-1)
+            mine = []
+            for row, node in enumerate(t.frontier):
+                for lq, idx in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+                    mine.append((t.path_lp[node] + lq, ti, node, int(self.output_ids[idx]), lq))
+            mine.sort(key=lambda c: -c[0])
+            candidates.extend(mine[: method.max_width])
+        candidates.sort(key=lambda c: -c[0])
+        added: dict[int, list[int]] = {id(t): [] for t in trees}
+        closed: set[int] = set()
+        used = method.budget - budget_left
+        for path_lp, ti, node, tok, lq in candidates:
+            t = trees[ti]
+            if ti in closed or node in t.pruned:
+                continue
+            if t.num_draft_tokens >= method.max_size:
+                victim = _lowest_leaf([t], [ti])
+            elif used >= method.budget:
+                victim = _lowest_leaf(trees, range(len(trees)))
+            else:
+                victim = None
+            if victim is not None:
+                vt, vnode = victim
+                if not path_lp > trees[vt].path_lp[vnode]:
+                    closed.add(ti)
+                    continue
+                trees[vt].pruned.add(vnode)
+                used -= 1
+            added[id(t)].append(t.add(node, tok, lq))
+            used += 1
+        return added
+
+
+def _lowest_leaf(trees: list[_Growing], indices: Sequence[int]) -> tuple[int, int] | None:
+    """The kept non-root leaf with the lowest path probability (deepest on ties)."""
+    best: tuple[float, int, int, int] | None = None
+    for ti in indices:
+        t = trees[ti]
+        has_kept_child = {t.parents[n] for n in range(1, len(t.tokens)) if n not in t.pruned}
+        for n in range(1, len(t.tokens)):
+            if n in t.pruned or n in has_kept_child:
+                continue
+            key = (t.path_lp[n], -t.depth[n], ti, n)
+            if best is None or key < best:
+                best = key
+    return None if best is None else (best[2], best[3])

