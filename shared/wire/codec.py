@@ -48,6 +48,7 @@ def pack_payload(fields: Mapping[str, Any]) -> bytes:
 
 
 def unpack_payload(data: bytes, type_name: str) -> dict[str, Any]:
+    # unpackb has no buffer bound of its own; the max_*_len bounds cap each object inside
     if len(data) > MAX_PAYLOAD_BYTES:
         raise MalformedMessageError(
             f"{type_name}: payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}"
@@ -59,7 +60,6 @@ def unpack_payload(data: bytes, type_name: str) -> dict[str, Any]:
             strict_map_key=True,
             ext_hook=_no_ext,
             timestamp=0,
-            max_buffer_size=MAX_PAYLOAD_BYTES,
             max_str_len=MAX_STR_BYTES,
             max_bin_len=MAX_PAYLOAD_BYTES,
             max_array_len=MAX_ARRAY_ITEMS,
@@ -67,7 +67,8 @@ def unpack_payload(data: bytes, type_name: str) -> dict[str, Any]:
         )
     except ProtocolError:
         raise
-    except Exception as error:  # msgpack raises several unrelated exception types
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        # truncated or trailing data, bad utf-8, over a size bound, unhashable map key, ...
         raise MalformedMessageError(f"{type_name}: undecodable payload: {error}") from error
     if not isinstance(payload, dict):
         raise MalformedMessageError(f"{type_name}: payload is {type(payload).__name__}, not a map")
@@ -155,7 +156,10 @@ class PayloadReader:
         raw = self._get(name, (bytes,), None, default is None)
         if raw is None:
             return tuple(default or ())
-        return tuple(self._frombuffer(name, raw, TOKEN_DTYPE).tolist())
+        ids = self._frombuffer(name, raw, TOKEN_DTYPE)
+        if ids.size and ids.min() < 0:
+            self.fail(name, "token ids must be >= 0")
+        return tuple(ids.tolist())
 
     def int_array(self, name: str) -> np.ndarray:
         raw = self._get(name, (bytes,), None, True)
@@ -167,7 +171,9 @@ class PayloadReader:
 
     def _frombuffer(self, name: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
         if len(raw) % dtype.itemsize:
-            self.fail(name, f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte items")
+            self.fail(
+                name, f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte items"
+            )
         return np.frombuffer(raw, dtype=dtype)
 
     def sub(self, name: str) -> PayloadReader:

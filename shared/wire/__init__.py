@@ -1,0 +1,57 @@
+"""The wire protocol: versioned msgpack messages in Redis stream entries (DESIGN §4).
+
+Every entry has the fields `v` (schema version), `t` (message type) and `b` (msgpack map of
+named fields). `message.to_entry()` builds the fields, `decode_entry(fields)` (or
+`Cls.from_entry`) reads any known message back and raises a `ProtocolError` otherwise.
+"""
+
+from shared.wire.base import SCHEMA_VERSION, WireMessage, decode_entry, message_types
+from shared.wire.codec import MalformedMessageError, ProtocolError, UnknownMessageTypeError
+from shared.wire.requests import Cancel, Heartbeat, RequestError, Submit, Tokens
+from shared.wire.steps import (
+    CandidateTrees,
+    DraftedTree,
+    DraftJob,
+    DraftRequest,
+    VerifiedRequest,
+    VerifyJob,
+    VerifyRequest,
+    VerifyResult,
+)
+from shared.wire.values import (
+    BeamMethod,
+    ChainMethod,
+    DraftMethod,
+    DynamicTreeMethod,
+    FinishReason,
+    StaticTreeMethod,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BeamMethod",
+    "CandidateTrees",
+    "Cancel",
+    "ChainMethod",
+    "DraftJob",
+    "DraftMethod",
+    "DraftRequest",
+    "DraftedTree",
+    "DynamicTreeMethod",
+    "FinishReason",
+    "Heartbeat",
+    "MalformedMessageError",
+    "ProtocolError",
+    "RequestError",
+    "StaticTreeMethod",
+    "Submit",
+    "Tokens",
+    "UnknownMessageTypeError",
+    "VerifiedRequest",
+    "VerifyJob",
+    "VerifyRequest",
+    "VerifyResult",
+    "WireMessage",
+    "decode_entry",
+    "message_types",
+]

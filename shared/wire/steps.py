@@ -1,0 +1,340 @@
+"""Messages of one speculation step, all per micro-batch and keyed per entry by (request, step).
+
+Scheduler -> a drafter replica: `DraftJob`; drafter -> scheduler: `CandidateTrees`.
+Scheduler -> verifier: `VerifyJob`; verifier -> scheduler: `VerifyResult`.
+Messages carrying token trees compare by identity (trees hold numpy arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from shared.sampling import SamplingParams
+from shared.tree import TokenTree
+from shared.wire.base import WireMessage
+from shared.wire.codec import PayloadReader, pack_ints
+from shared.wire.requests import MAX_ID_LEN, check_request_id
+from shared.wire.values import (
+    DraftMethod,
+    FinishReason,
+    finish_payload,
+    method_payload,
+    optional_tree_payload,
+    read_finish,
+    read_method,
+    read_optional_tree,
+    read_sampling,
+    sampling_payload,
+)
+
+MAX_REASON_LEN = 256
+
+
+def _release_payload(request_ids: tuple[str, ...]) -> list[str]:
+    return list(request_ids)
+
+
+# ---- drafting --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request's part of a DraftJob.
+
+    The drafter holds `base_len` committed tokens of this request; `new_tokens` are the tokens
+    committed since (the whole prompt when base_len is 0). It drops whatever it speculated past
+    them, appends them, and grows a tree rooted at the last one. A drafter whose state does not
+    hold exactly `base_len` tokens answers with an error so the scheduler resends from 0.
+    """
+
+    request_id: str
+    step: int
+    base_len: int
+    new_tokens: tuple[int, ...]
+    method: DraftMethod
+    sampling: SamplingParams
+    seed: int  # the request's resolved seed (randomness is keyed by seed, step, stream)
+
+    def __post_init__(self) -> None:
+        check_request_id(self.request_id)
+        if self.step < 0 or self.base_len < 0:
+            raise ValueError("step and base_len are >= 0")
+        if self.base_len + len(self.new_tokens) == 0:
+            raise ValueError("a draft needs at least one committed token")
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "step": int(self.step),
+            "base_len": int(self.base_len),
+            "new_tokens": pack_ints(self.new_tokens),
+            "method": method_payload(self.method),
+            "sampling": sampling_payload(self.sampling),
+            "seed": int(self.seed),
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            request_id=fields.text("request_id", max_len=MAX_ID_LEN),
+            step=fields.integer("step", minimum=0),
+            base_len=fields.integer("base_len", minimum=0),
+            new_tokens=fields.tokens("new_tokens"),
+            method=read_method(fields.sub("method")),
+            sampling=read_sampling(fields.sub("sampling")),
+            seed=fields.integer("seed", minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class DraftJob(WireMessage):
+    """Draft one micro-batch on one drafter replica; `release` frees finished requests' state."""
+
+    TYPE: ClassVar[str] = "draft_job"
+    micro_batch_id: int
+    entries: tuple[DraftRequest, ...]
+    release: tuple[str, ...] = ()
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "micro_batch_id": int(self.micro_batch_id),
+            "entries": [e.payload() for e in self.entries],
+            "release": _release_payload(self.release),
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            micro_batch_id=fields.integer("micro_batch_id", minimum=0),
+            entries=tuple(DraftRequest.from_payload(e) for e in fields.subs("entries")),
+            release=fields.texts("release", max_len=MAX_ID_LEN),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class DraftedTree:
+    """One request's candidate tree, or `tree=None` with the reason it could not draft."""
+
+    request_id: str
+    step: int
+    tree: TokenTree | None
+    error: str | None = None  # e.g. out_of_sync (resend from base_len 0), out_of_memory
+
+    def __post_init__(self) -> None:
+        check_request_id(self.request_id)
+        if (self.tree is None) == (self.error is None):
+            raise ValueError("a drafted tree carries either a tree or an error")
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "step": int(self.step),
+            "tree": optional_tree_payload(self.tree),
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            request_id=fields.text("request_id", max_len=MAX_ID_LEN),
+            step=fields.integer("step", minimum=0),
+            tree=read_optional_tree(fields, "tree"),
+            error=fields.optional_text("error", max_len=MAX_REASON_LEN),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class CandidateTrees(WireMessage):
+    """A drafter's answer to one DraftJob."""
+
+    TYPE: ClassVar[str] = "candidate_trees"
+    micro_batch_id: int
+    model: str  # draft model name
+    replica: str  # drafter replica that drafted (its draft KV is now warm)
+    draft_ms: float  # time spent drafting this micro-batch
+    entries: tuple[DraftedTree, ...]
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "micro_batch_id": int(self.micro_batch_id),
+            "model": self.model,
+            "replica": self.replica,
+            "draft_ms": float(self.draft_ms),
+            "entries": [e.payload() for e in self.entries],
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            micro_batch_id=fields.integer("micro_batch_id", minimum=0),
+            model=fields.text("model", max_len=64),
+            replica=fields.text("replica", max_len=128),
+            draft_ms=fields.number("draft_ms"),
+            entries=tuple(DraftedTree.from_payload(e) for e in fields.subs("entries")),
+        )
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyRequest:
+    """One request's part of a VerifyJob: a chunk of committed tokens to prefill, or a tree.
+
+    A chunk holds committed tokens at positions chunk_start.. (a prompt piece, or recomputation
+    after preemption); after the chunk with `chunk_is_last` the verifier samples the first new
+    token from the last position. A tree's root is the last committed token (KV not yet
+    computed); the verifier accepts a path and samples one bonus token. `max_new_tokens` is what
+    the request may still emit, so the verifier can finish it with "length".
+    """
+
+    request_id: str
+    step: int
+    sampling: SamplingParams
+    seed: int
+    max_new_tokens: int
+    chunk: tuple[int, ...] = ()
+    chunk_start: int = 0
+    chunk_is_last: bool = False
+    tree: TokenTree | None = None
+
+    def __post_init__(self) -> None:
+        check_request_id(self.request_id)
+        if bool(self.chunk) == (self.tree is not None):
+            raise ValueError("a verify entry carries either a prefill chunk or a token tree")
+        if self.step < 0 or self.chunk_start < 0 or self.max_new_tokens < 0:
+            raise ValueError("step, chunk_start and max_new_tokens are >= 0")
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "step": int(self.step),
+            "sampling": sampling_payload(self.sampling),
+            "seed": int(self.seed),
+            "max_new_tokens": int(self.max_new_tokens),
+            "chunk": pack_ints(self.chunk),
+            "chunk_start": int(self.chunk_start),
+            "chunk_is_last": bool(self.chunk_is_last),
+            "tree": optional_tree_payload(self.tree),
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            request_id=fields.text("request_id", max_len=MAX_ID_LEN),
+            step=fields.integer("step", minimum=0),
+            sampling=read_sampling(fields.sub("sampling")),
+            seed=fields.integer("seed", minimum=0),
+            max_new_tokens=fields.integer("max_new_tokens", minimum=0),
+            chunk=fields.tokens("chunk", ()),
+            chunk_start=fields.integer("chunk_start", 0, minimum=0),
+            chunk_is_last=fields.flag("chunk_is_last", False),
+            tree=read_optional_tree(fields, "tree"),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyJob(WireMessage):
+    """One micro-batch for one verifier forward; `release` frees finished requests' KV."""
+
+    TYPE: ClassVar[str] = "verify_job"
+    micro_batch_id: int
+    entries: tuple[VerifyRequest, ...]
+    release: tuple[str, ...] = ()
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "micro_batch_id": int(self.micro_batch_id),
+            "entries": [e.payload() for e in self.entries],
+            "release": _release_payload(self.release),
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            micro_batch_id=fields.integer("micro_batch_id", minimum=0),
+            entries=tuple(VerifyRequest.from_payload(e) for e in fields.subs("entries")),
+            release=fields.texts("release", max_len=MAX_ID_LEN),
+        )
+
+
+@dataclass(frozen=True)
+class VerifiedRequest:
+    """What one request committed in a verify step.
+
+    `accepted` are tree tokens the target accepted, root's child first; `bonus` is the target's
+    own next token (None after a chunk that was not the last, or when an accepted token finished
+    the request). An `error` (e.g. out_of_kv_memory) means nothing was committed.
+    """
+
+    request_id: str
+    step: int
+    accepted: tuple[int, ...] = ()
+    bonus: int | None = None
+    finish: FinishReason | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        check_request_id(self.request_id)
+
+    @property
+    def new_tokens(self) -> tuple[int, ...]:
+        return self.accepted if self.bonus is None else (*self.accepted, self.bonus)
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "step": int(self.step),
+            "accepted": pack_ints(self.accepted),
+            "bonus": None if self.bonus is None else int(self.bonus),
+            "finish": finish_payload(self.finish),
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        bonus = fields.optional_integer("bonus")
+        if bonus is not None and bonus < 0:
+            fields.fail("bonus", "token ids must be >= 0")
+        return fields.build(
+            cls,
+            request_id=fields.text("request_id", max_len=MAX_ID_LEN),
+            step=fields.integer("step", minimum=0),
+            accepted=fields.tokens("accepted", ()),
+            bonus=bonus,
+            finish=read_finish(fields, "finish"),
+            error=fields.optional_text("error", max_len=MAX_REASON_LEN),
+        )
+
+
+@dataclass(frozen=True)
+class VerifyResult(WireMessage):
+    """The verifier's answer to one VerifyJob."""
+
+    TYPE: ClassVar[str] = "verify_result"
+    micro_batch_id: int
+    verify_ms: float  # time of the batched forward and acceptance
+    entries: tuple[VerifiedRequest, ...]
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "micro_batch_id": int(self.micro_batch_id),
+            "verify_ms": float(self.verify_ms),
+            "entries": [e.payload() for e in self.entries],
+        }
+
+    @classmethod
+    def from_payload(cls, fields: PayloadReader) -> Self:
+        return fields.build(
+            cls,
+            micro_batch_id=fields.integer("micro_batch_id", minimum=0),
+            verify_ms=fields.number("verify_ms"),
+            entries=tuple(VerifiedRequest.from_payload(e) for e in fields.subs("entries")),
+        )

@@ -1,0 +1,66 @@
+"""Redis key names: one place, so every service agrees.
+
+| key | entries | writer -> reader (group) |
+|---|---|---|
+| `augury:{cell}:requests` | Submit, Cancel | gateways -> scheduler |
+| `augury:{cell}:draft:{model}:{replica}` | DraftJob | scheduler -> that drafter replica |
+| `augury:{cell}:candidates` | CandidateTrees | drafters -> scheduler |
+| `augury:{cell}:verify` | VerifyJob | scheduler -> verifier |
+| `augury:{cell}:results` | VerifyResult | verifier -> scheduler |
+| `augury:out:{gateway}` | Tokens, RequestError | schedulers of any cell -> one gateway replica |
+| `{stream}:dead` | dead letters of `{stream}` | bus -> operators |
+| `augury:{cell}:hb:{service}:{replica}` | a Heartbeat hash with a TTL | each replica |
+
+Draft jobs go to one replica's stream, not a shared one, because the scheduler keeps a request
+on the same replica (its draft KV stays warm). Outputs go to one stream per gateway replica,
+named by `Submit.reply_to`, instead of one stream per request: a gateway then has a single
+blocking read for all its requests, a new request needs no new read, and no per-request keys
+are left to expire. Readers pick out their request by `request_id` and drop repeats by offset.
+"""
+
+from __future__ import annotations
+
+PREFIX = "augury"
+DEAD_LETTER_SUFFIX = ":dead"
+
+SCHEDULER = "scheduler"
+DRAFTER = "drafter"
+VERIFIER = "verifier"
+GATEWAY = "gateway"
+
+
+def requests_stream(cell: str) -> str:
+    return f"{PREFIX}:{cell}:requests"
+
+
+def draft_stream(cell: str, model: str, replica: str) -> str:
+    return f"{PREFIX}:{cell}:draft:{model}:{replica}"
+
+
+def candidates_stream(cell: str) -> str:
+    return f"{PREFIX}:{cell}:candidates"
+
+
+def verify_stream(cell: str) -> str:
+    return f"{PREFIX}:{cell}:verify"
+
+
+def results_stream(cell: str) -> str:
+    return f"{PREFIX}:{cell}:results"
+
+
+def output_stream(gateway_replica: str) -> str:
+    return f"{PREFIX}:out:{gateway_replica}"
+
+
+def dead_letter_stream(stream: str) -> str:
+    return stream + DEAD_LETTER_SUFFIX
+
+
+def heartbeat_key(cell: str, service: str, replica: str) -> str:
+    return f"{PREFIX}:{cell}:hb:{service}:{replica}"
+
+
+def heartbeat_pattern(cell: str, service: str) -> str:
+    """SCAN MATCH pattern of a service's heartbeat keys (cell and service are key-safe names)."""
+    return f"{PREFIX}:{cell}:hb:{service}:*"

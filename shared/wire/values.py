@@ -1,0 +1,199 @@
+"""Encodings of the value types messages carry: sampling options, token trees, drafting methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shared.sampling import SamplingParams
+from shared.tree import SparseDist, TokenTree
+from shared.wire.codec import PayloadReader, pack_floats, pack_ints
+
+MAX_TREE_NODES = 1 << 16
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled or failed
+
+
+def finish_payload(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def read_finish(fields: PayloadReader, name: str) -> FinishReason | None:
+    value = fields.optional_text(name, max_len=32)
+    if value is None:
+        return None
+    try:
+        return FinishReason(value)
+    except ValueError:
+        fields.fail(name, f"unknown finish reason {value!r}")
+
+
+# ---- sampling parameters -------------------------------------------------------------------
+
+
+def sampling_payload(params: SamplingParams) -> dict[str, Any]:
+    return {
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k),
+        "seed": params.seed,
+        "max_tokens": int(params.max_tokens),
+        "stop_token_ids": pack_ints(params.stop_token_ids),
+        "ignore_eos": bool(params.ignore_eos),
+    }
+
+
+def read_sampling(fields: PayloadReader) -> SamplingParams:
+    return fields.build(
+        SamplingParams,
+        temperature=fields.number("temperature"),
+        top_p=fields.number("top_p"),
+        top_k=fields.integer("top_k"),
+        seed=fields.optional_integer("seed"),
+        max_tokens=fields.integer("max_tokens"),
+        stop_token_ids=fields.tokens("stop_token_ids"),
+        ignore_eos=fields.flag("ignore_eos"),
+    )
+
+
+# ---- token trees -----------------------------------------------------------------------------
+
+
+def tree_payload(tree: TokenTree) -> dict[str, Any]:
+    """Flat arrays as packed little-endian bytes; proposals flattened (sizes, ids, probs)."""
+    return {
+        "tokens": pack_ints(tree.tokens),
+        "parents": pack_ints(tree.parents),
+        "logq": pack_floats(tree.logq),
+        "proposal_of": pack_ints(tree.proposal_of),
+        "proposal_sizes": pack_ints([len(p.ids) for p in tree.proposals]),
+        "proposal_ids": pack_ints(np.concatenate([p.ids for p in tree.proposals] or [[]])),
+        "proposal_probs": pack_floats(np.concatenate([p.probs for p in tree.proposals] or [[]])),
+    }
+
+
+def read_tree(fields: PayloadReader) -> TokenTree:
+    tokens = fields.int_array("tokens")
+    if len(tokens) > MAX_TREE_NODES:
+        fields.fail("tokens", f"a tree has at most {MAX_TREE_NODES} nodes")
+    if tokens.size and tokens.min() < 0:
+        fields.fail("tokens", "token ids must be >= 0")
+    sizes = fields.int_array("proposal_sizes")
+    ids = fields.int_array("proposal_ids")
+    probs = fields.float_array("proposal_probs")
+    if np.any(sizes < 0) or int(sizes.sum()) != len(ids) or len(ids) != len(probs):
+        fields.fail("proposal_sizes", "proposal sizes do not match the ids and probs")
+    bounds = np.cumsum(np.concatenate([[0], sizes]))
+    proposals = [
+        SparseDist(ids=ids[a:b].copy(), probs=probs[a:b].copy())
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    tree = TokenTree(
+        tokens=tokens,
+        parents=fields.int_array("parents").astype(np.int32),
+        logq=fields.float_array("logq"),
+        proposal_of=fields.int_array("proposal_of").astype(np.int32),
+        proposals=proposals,
+    )
+    fields.build(tree.validate)
+    return tree
+
+
+def optional_tree_payload(tree: TokenTree | None) -> dict[str, Any] | None:
+    return None if tree is None else tree_payload(tree)
+
+
+def read_optional_tree(fields: PayloadReader, name: str) -> TokenTree | None:
+    sub = fields.optional_sub(name)
+    return None if sub is None else read_tree(sub)
+
+
+# ---- drafting methods ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Method:
+    METHOD: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            values = value if isinstance(value, tuple) else (value,)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{self.METHOD}.{name} must be positive integers, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChainMethod(_Method):
+    """A chain of `length` drafted tokens (top-1 or sampled)."""
+
+    METHOD: ClassVar[str] = "chain"
+    length: int
+
+
+@dataclass(frozen=True)
+class StaticTreeMethod(_Method):
+    """SpecInfer's expansion-based tree: `expansion[i]` children per node at depth i."""
+
+    METHOD: ClassVar[str] = "static"
+    expansion: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BeamMethod(_Method):
+    """AdaServe's beam search of `depth` levels keeping `width` beams."""
+
+    METHOD: ClassVar[str] = "beam"
+    depth: int
+    width: int
+
+
+@dataclass(frozen=True)
+class DynamicTreeMethod(_Method):
+    """The throughput-optimal dynamic tree under size, depth and width limits."""
+
+    METHOD: ClassVar[str] = "dynamic"
+    max_nodes: int
+    max_depth: int
+    max_width: int
+
+
+DraftMethod = ChainMethod | StaticTreeMethod | BeamMethod | DynamicTreeMethod
+_METHODS: dict[str, type[_Method]] = {
+    m.METHOD: m for m in (ChainMethod, StaticTreeMethod, BeamMethod, DynamicTreeMethod)
+}
+
+
+def method_payload(method: DraftMethod) -> dict[str, Any]:
+    payload: dict[str, Any] = {"method": method.METHOD}
+    for name, value in vars(method).items():
+        payload[name] = pack_ints(value) if isinstance(value, tuple) else int(value)
+    return payload
+
+
+def read_method(fields: PayloadReader) -> DraftMethod:
+    name = fields.text("method", max_len=32)
+    cls = _METHODS.get(name)
+    if cls is None:
+        fields.fail("method", f"unknown drafting method {name!r}")
+    if cls is StaticTreeMethod:
+        expansion = fields.tokens("expansion")
+        if len(expansion) > 64:
+            fields.fail("expansion", "at most 64 levels")
+        return fields.build(StaticTreeMethod, expansion)
+    if cls is ChainMethod:
+        return fields.build(ChainMethod, fields.integer("length"))
+    if cls is BeamMethod:
+        return fields.build(BeamMethod, fields.integer("depth"), fields.integer("width"))
+    return fields.build(
+        DynamicTreeMethod,
+        fields.integer("max_nodes"),
+        fields.integer("max_depth"),
+        fields.integer("max_width"),
+    )
