@@ -1,0 +1,129 @@
+"""The Redis-streams bus: publishing, consumer groups, acknowledgement and dead letters.
+
+One `Bus` per process holds a command connection pool. Blocking reads never share it: each
+consumer gets its own single-connection client whose socket timeout exceeds the block time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.settings import RedisSettings
+from shared.wire.base import WireMessage
+from shared.wire.streams import dead_letter_stream
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 10.0
+MAX_REASON_CHARS = 1000
+
+# Fields the bus adds to a dead letter, beside the original entry's own fields.
+DEAD_REASON = "dead_reason"
+DEAD_STREAM = "dead_stream"
+DEAD_ID = "dead_id"
+DEAD_GROUP = "dead_group"
+DEAD_CONSUMER = "dead_consumer"
+DEAD_DELIVERIES = "dead_deliveries"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Bus:
+    """Publishes messages and manages the groups, acks and dead letters of consumers."""
+
+    def __init__(self, url: str, settings: RedisSettings, consumer_name: str) -> None:
+        self.url = url
+        self.settings = settings
+        self.consumer_name = consumer_name
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+            url, socket_timeout=COMMAND_TIMEOUT_S, decode_responses=False
+        )
+
+    def blocking_client(self) -> aioredis.Redis:
+        """A dedicated connection for blocking reads (socket timeout > block time)."""
+        return aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=self.settings.socket_timeout_s,
+            decode_responses=False,
+            single_connection_client=True,
+        )
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # ---- writing -------------------------------------------------------------------------------
+    async def publish(self, stream: str, message: WireMessage) -> str:
+        """XADD with approximate MAXLEN trimming; returns the entry id."""
+        entry_id = await self.redis.xadd(
+            stream, message.to_entry(), maxlen=self.settings.stream_maxlen, approximate=True
+        )
+        return _text(entry_id)
+
+    async def publish_all(self, messages: Sequence[tuple[str, WireMessage]]) -> list[str]:
+        """Several XADDs in one round trip (not atomic: a redelivery re-sends the rest)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, message in messages:
+            pipe.xadd(
+                stream, message.to_entry(), maxlen=self.settings.stream_maxlen, approximate=True
+            )
+        return [_text(entry_id) for entry_id in await pipe.execute()]
+
+    # ---- groups ----------------------------------------------------------------------------------
+    async def ensure_group(self, stream: str, group: str) -> None:
+        """Create the group (and stream) reading from the start; an existing group is fine."""
+        try:
+            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    async def ack(self, stream: str, group: str, *entry_ids: str) -> int:
+        return int(await self.redis.xack(stream, group, *entry_ids)) if entry_ids else 0
+
+    async def dead_letter(
+        self,
+        stream: str,
+        group: str,
+        entry_id: str,
+        fields: Mapping[bytes, bytes],
+        reason: str,
+        deliveries: int,
+    ) -> None:
+        """Copy the entry with the reason to `{stream}:dead`, then ack it (one transaction)."""
+        letter: dict[bytes | str, bytes | str | int] = dict(fields)
+        letter.update(
+            {
+                DEAD_REASON: reason[:MAX_REASON_CHARS],
+                DEAD_STREAM: stream,
+                DEAD_ID: entry_id,
+                DEAD_GROUP: group,
+                DEAD_CONSUMER: self.consumer_name,
+                DEAD_DELIVERIES: deliveries,
+            }
+        )
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(
+            dead_letter_stream(stream),
+            letter,
+            maxlen=self.settings.stream_maxlen,
+            approximate=True,
+        )
+        pipe.xack(stream, group, entry_id)
+        await pipe.execute()
+        log.warning("dead-lettered %s %s (group %s): %s", stream, entry_id, group, reason)
+
+    async def delivery_counts(self, stream: str, group: str, entry_ids: Sequence[str]) -> list[int]:
+        """How often each pending entry has been delivered (0 if no longer pending)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(stream, group, entry_id, entry_id, 1)
+        counts = []
+        for rows in await pipe.execute():
+            counts.append(int(rows[0]["times_delivered"]) if rows else 0)
+        return counts

