@@ -139,12 +139,10 @@ class Drafter:
         ]
         for tree, logits in zip(trees, root_logits, strict=True):
             tree.frontier_logits = logits
-        budget_left = method.budget
         for layer in range(1, method.num_layers + 1):
             active = [t for t in trees if t.frontier and layer <= t.req.max_depth]
             if method.kind == "dynamic":
-                added = self._grow_dynamic(active, method, budget_left)
-                budget_left = method.budget - sum(t.num_draft_tokens for t in trees)
+                added = self._grow_dynamic(trees, active, method)
             else:
                 added = {id(t): self._grow_layer(t, method, layer) for t in active}
             for t in trees:
@@ -227,7 +225,7 @@ class Drafter:
         return added
 
     def _grow_dynamic(
-        self, trees: list[_Growing], method: DraftMethod, budget_left: int
+        self, trees: list[_Growing], active: list[_Growing], method: DraftMethod
     ) -> dict[int, list[int]]:
         """Thesis Alg. 1, one layer for the whole batch.
 
@@ -238,7 +236,10 @@ class Drafter:
         budget is spent) when it beats it; a tree's first refused child ends that tree's layer.
         """
         candidates: list[tuple[float, int, int, int, float]] = []  # (path lp, tree, node, tok, lq)
+        is_active = {id(t) for t in active}
         for ti, t in enumerate(trees):
+            if id(t) not in is_active:
+                continue
             logq = self._log_q(t)
             top = logq.topk(min(method.top_children, logq.shape[1]), dim=-1)
             mine = []
@@ -250,13 +251,13 @@ class Drafter:
         candidates.sort(key=lambda c: -c[0])
         added: dict[int, list[int]] = {id(t): [] for t in trees}
         closed: set[int] = set()
-        used = method.budget - budget_left
+        used = sum(t.num_draft_tokens for t in trees)
         for path_lp, ti, node, tok, lq in candidates:
             t = trees[ti]
             if ti in closed or node in t.pruned:
                 continue
             if t.num_draft_tokens >= method.max_size:
-                victim = _lowest_leaf([t], [ti])
+                victim = _lowest_leaf(trees, [ti])
             elif used >= method.budget:
                 victim = _lowest_leaf(trees, range(len(trees)))
             else:

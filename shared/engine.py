@@ -201,13 +201,19 @@ class SpecEngine:
         free = runner.cache.allocator.num_free
         decode: list[Request] = []
         for req in list(self.running):
-            if req.is_prefilling:
+            if req.is_prefilling or req not in self.running:  # (preempted for an older one)
                 continue
             need = runner.blocks_needed(req.request_id, per_tree)
-            while need > free and self._preempt_newest(exclude=req):
-                free = runner.cache.allocator.num_free
-            if need > free:  # alone in the cache and still too big: cannot go on
-                self._finish(req, "error", "KV cache exhausted by a single request")
+            while need > free:
+                released = self._preempt_newest(exclude=req)
+                if not released:
+                    break
+                free += released
+            if need > free:
+                if len(self.running) == 1:  # alone in the cache and still too big
+                    self._finish(req, "error", "KV cache exhausted by a single request")
+                else:  # older requests hold the memory: wait for them
+                    free += self._preempt(req)
                 continue
             free -= need
             decode.append(req)
@@ -222,8 +228,8 @@ class SpecEngine:
                 if blocks > free:
                     break
                 runner.swap_in(req.request_id, req.swapped)
+                free -= runner.cache.num_blocks_for(req.swapped.num_tokens)
                 req.swapped = None
-                free = runner.cache.allocator.num_free
                 self._admit(req)
                 continue
             if req not in self.running and len(self.running) >= self.config.max_running:
@@ -243,26 +249,31 @@ class SpecEngine:
             self.waiting.remove(req)
             self.running.append(req)
 
-    def _preempt_newest(self, exclude: Request) -> bool:
-        """Swap the most recently admitted other request out of the target cache."""
+    def _preempt_newest(self, exclude: Request) -> int:
+        """Swap the most recently admitted other request out; returns the blocks released."""
         runner = self.verifier.runner
         for victim in reversed(self.running):
             if victim is exclude:
-                return False  # only requests admitted after `exclude` may be preempted for it
-            if not runner.has_request(victim.request_id):
-                continue
-            if victim.is_prefilling:
-                runner.free_request(victim.request_id)
-                victim.num_prefilled = 0
-            else:
-                victim.swapped = runner.swap_out(victim.request_id)
-            if self.drafter is not None:
-                self.drafter.free(victim.request_id)
-                victim.num_seen_by_drafter = 0
-            self.running.remove(victim)
-            self.waiting.appendleft(victim)
-            return True
-        return False
+                return 0  # only requests admitted after `exclude` may be preempted for it
+            if runner.has_request(victim.request_id):
+                return self._preempt(victim)
+        return 0
+
+    def _preempt(self, victim: Request) -> int:
+        """Swap a running request out (or drop its partial prefill); returns blocks released."""
+        runner = self.verifier.runner
+        released = len(runner.cache.blocks(victim.request_id))
+        if victim.is_prefilling:
+            runner.free_request(victim.request_id)
+            victim.num_prefilled = 0
+        else:
+            victim.swapped = runner.swap_out(victim.request_id)
+        if self.drafter is not None:
+            self.drafter.free(victim.request_id)
+            victim.num_seen_by_drafter = 0
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        return released
 
     def _run(self, batch: _Batch) -> list[VerifyResult]:
         trees = self._draft(batch.decode)

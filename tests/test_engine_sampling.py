@@ -1,0 +1,77 @@
+"""End to end through the engine: sampled outputs follow the target; seeds reproduce."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from shared.drafting import DraftMethod
+from shared.sampling import SamplingParams, processed_probs
+from tests.conftest import make_tiny_checkpoint
+from tests.stats import P_VALUE_FLOOR, fit_p_value
+from tests.test_engine_greedy import METHODS, make_engine
+
+VOCAB = 6
+PROMPT = [1, 4, 2]
+NUM_REQUESTS = 4000
+OUT_LEN = 3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dirs(tmp_path_factory):
+    target = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("sv_target"), seed=3, vocab_size=VOCAB, hidden_size=32
+    )
+    draft = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("sv_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
+    )
+    return target, draft
+
+
+def exact_joint(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
+        probs = processed_probs(logits, params)
+        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
+    return joint
+
+
+SAMPLED_METHODS = {
+    "chain": DraftMethod("chain", k=3),
+    "static": DraftMethod("static", expansion=(2, 2)),
+    "beam": METHODS["beam"],
+    "dynamic": METHODS["dynamic"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLED_METHODS))
+def test_sampled_outputs_follow_target(small_vocab_dirs, name):
+    target_dir, draft_dir = small_vocab_dirs
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+    ]
+    engine = make_engine(target_dir, draft_dir, SAMPLED_METHODS[name], max_running=NUM_REQUESTS)
+    reqs = engine.generate([PROMPT] * NUM_REQUESTS, params)
+    outcomes = [tuple(r.output) for r in reqs]
+    assert engine.stats.num_draft_tokens > 0
+    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+
+
+def test_seed_reproduces_output_whatever_the_batch(tiny_target_dir, tiny_draft_dir):
+    method = DraftMethod("static", expansion=(2, 2, 1))
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=12)
+    alone = make_engine(tiny_target_dir, tiny_draft_dir, method).generate([[5, 6, 7]], params)
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=9) for s in range(3)]
+    crowd = make_engine(tiny_target_dir, tiny_draft_dir, method).generate(
+        [[9, 9], [5, 6, 7], [1, 2, 3, 4], [8]], [others[0], params, others[1], others[2]]
+    )
+    assert crowd[1].output == alone[0].output
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=43, max_tokens=12)
+    differs = make_engine(tiny_target_dir, tiny_draft_dir, method).generate([[5, 6, 7]], other_seed)
+    assert differs[0].output != alone[0].output
