@@ -95,3 +95,41 @@ def sample(probs: torch.Tensor, u: float) -> int:
     while probs[idx] <= 0:
         idx -= 1
     return idx
+
+
+# Options other servers accept that we do not implement, with the value that means "off".
+# A request may send the neutral value; anything else is refused, never silently ignored.
+UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "logit_bias": (None,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "n": (1, None),
+    "best_of": (1, None),
+    "min_p": (0, 0.0, None),
+    "use_beam_search": (False, None),
+    "echo": (False, None),
+}
+SUPPORTED_OPTIONS = {f.name for f in SamplingParams.__dataclass_fields__.values()}
+
+
+def sampling_params_from_options(**options: object) -> SamplingParams:
+    """Build SamplingParams from request options, refusing what we would otherwise ignore."""
+    from shared.errors import UnsupportedOptionError
+
+    for name, value in options.items():
+        if name in SUPPORTED_OPTIONS:
+            continue
+        if name in UNSUPPORTED_OPTIONS:
+            if value in UNSUPPORTED_OPTIONS[name] or value == {}:
+                continue
+            raise UnsupportedOptionError(
+                f"{name}={value!r} is not supported by this server", param=name
+            )
+        raise UnsupportedOptionError(f"unknown sampling option {name!r}", param=name)
+    kwargs = {k: v for k, v in options.items() if k in SUPPORTED_OPTIONS and v is not None}
+    if "stop_token_ids" in kwargs:
+        kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])  # type: ignore[arg-type]
+    return SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -26,8 +26,9 @@ PROMPTS = [
 ]
 
 
-def make_engine(target_dir, draft_dir, method, **cfg) -> SpecEngine:
-    verifier = Verifier(ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=2 << 20))
+def make_engine(target_dir, draft_dir, method, target_kv_bytes: int = 2 << 20, **cfg) -> SpecEngine:
+    target = ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=target_kv_bytes)
+    verifier = Verifier(target)
     drafter = None
     if method is not None:
         drafter = Drafter(ModelRunner(load_model(draft_dir), block_size=4, kv_memory_bytes=1 << 20))
