@@ -38,8 +38,10 @@ def tree_attention_reference(
         num_kv = prefix + tree
         k = gather_request_kv(k_cache, meta.block_tables[r], num_kv)
         v = gather_request_kv(v_cache, meta.block_tables[r], num_kv)
-        mask = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool, device=q.device)
-        mask[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree)
+        mask: torch.Tensor | None = None
+        if tree > 1:  # a lone new token sees everything: no mask, the fast SDPA path
+            mask = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool, device=q.device)
+            mask[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree)
         o = F.scaled_dot_product_attention(
             q[q_lo:q_hi].transpose(0, 1),  # [Hq, n, D]
             k.transpose(0, 1),  # [Hkv, S, D]

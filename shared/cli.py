@@ -1,0 +1,153 @@
+"""`augury generate`: stream one completion with speculative decoding, then its statistics.
+
+augury generate "Explain how a hash table works." --draft draft-l --method chain
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from shared.drafting import DraftMethod, Drafter
+from shared.engine import SpecEngine
+from shared.errors import AuguryError
+from shared.model import load_model
+from shared.runner import ModelRunner
+from shared.sampling import SamplingParams
+from shared.verifier import Verifier
+
+DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
+
+
+def build_method(args: argparse.Namespace) -> DraftMethod:
+    return DraftMethod(
+        args.method,
+        k=args.k,
+        expansion=tuple(args.expansion),
+        depth=args.depth,
+        width=args.width,
+        budget=args.budget,
+        max_size=args.budget,
+        max_depth=args.depth,
+        max_width=args.width,
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="augury", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion for a prompt")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--draft", default="draft-l", help="draft name from the model set, or a dir")
+    gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
+    gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default="chain")
+    gen.add_argument("--k", type=int, default=4, help="chain length")
+    gen.add_argument("--expansion", type=int, nargs="+", default=[2, 2, 1, 1])
+    gen.add_argument("--depth", type=int, default=5, help="beam/dynamic depth")
+    gen.add_argument("--width", type=int, default=3, help="beam/dynamic width")
+    gen.add_argument("--budget", type=int, default=12, help="dynamic tree: draft tokens")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    return parser.parse_args(argv)
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
+    from shared.model_set import draft_dirs, target_dir
+
+    target = args.target or str(target_dir())
+    if args.no_spec:
+        return target, None
+    if args.draft in ("draft-s", "draft-m", "draft-l"):
+        return target, str(draft_dirs()[args.draft])
+    return target, args.draft
+
+
+def generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_path, draft_path = resolve_models(args)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target = load_model(target_path)
+    drafter = Drafter(ModelRunner(load_model(draft_path))) if draft_path else None
+    engine = SpecEngine(
+        Verifier(ModelRunner(target)),
+        drafter,
+        build_method(args) if drafter else None,
+        eos_token_ids=target.cfg.eos_token_ids,
+    )
+    if args.raw:
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    output: list[int] = []
+    printed = ""
+    start = time.perf_counter()
+    first_token_at = None
+    for tokens in engine.stream(prompt, params):
+        first_token_at = first_token_at or time.perf_counter()
+        output.extend(tokens)
+        text = tokenizer.decode(output, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    elapsed = time.perf_counter() - start
+    stats = engine.stats
+    print("\n")
+    print(f"prompt tokens         {len(prompt)}")
+    print(
+        f"generated tokens      {len(output)} in {elapsed:.2f} s: {len(output) / elapsed:.1f} tokens/s"
+    )
+    if first_token_at is not None:
+        decode_s = time.perf_counter() - first_token_at
+        rest = max(len(output) - 1, 0)
+        print(f"time to first token   {1000 * (first_token_at - start):.0f} ms")
+        if rest and decode_s > 0:
+            print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
+    print(f"target forwards       {stats.num_target_forwards} (after prefill)")
+    if drafter is not None:
+        print(f"draft                 {draft_path} ({args.method})")
+        print(f"draft tokens          {stats.num_draft_tokens}, accepted {stats.num_accepted}")
+        print(f"acceptance rate       {stats.acceptance_rate:.1%}")
+        print(f"mean accepted length  {stats.mean_accepted_length:.2f} tokens per target forward")
+        if stats.accepted_per_position and stats.num_drafts:
+            rates = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_position)
+            print(f"accepted by position  {rates}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return generate(args)
+    except (AuguryError, FileNotFoundError) as err:
+        print(f"augury: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

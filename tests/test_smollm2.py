@@ -1,0 +1,81 @@
+"""The real default target, SmolLM2-135M-Instruct: our runtime against transformers, and
+speculative greedy decoding against plain greedy decoding on real prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from shared.drafting import DraftMethod, Drafter
+from shared.engine import EngineConfig, SpecEngine
+from shared.model import load_model
+from shared.model_set import draft_dirs, target_dir
+from shared.runner import ForwardItem, ModelRunner
+from shared.sampling import SamplingParams
+from shared.verifier import Verifier
+
+pytestmark = pytest.mark.smollm2
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(target_dir())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = AutoTokenizer.from_pretrained(target_dir())
+    return [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for p in PROMPTS
+    ]
+
+
+def test_logits_match_transformers(target, prompts):
+    hf = LlamaForCausalLM.from_pretrained(target_dir(), dtype=torch.float32).eval()
+    runner = ModelRunner(target)
+    prompt = prompts[0]
+    runner.add_request("a")
+    [prefill] = runner.forward([ForwardItem.chain("a", prompt, logits="all")])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill, ref, atol=2e-3, rtol=1e-3)
+    runner.commit({"a": range(len(prompt))})
+    tree_tokens, parents = [504, 314, 3365, 28], [-1, 0, 0, 1]
+    [tree] = runner.forward([ForwardItem("a", tree_tokens, parents)])
+    for node, path in [(2, [504, 3365]), (3, [504, 314, 28])]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + path])).logits[0, -1]
+        torch.testing.assert_close(tree[node], ref, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [DraftMethod("chain", k=4), DraftMethod("dynamic", budget=16, max_size=8, max_depth=5)],
+    ids=["chain", "dynamic"],
+)
+def test_speculative_greedy_equals_plain_on_real_prompts(target, prompts, method):
+    params = SamplingParams(max_tokens=24)
+    plain = SpecEngine(Verifier(ModelRunner(target))).generate(prompts, params)
+    drafter = Drafter(ModelRunner(load_model(draft_dirs()["draft-s"])))
+    engine = SpecEngine(
+        Verifier(ModelRunner(target)), drafter, method, EngineConfig(max_prefill_tokens_per_step=40)
+    )
+    spec = engine.generate(prompts, params)
+    assert [r.output for r in spec] == [r.output for r in plain]
+    assert engine.stats.num_accepted > 0
