@@ -1,4 +1,4 @@
-"""Attention kernels. The reference runs anywhere; the Triton kernel plugs into the same signature."""
+"""Attention kernels: a PyTorch reference for any device; Triton kernels of the same signature."""
 
 from kernels.attention_metadata import AttentionMetadata, num_mask_words
 from kernels.reference import commit_kv_reference, tree_attention_reference

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.drafting import DraftMethod, Drafter
+from shared.drafting import Drafter, DraftMethod
 from shared.engine import SpecEngine
 from shared.errors import AuguryError
 from shared.model import load_model
@@ -120,7 +120,8 @@ def generate(args: argparse.Namespace) -> int:
     print("\n")
     print(f"prompt tokens         {len(prompt)}")
     print(
-        f"generated tokens      {len(output)} in {elapsed:.2f} s: {len(output) / elapsed:.1f} tokens/s"
+        f"generated tokens      {len(output)} in {elapsed:.2f} s: "
+        f"{len(output) / elapsed:.1f} tokens/s"
     )
     if first_token_at is not None:
         decode_s = time.perf_counter() - first_token_at

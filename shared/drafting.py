@@ -244,7 +244,9 @@ class Drafter:
             top = logq.topk(min(method.top_children, logq.shape[1]), dim=-1)
             mine = []
             for row, node in enumerate(t.frontier):
-                for lq, idx in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
+                for lq, idx in zip(
+                    top.values[row].tolist(), top.indices[row].tolist(), strict=True
+                ):
                     mine.append((t.path_lp[node] + lq, ti, node, int(self.output_ids[idx]), lq))
             mine.sort(key=lambda c: -c[0])
             candidates.extend(mine[: method.max_width])

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from shared.drafting import DraftMethod, Drafter, DraftRequest
+from shared.drafting import Drafter, DraftMethod, DraftRequest
 from shared.errors import ContextLengthError, InvalidRequestError, OutOfKVMemoryError
 from shared.kv_cache import SwappedKV
 from shared.sampling import SEED_BITS, SamplingParams
 from shared.tree import TokenTree
-from shared.verifier import VerifyEntry, Verifier, VerifyResult
+from shared.verifier import Verifier, VerifyEntry, VerifyResult
 
 
 class EngineConfig(BaseModel):
@@ -357,7 +357,7 @@ class SpecEngine:
         if self.drafter is not None:
             self.drafter.free(req.request_id)
 
-    # ---- conveniences ------------------------------------------------------------------------------
+    # ---- conveniences -------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Request]:

@@ -41,9 +41,7 @@ class SamplingParams:
                 param="temperature",
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(
-                f"top_p must be in (0, 1], got {self.top_p}", param="top_p"
-            )
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if self.max_tokens < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.drafting import DraftMethod, Drafter
+from shared.drafting import Drafter, DraftMethod
 from shared.engine import EngineConfig, SpecEngine
 from shared.model import load_model
 from shared.runner import ModelRunner

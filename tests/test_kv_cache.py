@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.drafting import DraftMethod, Drafter
+from shared.drafting import Drafter, DraftMethod
 from shared.engine import SpecEngine
 from shared.errors import OutOfKVMemoryError
 from shared.kv_cache import BlockAllocator

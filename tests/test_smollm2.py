@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from shared.drafting import DraftMethod, Drafter
+from shared.drafting import Drafter, DraftMethod
 from shared.engine import EngineConfig, SpecEngine
 from shared.model import load_model
 from shared.model_set import draft_dirs, target_dir
