@@ -1,0 +1,64 @@
+"""`python -m services all|scheduler|verifier|drafter|gateway`: see services/run.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from services.run import SERVICES, serve_until_signalled, start_one, start_stack
+from services.runtime import resolve_models, run_async
+from shared.bus import redis_url
+from shared.settings import AugurySettings, SettingsError, load_settings
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m services",
+        description="Run Augury's services over Redis (settings from AUGURY_* variables).",
+    )
+    parser.add_argument("service", choices=("all", *SERVICES))
+    parser.add_argument("--name", help="drafter: the draft model this replica serves")
+    parser.add_argument(
+        "--drafts",
+        nargs="*",
+        help="all: the draft models to start a drafter for (default: every configured one)",
+    )
+    parser.add_argument("--no-gateway", action="store_true", help="all: no HTTP gateway")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    return parser.parse_args(argv)
+
+
+async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> None:
+    models = resolve_models(settings)
+    if args.service == "all":
+        stack = await start_stack(
+            settings, url, models, gateway=not args.no_gateway, drafts=args.drafts
+        )
+    else:
+        stack = await start_one(settings, url, models, args.service, args.name)
+    logging.getLogger("services").info(
+        "%s running (cell %s, redis %s)", args.service, settings.service.cell, url
+    )
+    await serve_until_signalled(stack)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        settings = load_settings()
+    except SettingsError as error:
+        print(error)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    with redis_url(settings.redis) as url:
+        run_async(run(args, settings, url))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

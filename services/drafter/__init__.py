@@ -1,0 +1,1 @@
+"""The drafter service: one draft model, per-request draft KV, batched candidate trees."""

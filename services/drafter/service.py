@@ -1,0 +1,164 @@
+"""A drafter replica: reads DraftJobs from its own stream, answers CandidateTrees.
+
+Per request it keeps the draft KV of every committed token (the engine's `Drafter` state) and
+the last answer it gave, keyed by step: a redelivered job for a step already drafted gets the
+same trees again without touching the model. A job whose `base_len` does not match what this
+replica holds gets `out_of_sync` for that request (`base_len` 0 always restarts the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from services.drafter.methods import engine_method
+from services.runtime import ModelThread
+from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from shared.drafting import Drafter
+from shared.drafting import DraftRequest as EngineDraftRequest
+from shared.runner import ModelRunner
+from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
+from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
+
+log = logging.getLogger(__name__)
+
+OUT_OF_SYNC = "out_of_sync"
+
+
+@dataclass
+class DrafterStats:
+    jobs: int = 0
+    requests: int = 0
+    replayed: int = 0
+    draft_ms: float = 0.0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class DrafterService:
+    def __init__(self, bus: Bus, runner: ModelRunner, *, model: str, cell: str) -> None:
+        self.bus = bus
+        self.model = model
+        self.cell = cell
+        self.replica = bus.consumer_name
+        self.drafter = Drafter(runner, name=model)
+        self.stream = draft_stream(cell, model, self.replica)
+        self.stats = DrafterStats()
+        self._answers: dict[str, DraftedTree] = {}  # last answer per request, for redeliveries
+        self._thread = ModelThread(f"drafter-{model}")
+        self.consumer = StreamConsumer(
+            bus, group=DRAFTER, streams=[self.stream], handler=self.handle
+        )
+        self.heartbeat = Heartbeater(bus, service=DRAFTER, cell=cell, model=model, capacity=1)
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.drafter.runner
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        await self.heartbeat.start()
+
+    async def stop(self) -> None:
+        await self.heartbeat.stop()
+        await self.consumer.stop()
+        self._thread.close()
+
+    # ---- handling ------------------------------------------------------------------------------
+    async def handle(self, delivery: Delivery) -> None:
+        job = delivery.message
+        if not isinstance(job, DraftJob):
+            raise DeadLetterError(f"a drafter reads draft jobs, not {job.TYPE}")
+        answer = await self._thread.run(self.draft_job, job)
+        if answer is not None:
+            await self.bus.publish(candidates_stream(self.cell), answer)
+
+    def draft_job(self, job: DraftJob) -> CandidateTrees | None:
+        """Runs on the model thread: releases, then one batched draft of the job's requests."""
+        for request_id in job.release:
+            self.drafter.free(request_id)
+            self._answers.pop(request_id, None)
+        if not job.entries:
+            return None
+        started = time.perf_counter()
+        answers: dict[int, DraftedTree] = {}
+        todo: dict[int, DraftRequest] = {}
+        for i, entry in enumerate(job.entries):
+            replay = self._answers.get(entry.request_id)
+            if replay is not None and replay.step == entry.step:
+                answers[i] = replay
+                self.stats.replayed += 1
+                continue
+            problem = self._sync(entry)
+            if problem is not None:
+                answers[i] = self._error(entry, problem)
+            else:
+                todo[i] = entry
+        answers.update(self._draft(todo))
+        for answer in answers.values():
+            self._answers[answer.request_id] = answer
+        draft_ms = 1000 * (time.perf_counter() - started)
+        self.stats.jobs += 1
+        self.stats.requests += len(job.entries)
+        self.stats.draft_ms += draft_ms
+        return CandidateTrees(
+            micro_batch_id=job.micro_batch_id,
+            model=self.model,
+            replica=self.replica,
+            draft_ms=draft_ms,
+            entries=tuple(answers[i] for i in range(len(job.entries))),
+        )
+
+    def _sync(self, entry: DraftRequest) -> str | None:
+        runner = self.runner
+        have = runner.num_cached(entry.request_id) if runner.has_request(entry.request_id) else 0
+        if entry.base_len == 0 and have:
+            self.drafter.free(entry.request_id)  # the scheduler restarts this request here
+            have = 0
+        if have != entry.base_len:
+            return f"{OUT_OF_SYNC}: holds {have} tokens, job says {entry.base_len}"
+        if not entry.new_tokens:
+            return f"{OUT_OF_SYNC}: no new tokens to root a tree at"
+        vocab = runner.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in entry.new_tokens):
+            return "invalid_tokens: a token id is outside the draft model's vocabulary"
+        return None
+
+    def _error(self, entry: DraftRequest, reason: str) -> DraftedTree:
+        self.stats.errors[reason.split(":")[0]] += 1
+        return DraftedTree(entry.request_id, entry.step, None, reason)
+
+    def _draft(self, todo: dict[int, DraftRequest]) -> dict[int, DraftedTree]:
+        """One batched draft per method (a job normally carries one)."""
+        groups: dict[object, list[int]] = defaultdict(list)
+        for i, entry in todo.items():
+            groups[entry.method].append(i)
+        answers: dict[int, DraftedTree] = {}
+        room = self.runner.max_context
+        for indices in groups.values():
+            entries = [todo[i] for i in indices]
+            requests = [
+                EngineDraftRequest(
+                    e.request_id,
+                    e.new_tokens,
+                    e.sampling,
+                    e.seed,
+                    e.step,
+                    max_depth=max(0, room - e.base_len - len(e.new_tokens)),
+                )
+                for e in entries
+            ]
+            try:
+                trees = self.drafter.draft(requests, engine_method(entries[0].method, len(entries)))
+            except Exception as error:  # e.g. out of draft KV: these requests restart from 0
+                log.warning(
+                    "drafter %s failed on %d requests: %r", self.replica, len(entries), error
+                )
+                for i, e in zip(indices, entries, strict=True):
+                    self.drafter.free(e.request_id)
+                    answers[i] = self._error(e, f"draft_failed: {error!r}"[:200])
+                continue
+            for i, e in zip(indices, entries, strict=True):
+                answers[i] = DraftedTree(e.request_id, e.step, trees[e.request_id])
+        return answers

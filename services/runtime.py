@@ -1,0 +1,85 @@
+"""What the model services share: loading a runner from the settings, a single model thread,
+the default model set, and the event loop (uvloop).
+
+A service's model work runs on its own one-thread executor, so the asyncio loop stays free for
+Redis while the forward runs (torch releases the GIL), and the drafter and the verifier of one
+process compute at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvloop
+
+from shared.model.config import ModelConfig
+from shared.settings import AugurySettings, EngineSettings
+
+T = TypeVar("T")
+
+
+class ModelThread:
+    """One thread that owns a model: every call into the runner goes through `run`."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    target: Path
+    drafts: dict[str, Path] = field(default_factory=dict)
+
+
+def resolve_models(settings: AugurySettings) -> ModelPaths:
+    """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts."""
+    from shared.model_set import draft_dirs, target_dir
+
+    target = settings.models.target_dir or target_dir()
+    if settings.models.drafts:
+        return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts})
+    try:
+        drafts = draft_dirs()
+    except FileNotFoundError:
+        drafts = {}  # no draft checkpoints yet: plain decoding
+    return ModelPaths(target, drafts)
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The architecture from config.json only (the scheduler never loads weights)."""
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def max_context(settings: EngineSettings, config: ModelConfig) -> int:
+    limit = config.max_position_embeddings
+    return min(limit, settings.max_context) if settings.max_context else limit
+
+
+def load_runner(path: Path, settings: EngineSettings) -> Any:
+    """A ModelRunner for the checkpoint with the engine's dtype, device and KV budget."""
+    import torch
+
+    from shared.model import load_model
+    from shared.runner import ModelRunner
+
+    model = load_model(path, dtype=getattr(torch, settings.dtype), device=settings.device)
+    return ModelRunner(
+        model, block_size=settings.block_size, kv_memory_bytes=settings.kv_memory_bytes
+    )
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine on uvloop."""
+    return uvloop.run(main)

@@ -1,0 +1,1 @@
+"""The scheduler service: the request pool and the iteration loop of DESIGN §2."""

@@ -1,0 +1,1 @@
+"""The verifier service: the target model, its paged KV, one packed forward per micro-batch."""
