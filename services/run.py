@@ -1,7 +1,7 @@
 """Starting services: all of them in this process, or one. Every message goes through Redis
 either way; only the process boundaries differ.
 
-    python -m services all                      # gateway, scheduler, verifier, one drafter per draft
+    python -m services all                      # gateway, scheduler, verifier, drafters
     python -m services verifier                 # one service as its own process
     python -m services drafter --name draft-s   # a drafter replica of one draft model
 
@@ -88,7 +88,9 @@ async def start_drafter(
     if name not in models.drafts:
         raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
     runner = await asyncio.to_thread(load_runner, models.drafts[name], stack.settings.engine)
-    service = DrafterService(stack.bus(replica), runner, model=name, cell=stack.settings.service.cell)
+    service = DrafterService(
+        stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
+    )
     await service.start()
     stack.drafters.append(service)
     return service
