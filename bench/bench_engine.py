@@ -18,7 +18,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ METHODS = {
     "tree": DraftMethod("dynamic", budget=10, max_size=10, max_depth=6, max_width=2),
 }
 KINDS = ("chat", "code", "math")
+KV_BYTES = 64 << 20
 
 
 @dataclass
@@ -69,20 +70,26 @@ def chat_prompts(tokenizer, per_kind: int) -> list[list[int]]:
     return prompts
 
 
-def timed(
-    run: Callable[[list[int]], list[int]],
-    prompts: list[list[int]],
-    desc: str,
-    after_warmup: Callable[[], None] = lambda: None,
-):
-    run(prompts[0][:16])  # warm-up
-    after_warmup()
-    outputs, seconds = [], 0.0
-    for p in tqdm(prompts, desc=desc, leave=False):
-        start = time.perf_counter()
-        outputs.append(run(p))
-        seconds += time.perf_counter() - start
-    return outputs, seconds
+@dataclass
+class Config:
+    name: str
+    run: Callable[[list[int]], list[int]]
+    engine: SpecEngine | None = None  # ours: its acceptance statistics are reported
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def measure(configs: list[Config], prompts: list[list[int]]) -> None:
+    """Prompt by prompt, every configuration in turn: drift in background load hits all alike."""
+    for c in configs:  # warm-up, then count only the measured prompts
+        c.run(prompts[0][:16])
+        if c.engine is not None:
+            c.engine.stats = AcceptanceStats()
+    for p in tqdm(prompts, desc="prompts"):
+        for c in configs:
+            start = time.perf_counter()
+            c.outputs.append(c.run(p))
+            c.seconds += time.perf_counter() - start
 
 
 def main() -> None:
@@ -119,52 +126,52 @@ def main() -> None:
         toks = out[0, len(p) :].tolist()
         return toks[: toks.index(eos)] if eos in toks else toks
 
-    outs, secs = timed(hf_run, prompts, "(a) transformers generate")
-    rows.append(Row("(a) transformers generate", sum(map(len, outs)), secs))
-
-    def engine_run(engine: SpecEngine) -> Callable[[list[int]], list[int]]:
+    def ours(engine: SpecEngine) -> Callable[[list[int]], list[int]]:
         return lambda p: engine.generate([p], params)[0].output
 
-    plain_engine = SpecEngine(Verifier(ModelRunner(target)), eos_token_ids=[eos])
-    plain, secs = timed(engine_run(plain_engine), prompts, "(b) ours plain")
-    rows.append(Row("(b) ours, plain decoding", sum(map(len, plain)), secs))
-    rows[0].matches_plain = outs == plain
-
+    configs = [
+        Config("(a) transformers generate", hf_run),
+        Config(
+            "(b) ours, plain decoding",
+            ours(
+                plain := SpecEngine(
+                    Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)), eos_token_ids=[eos]
+                )
+            ),
+            plain,
+        ),
+    ]
     drafts = draft_dirs()
     for name in args.drafts:
-        drafter = Drafter(ModelRunner(load_model(drafts[name])))
+        draft = load_model(drafts[name])
         for method_name in args.methods:
             engine = SpecEngine(
-                Verifier(ModelRunner(target)), drafter, METHODS[method_name], eos_token_ids=[eos]
+                Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
+                Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES)),
+                METHODS[method_name],
+                eos_token_ids=[eos],
             )
-            spec, secs = timed(
-                engine_run(engine),
-                prompts,
-                f"(c) {name} {method_name}",
-                after_warmup=lambda e=engine: setattr(e, "stats", AcceptanceStats()),
-            )
-            rows.append(
-                Row(
-                    f"(c) ours, {name}, {method_name}",
-                    sum(map(len, spec)),
-                    secs,
-                    engine.stats.mean_accepted_length,
-                    spec == plain,
-                )
-            )
+            configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
         if not args.no_assisted:
             assistant = hf_llama_from_draft(drafts[name])
-            assisted, secs = timed(
-                lambda p, a=assistant: hf_run(p, assistant_model=a), prompts, f"(d) {name}"
-            )
-            rows.append(
-                Row(
+            configs.append(
+                Config(
                     f"(d) transformers assisted, {name}",
-                    sum(map(len, assisted)),
-                    secs,
-                    matches_plain=assisted == plain,
+                    lambda p, a=assistant: hf_run(p, assistant_model=a),
                 )
             )
+    measure(configs, prompts)
+    reference = configs[1].outputs
+    rows = [
+        Row(
+            c.name,
+            sum(map(len, c.outputs)),
+            c.seconds,
+            c.engine.stats.mean_accepted_length if c.engine and c.engine.drafter else None,
+            None if c is configs[1] else c.outputs == reference,
+        )
+        for c in configs
+    ]
 
     base = rows[0].tokens_per_s
     cols = ("tokens", "tok/s", "vs (a)", "acc.len", "=plain")
