@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -52,3 +53,53 @@ def test_tree_logits_match_each_path(tiny_target_dir):
             i = parents[i]
         ref = hf_logits(hf, prompt + path[::-1])[-1]
         torch.testing.assert_close(logits[node], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_llama_family_architectures_match_hf(tmp_path, arch):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    cfg = config_cls(
+        vocab_size=80,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    hf = model_cls(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    runner = ModelRunner(load_model(tmp_path), block_size=4, kv_memory_bytes=1 << 20)
+    prompt = [3, 9, 27, 1, 40, 77]
+    runner.add_request("a")
+    [logits] = runner.forward([ForwardItem.chain("a", prompt, logits="all")])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_caps_the_context():
+    from shared.model.config import ModelConfig
+
+    base = {
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 32768,
+    }
+    assert ModelConfig.from_hf({**base, "sliding_window": 4096}).max_position_embeddings == 4096
+    assert ModelConfig.from_hf({**base, "sliding_window": None}).max_position_embeddings == 32768

@@ -68,7 +68,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=_context_length(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             has_qkv_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
             bos_token_id=cfg.get("bos_token_id"),
@@ -76,3 +76,13 @@ class ModelConfig:
             num_output_tokens=cfg.get("augury_num_output_tokens"),
             embedding_rank=cfg.get("augury_embedding_rank"),
         )
+
+
+def _context_length(cfg: dict[str, Any]) -> int:
+    """Positions we serve exactly: a sliding attention window (Mistral) caps the context, since
+    our attention always sees the whole prefix."""
+    context = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", True):
+        context = min(context, window)
+    return context
