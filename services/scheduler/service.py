@@ -517,6 +517,10 @@ class SchedulerService:
     def _failed(self, request: PoolRequest, error: str) -> list[tuple[str, WireMessage]]:
         """Out of KV or out of sync: recompute later. Anything else fails the request."""
         kind = error.split(":")[0]
+        if kind == "out_of_kv_memory" and self.running == [request]:
+            message = "the request needs more KV memory than the verifier has, even alone"
+            refusal = RequestError(request.request_id, "context_length_exceeded", message)
+            return [(request.reply_to, refusal), *self._finish(request, "abort")]
         if kind in ("out_of_kv_memory", "out_of_sync", "verify_timeout"):
             self._kv_full |= kind == "out_of_kv_memory"
             self.stats.preempted += 1

@@ -1,0 +1,176 @@
+"""Cancels, malformed entries, redeliveries and replicas, on the real services over real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.runtime import ModelPaths
+from shared.bus import EmbeddedRedis
+from shared.sampling import SamplingParams
+from shared.tree import TokenTree
+from shared.wire import (
+    ChainMethod,
+    DraftJob,
+    DraftRequest,
+    FinishReason,
+    Tokens,
+    VerifyJob,
+    VerifyRequest,
+)
+from shared.wire.streams import (
+    candidates_stream,
+    dead_letter_stream,
+    draft_stream,
+    requests_stream,
+    results_stream,
+    verify_stream,
+)
+from tests.test_services_support import plain_greedy, running, until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as embedded:
+        yield embedded
+
+
+PROMPT = [5, 17, 33, 2, 80, 41]
+
+
+async def test_cancel_mid_stream_frees_kv_in_verifier_and_drafter(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, "cancel", models) as (stack, client):
+        assert stack.verifier is not None and stack.scheduler is not None
+        [drafter] = stack.drafters
+        await client.submit("doomed", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+        while len(client.outcomes["doomed"].tokens) < 10:
+            await client.poll()
+        assert stack.verifier.runner.has_request("doomed")
+        assert drafter.runner.has_request("doomed")
+        await client.cancel("doomed")
+        await until(lambda: "doomed" not in stack.scheduler.requests, what="the cancel")
+        await until(lambda: not stack.verifier.runner.has_request("doomed"), what="target KV")
+        await until(lambda: not drafter.runner.has_request("doomed"), what="draft KV")
+        assert (
+            stack.verifier.runner.cache.allocator.num_free == stack.verifier.runner.cache.num_blocks
+        )
+        assert drafter.runner.cache.allocator.num_free == drafter.runner.cache.num_blocks
+        assert client.outcomes["doomed"].finish is None  # cut short, no more than 400 tokens
+        # the services go on serving
+        [want] = plain_greedy(tiny_target_dir, [PROMPT], [SamplingParams(max_tokens=12)])
+        await client.submit("after", PROMPT, SamplingParams(max_tokens=12))
+        await client.wait(["after"])
+        assert client.outcomes["after"].tokens == want
+
+
+async def test_malformed_entries_are_dead_lettered_and_services_keep_running(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    cell = "faults"
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, cell, models) as (stack, client):
+        [drafter] = stack.drafters
+        redis = client.bus.redis
+        streams = [
+            requests_stream(cell),
+            draft_stream(cell, "d", drafter.replica),
+            candidates_stream(cell),
+            verify_stream(cell),
+            results_stream(cell),
+        ]
+        wrong_type = Tokens("x", 0, 0, (1,)).to_entry()  # well-formed, but not for these streams
+        for stream in streams:
+            await redis.xadd(stream, {"v": b"1", "t": b"submit", "b": b"\xc1 not msgpack"})
+            await redis.xadd(stream, {"garbage": b"yes"})
+            await redis.xadd(stream, wrong_type)
+        for stream in streams:
+            dead = dead_letter_stream(stream)
+            await until_async_len(redis, dead, 3)
+            reasons = [f[b"dead_reason"].decode() for _, f in await redis.xrange(dead)]
+            assert any("malformed" in r for r in reasons), reasons
+            assert any("rejected by handler" in r for r in reasons), reasons
+        [want] = plain_greedy(tiny_target_dir, [PROMPT], [SamplingParams(max_tokens=15)])
+        await client.submit("alive", PROMPT, SamplingParams(max_tokens=15))
+        await client.wait(["alive"])
+        assert client.outcomes["alive"].tokens == want
+        for consumer in [*stack.scheduler.consumers, drafter.consumer, stack.verifier.consumer]:
+            assert consumer.crashed is None
+
+
+async def until_async_len(redis: object, stream: str, n: int, timeout_s: float = 10.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while await redis.xlen(stream) < n:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"{stream} has fewer than {n} dead letters"
+        await asyncio.sleep(0.05)
+
+
+async def test_redelivered_jobs_are_answered_again_without_recomputing(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    """Handlers are idempotent per (request, step): a repeated job replays the same answer."""
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, "replay", models) as (stack, _):
+        assert stack.verifier is not None
+        [drafter] = stack.drafters
+        greedy = SamplingParams(max_tokens=8)
+        prefill = VerifyJob(
+            7, (VerifyRequest("q", 0, greedy, 1, 8, chunk=tuple(PROMPT), chunk_is_last=True),)
+        )
+        first = stack.verifier.verify_job(prefill)
+        again = stack.verifier.verify_job(prefill)
+        assert first is not None and again is not None
+        assert again.entries[0] == first.entries[0] and stack.verifier.stats.replayed == 1
+        token = first.entries[0].bonus
+        assert token is not None
+        job = DraftJob(8, (DraftRequest("q", 1, 0, (*PROMPT, token), ChainMethod(3), greedy, 1),))
+        trees = drafter.draft_job(job)
+        replay = drafter.draft_job(job)
+        assert trees is not None and replay is not None and drafter.stats.replayed == 1
+        assert trees.entries[0].tree is replay.entries[0].tree
+        # a tree for a request the verifier holds nothing for: out of sync, nothing committed
+        lost = VerifyJob(9, (VerifyRequest("lost", 3, greedy, 1, 8, tree=TokenTree.root_only(4)),))
+        answer = stack.verifier.verify_job(lost)
+        assert answer is not None and (answer.entries[0].error or "").startswith("out_of_sync")
+
+
+async def test_two_drafter_replicas_share_the_load(
+    server: EmbeddedRedis, tiny_target_dir: Path
+) -> None:
+    models = ModelPaths(tiny_target_dir, {"d": tiny_target_dir})
+    prompts = [[3 + i, 9, 27 + i, 4] for i in range(8)]
+    params = [SamplingParams(max_tokens=12 + i) for i in range(8)]
+    expected = plain_greedy(tiny_target_dir, prompts, params)
+    async with running(server.url, "replicas", models, drafter_replicas=2) as (stack, client):
+        assert stack.scheduler is not None
+        assert len(stack.drafters) == 2
+        assert sorted(stack.scheduler.drafters.replicas["d"]) == sorted(
+            d.replica for d in stack.drafters
+        )
+        for i, prompt in enumerate(prompts):
+            await client.submit(f"w{i}", prompt, params[i])
+        await until(lambda: len(stack.scheduler.drafters.load()) == 2, what="both replicas used")
+        assert sorted(stack.scheduler.drafters.load().values()) == [4, 4]
+        await client.wait([f"w{i}" for i in range(8)])
+        for drafter in stack.drafters:
+            assert drafter.stats.requests > 0
+            assert drafter.stats.errors == {}  # sticky: no replica ever saw a request out of sync
+        ratio = stack.drafters[0].stats.requests / stack.drafters[1].stats.requests
+        assert 0.5 < ratio < 2.0
+    for i, want in enumerate(expected):
+        assert client.outcomes[f"w{i}"].tokens == want
+        assert client.outcomes[f"w{i}"].finish is FinishReason.LENGTH

@@ -1,0 +1,148 @@
+"""Helpers for the services tests: settings, a client that talks to the scheduler over Redis
+the way a gateway does, plain greedy references, and a stack of services in this process.
+
+(No tests here; pytest collects the module and finds none.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.run import Stack, start_stack
+from services.runtime import ModelPaths
+from shared.bus import Bus
+from shared.engine import SpecEngine
+from shared.model import load_model
+from shared.runner import ModelRunner
+from shared.sampling import SamplingParams
+from shared.settings import AugurySettings, RedisSettings
+from shared.verifier import Verifier
+from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, decode_entry
+from shared.wire.streams import output_stream, requests_stream
+
+FAST_REDIS = {"block_ms": 100, "claim_idle_ms": 2000, "heartbeat_ttl_ms": 1500}
+TINY_ENGINE = {"block_size": 4, "kv_memory_bytes": 4 << 20}
+
+
+def make_settings(url: str, cell: str, **groups: Any) -> AugurySettings:
+    engine = {**TINY_ENGINE, **groups.pop("engine", {})}
+    return AugurySettings(
+        redis=RedisSettings(url=url, **FAST_REDIS),
+        engine=engine,
+        service={"cell": cell, "replica": cell},
+        **groups,
+    )
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    chunks: int = 0
+    finish: FinishReason | None = None
+    error: RequestError | None = None
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+
+class Client:
+    """Submits to a cell's request stream and reads its own output stream, like a gateway."""
+
+    def __init__(self, url: str, settings: AugurySettings, name: str) -> None:
+        self.bus = Bus(url, settings.redis, name)
+        self.cell = settings.service.cell
+        self.reply_to = output_stream(name)
+        self.outcomes: dict[str, Outcome] = {}
+        self._last = "0-0"
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def submit(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, **extra: Any
+    ) -> None:
+        self.outcomes[request_id] = Outcome()
+        submit = Submit(request_id, tuple(prompt), params, self.reply_to, time.time(), **extra)
+        await self.bus.publish(requests_stream(self.cell), submit)
+
+    async def cancel(self, request_id: str) -> None:
+        await self.bus.publish(requests_stream(self.cell), Cancel(request_id))
+
+    async def poll(self, block_ms: int = 200) -> list[Tokens | RequestError]:
+        """Read what arrived; checks that every request's tokens come in order, once."""
+        reply = await self.bus.redis.xread({self.reply_to: self._last}, count=500, block=block_ms)
+        messages = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self._last = entry_id.decode()
+                message = decode_entry(fields)
+                assert isinstance(message, Tokens | RequestError)
+                outcome = self.outcomes[message.request_id]
+                assert not outcome.done, f"{message.request_id}: output after it finished"
+                if isinstance(message, RequestError):
+                    outcome.error = message
+                else:
+                    assert message.offset == len(outcome.tokens), "a gap or a repeated token"
+                    outcome.tokens.extend(message.token_ids)
+                    outcome.chunks += 1
+                    outcome.finish = message.finish
+                    outcome.drafts += message.drafts
+                    outcome.draft_tokens += message.draft_tokens
+                    outcome.accepted_tokens += message.accepted_tokens
+                messages.append(message)
+        return messages
+
+    async def wait(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.outcomes[r].done for r in request_ids):
+            assert time.monotonic() < deadline, "requests did not finish in time"
+            await self.poll()
+
+
+async def until(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    url: str,
+    cell: str,
+    models: ModelPaths,
+    *,
+    drafter_replicas: int = 1,
+    **groups: Any,
+) -> AsyncIterator[tuple[Stack, Client]]:
+    """Verifier, drafters and scheduler in this process (no gateway), and a client."""
+    settings = make_settings(url, cell, **groups)
+    stack = await start_stack(
+        settings, url, models, gateway=False, drafter_replicas=drafter_replicas
+    )
+    client = Client(url, settings, f"{cell}-client")
+    try:
+        yield stack, client
+    finally:
+        await client.close()
+        await stack.stop()
+
+
+def plain_greedy(
+    target: Path, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+) -> list[list[int]]:
+    """Plain greedy decoding of the target by the in-process engine (no draft)."""
+    runner = ModelRunner(load_model(target), block_size=4, kv_memory_bytes=16 << 20)
+    eos = runner.cfg.eos_token_ids
+    engine = SpecEngine(Verifier(runner), eos_token_ids=eos)
+    return [r.output for r in engine.generate(prompts, list(params))]
