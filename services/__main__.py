@@ -17,7 +17,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m services",
         description="Run Augury's services over Redis (settings from AUGURY_* variables).",
     )
-    parser.add_argument("service", choices=("all", *SERVICES))
+    parser.add_argument("service", choices=("all", "health", *SERVICES))
+    parser.add_argument(
+        "probe", nargs="?", choices=SERVICES, help="health: the service to probe on this host"
+    )
     parser.add_argument("--name", help="drafter: the draft model this replica serves")
     parser.add_argument(
         "--drafts",
@@ -51,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as error:
         print(error)
         return 2
+    if args.service == "health":
+        from services.health import healthy
+
+        if args.probe is None:
+            print("health needs the service to probe, e.g. `python -m services health verifier`")
+            return 2
+        return 0 if healthy(settings, args.probe) else 1
     if args.threads:
         import torch
 
