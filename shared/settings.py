@@ -134,6 +134,7 @@ class GatewaySettings(_Group):
     max_concurrent_requests: PositiveInt = 256
     api_key: SecretStr | None = None
     model_name: Annotated[str, Field(min_length=1)] = "SmolLM2-135M-Instruct"
+    output_idle_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # no Tokens for this long: 503
 
 
 def default_replica_name() -> str:

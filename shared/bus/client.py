@@ -46,12 +46,12 @@ class Bus:
         )
 
     def blocking_client(self) -> aioredis.Redis:
-        """A dedicated connection for blocking reads (socket timeout > block time)."""
+        """A client with its own pool for one reader's blocking reads (timeout > block time)."""
         return aioredis.Redis.from_url(
             self.url,
             socket_timeout=self.settings.socket_timeout_s,
             decode_responses=False,
-            single_connection_client=True,
+            max_connections=2,
         )
 
     async def close(self) -> None:

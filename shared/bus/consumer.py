@@ -111,6 +111,7 @@ class StreamConsumer:
         self._reader_client: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._workers: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
         self.crashed: BaseException | None = None  # set if the reader or sweeper died
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -135,8 +136,16 @@ class StreamConsumer:
             log.error("%s: %s stopped", self.group, task.get_name(), exc_info=task.exception())
 
     async def stop(self) -> None:
-        """Stop reading, let handlers in progress finish (within a grace), then close."""
-        for task in self._tasks:
+        """Stop reading, let handlers in progress finish (within a grace), then close.
+
+        The reader and sweeper are asked to stop rather than cancelled: a command cancelled
+        half-way (e.g. while connecting) can leave its connection pool unable to close.
+        """
+        self._stopping.set()
+        self._slot_freed.set()
+        loop_wait = self._block_ms / 1000 + STOP_GRACE_S
+        _, stuck = await asyncio.wait(self._tasks, timeout=loop_wait) if self._tasks else ((), ())
+        for task in stuck:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         deadline = asyncio.get_running_loop().time() + STOP_GRACE_S
@@ -149,7 +158,8 @@ class StreamConsumer:
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._tasks, self._workers = [], []
         if self._reader_client is not None:
-            await self._reader_client.aclose()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reader_client.aclose(), STOP_GRACE_S)
             self._reader_client = None
 
     async def __aenter__(self) -> StreamConsumer:
@@ -165,7 +175,8 @@ class StreamConsumer:
         return max(0, self.concurrency - self._busy - self._queue.qsize())
 
     async def _wait_for_slot(self) -> int:
-        while self.free_slots == 0:
+        """Free slots, waiting for one; 0 only when stopping."""
+        while self.free_slots == 0 and not self._stopping.is_set():
             self._slot_freed.clear()
             await self._slot_freed.wait()
         return self.free_slots
@@ -177,12 +188,12 @@ class StreamConsumer:
     # ---- reading -------------------------------------------------------------------------------
     async def _read(self) -> None:
         await self._with_retries(self._read_own_pending)
-        while True:
+        while not self._stopping.is_set():
             await self._with_retries(self._read_new)
 
     async def _with_retries(self, step: Callable[[], Awaitable[None]]) -> None:
         delay = RETRY_MIN_S
-        while True:
+        while not self._stopping.is_set():
             try:
                 await step()
                 return
@@ -203,8 +214,10 @@ class StreamConsumer:
         """Entries delivered to this consumer name before (a restart) come first."""
         assert self._reader_client is not None
         cursors = dict.fromkeys(self.streams, "0")
-        while cursors:
+        while cursors and not self._stopping.is_set():
             count = await self._wait_for_slot()
+            if not count:
+                return
             reply = await self._reader_client.xreadgroup(
                 self.group, self.consumer, cursors, count=count
             )
@@ -220,6 +233,8 @@ class StreamConsumer:
     async def _read_new(self) -> None:
         assert self._reader_client is not None
         count = await self._wait_for_slot()
+        if not count:
+            return
         reply = await self._reader_client.xreadgroup(
             self.group,
             self.consumer,
@@ -249,8 +264,10 @@ class StreamConsumer:
 
     # ---- sweeping ------------------------------------------------------------------------------
     async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self._sweep_every_s)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._sweep_every_s)
+                return
             for stream in self.streams:
                 if self.free_slots:
                     await self._with_retries(lambda s=stream: self._claim_idle(s))

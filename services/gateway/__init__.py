@@ -1,0 +1,1 @@
+"""The gateway service: OpenAI-compatible HTTP API over the Redis-streams bus."""

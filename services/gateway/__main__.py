@@ -1,0 +1,67 @@
+"""Run a gateway replica: `python -m services.gateway` (settings from AUGURY_* variables)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from services.gateway.app import Gateway
+from shared.bus import Bus, Heartbeater, redis_url
+from shared.settings import AugurySettings, load_settings
+from shared.wire.streams import GATEWAY
+
+
+def target_dir(settings: AugurySettings) -> Path:
+    if settings.models.target_dir is not None:
+        return settings.models.target_dir
+    from shared.model.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+async def serve(settings: AugurySettings, url: str) -> None:
+    from transformers import AutoTokenizer
+
+    checkpoint = target_dir(settings)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    max_context = settings.engine.max_context or int(config["max_position_embeddings"])
+    bus = Bus(url, settings.redis, settings.service.replica)
+    gateway = Gateway(settings, bus, tokenizer, vocab_size=len(tokenizer), max_context=max_context)
+    runner = web.AppRunner(gateway.app())
+    await runner.setup()
+    site = web.TCPSite(runner, settings.gateway.host, settings.gateway.port)
+    heartbeat = Heartbeater(
+        bus,
+        service=GATEWAY,
+        cell=settings.service.cell,
+        model=settings.gateway.model_name,
+        capacity=settings.gateway.max_concurrent_requests,
+        in_flight=lambda: gateway.active,
+    )
+    await site.start()
+    await heartbeat.start()
+    logging.getLogger(__name__).info(
+        "gateway %s on %s:%d", bus.consumer_name, settings.gateway.host, settings.gateway.port
+    )
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await heartbeat.stop()
+        await runner.cleanup()
+        await bus.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO)
+    settings = load_settings()
+    with redis_url(settings.redis) as url:
+        asyncio.run(serve(settings, url))
+
+
+if __name__ == "__main__":
+    main()

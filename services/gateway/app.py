@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP front: validate, tokenize, Submit, stream Tokens back as SSE.
+
+It talks to the bus only: `Submit` and `Cancel` go to the cell's request stream, `Tokens` and
+`RequestError` come back on this replica's output stream (see outputs.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.outputs import OutputRouter
+from services.gateway.progress import Progress, follow
+from shared.bus import Bus
+from shared.settings import AugurySettings
+from shared.wire import Cancel, FinishReason, Submit
+from shared.wire.streams import requests_stream
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it
+
+RouteHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: AugurySettings,
+        bus: Bus,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_context: int,
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.model_name = settings.gateway.model_name
+        self.metrics = GatewayMetrics()
+        self.outputs = OutputRouter(bus)
+        self.active = 0
+        self.draining = False
+
+    # ---- application ---------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        await self.outputs.start()
+
+    async def _stop(self, app: web.Application) -> None:
+        self.draining = True
+        await self.outputs.stop()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: RouteHandler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as error:
+            headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
+            return web.json_response(error.body(), status=error.status, headers=headers)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            error = APIError(500, "internal error", kind="internal_error", code="internal_error")
+            return web.json_response(error.body(), status=500)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: RouteHandler) -> web.StreamResponse:
+        key = self.settings.gateway.api_key
+        expected = None if key is None else f"Bearer {key.get_secret_value()}"
+        guarded = request.path.startswith("/v1/")
+        if expected is not None and guarded and request.headers.get("Authorization") != expected:
+            raise APIError(
+                401, "missing or wrong API key", kind="authentication_error", code="invalid_api_key"
+            )
+        return await handler(request)
+
+    # ---- simple endpoints ----------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "augury",
+            "max_model_len": self.max_context,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        if self.draining:
+            raise APIError(503, "the server is draining", kind="server_error", code="unavailable")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        gen = parse_generation(
+            body,
+            chat=chat,
+            tokenizer=self.tokenizer,
+            model_name=self.model_name,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+        )
+        if self.active >= self.settings.gateway.max_concurrent_requests:
+            raise APIError(
+                429,
+                "too many concurrent requests; retry later",
+                kind="rate_limit_error",
+                code="overloaded",
+            )
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        progress = Progress(started=started)
+        queue = self.outputs.open(request_id)
+        self.active += 1
+        self.metrics.running.inc()
+        try:
+            await self._submit(request_id, gen)
+            deltas = follow(
+                queue,
+                progress,
+                self.tokenizer,
+                self.metrics,
+                self.settings.gateway.output_idle_timeout_s,
+            )
+            if gen.stream:
+                return await self._stream(request, request_id, gen, progress, deltas)
+            return await self._collect(request, request_id, gen, progress, deltas)
+        finally:
+            self.outputs.close(request_id)
+            self.active -= 1
+            self.metrics.running.dec()
+            if progress.finish is None:
+                await self._cancel(request_id)
+            else:
+                self._record_finished(gen, progress)
+
+    async def _submit(self, request_id: str, gen: GenerationRequest) -> None:
+        submit = Submit(
+            request_id=request_id,
+            prompt=gen.prompt_ids,
+            sampling=gen.sampling,
+            reply_to=self.outputs.stream,
+            arrival_time=time.time(),
+            priority=gen.priority,
+            tpot_slo_ms=gen.tpot_slo_ms,
+            draft_model=gen.draft_model,
+            speculate=gen.speculate,
+        )
+        try:
+            await self.bus.publish(requests_stream(self.settings.service.cell), submit)
+        except (RedisError, OSError):
+            log.exception("could not submit %s", request_id)
+            raise APIError(
+                503, "the scheduler is unreachable", kind="server_error", code="unavailable"
+            ) from None
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self.bus.publish(requests_stream(self.settings.service.cell), Cancel(request_id))
+        except (RedisError, OSError):
+            log.warning("could not cancel %s", request_id)
+
+    def _record_finished(self, gen: GenerationRequest, progress: Progress) -> None:
+        assert progress.finish is not None
+        self.metrics.e2e_latency.observe(time.monotonic() - progress.started)
+        self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+        self.metrics.generation_tokens.inc(len(progress.token_ids))
+        self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
+
+    # ---- responses -----------------------------------------------------------------------------
+    @staticmethod
+    def _usage(gen: GenerationRequest, progress: Progress) -> dict[str, int]:
+        prompt, completion = len(gen.prompt_ids), len(progress.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    @staticmethod
+    def _finish_reason(progress: Progress) -> str | None:
+        if progress.finish is None:
+            return None
+        return "length" if progress.finish is FinishReason.LENGTH else "stop"
+
+    async def _collect(
+        self,
+        request: web.Request,
+        request_id: str,
+        gen: GenerationRequest,
+        progress: Progress,
+        deltas: AsyncIterator[str],
+    ) -> web.Response:
+        try:
+            async for _ in until_disconnected(request, deltas):
+                pass
+        except ConnectionResetError:
+            return web.Response(status=CLIENT_CLOSED)
+        finish = self._finish_reason(progress)
+        if gen.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": progress.text},
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": 0, "text": progress.text, "logprobs": None, "finish_reason": finish}
+        return web.json_response(
+            {
+                "id": request_id,
+                "object": "chat.completion" if gen.chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": self._usage(gen, progress),
+                "augury": progress.acceptance(),
+            }
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        gen: GenerationRequest,
+        progress: Progress,
+        deltas: AsyncIterator[str],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        created = int(time.time())
+        kind = "chat.completion.chunk" if gen.chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            if gen.chat:
+                delta = {"content": text} if text else {}
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        try:
+            if gen.chat:
+                role = {"role": "assistant", "content": ""}
+                await send_event(
+                    response, chunk([{"index": 0, "delta": role, "finish_reason": None}])
+                )
+            async for delta in deltas:
+                finish = self._finish_reason(progress)
+                extra = {"augury": progress.acceptance()} if finish else {}
+                if delta or finish:
+                    await send_event(response, chunk([choice(delta, finish)], **extra))
+            if gen.include_usage:
+                await send_event(response, chunk([], usage=self._usage(gen, progress)))
+        except APIError as error:
+            with contextlib.suppress(ConnectionResetError):
+                await send_event(response, error.body())
+        except ConnectionResetError:
+            return response  # the client left; _generate cancels the request
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        return response
+
+
+async def send_event(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+async def until_disconnected(
+    request: web.Request, deltas: AsyncIterator[str], poll_s: float = 0.25
+) -> AsyncIterator[str]:
+    """Pass deltas through; raise ConnectionResetError once the client has gone."""
+    iterator = deltas.__aiter__()
+    while True:
+        step = asyncio.ensure_future(iterator.__anext__())
+        while not step.done():
+            await asyncio.wait({step}, timeout=poll_s)
+            transport = request.transport
+            if not step.done() and (transport is None or transport.is_closing()):
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+                raise ConnectionResetError("client disconnected")
+        try:
+            delta = step.result()
+        except StopAsyncIteration:
+            return
+        yield delta

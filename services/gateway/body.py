@@ -1,0 +1,258 @@
+"""Request bodies of the OpenAI-compatible endpoints: validation and tokenization.
+
+Besides OpenAI's fields we take vLLM's `top_k`, `ignore_eos`, `stop_token_ids` and `priority`
+(lower runs sooner), and our own extension object:
+
+    "augury": {"tpot_slo_ms": 50, "draft_model": "tiny", "speculate": true}
+
+`tpot_slo_ms` is the time-per-output-token objective the scheduler plans for (none: best effort),
+`draft_model` picks one configured draft model (none: the scheduler chooses), and
+`speculate: false` turns speculation off for the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+MAX_PRIORITY = 2**31 - 1
+# Fields we do not implement, with the values that ask for nothing (clients send those).
+UNSUPPORTED_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("logprobs", (None, False)),
+    ("top_logprobs", (None, 0)),
+    ("echo", (None, False)),
+    ("best_of", (None, 1)),
+    ("suffix", (None, "")),
+    ("tools", (None, [])),
+)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_request")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    chat: bool
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    tpot_slo_ms: float | None
+    draft_model: str | None
+    speculate: bool
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"{name} must be a number", name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer", name)
+    return value
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return value
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise bad_request(f"{name} must be a list of token ids", name)
+    if any(not 0 <= t < vocab_size for t in value):
+        raise bad_request(f"{name} holds token ids outside [0, {vocab_size})", name)
+    return tuple(value)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    if _integer(body, "n", 1) != 1:
+        raise bad_request("only n=1 is supported", "n")
+    for name, harmless in UNSUPPORTED_FIELDS:
+        if body.get(name) not in harmless:
+            raise bad_request(f"{name} is not supported", name)
+    if body.get("stop") not in (None, [], ""):
+        raise bad_request("stop strings are not supported; use stop_token_ids", "stop")
+
+
+def _sampling(body: Mapping[str, Any], max_tokens_field: str) -> SamplingParams:
+    max_tokens = _integer(body, max_tokens_field, None)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    stop_ids = body.get("stop_token_ids") or []
+    try:
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
+            top_k=_integer(body, "top_k", 0) or 0,
+            seed=_integer(body, "seed", None),
+            max_tokens=max_tokens,
+            stop_token_ids=_token_ids(stop_ids, "stop_token_ids", 2**31),
+            ignore_eos=_flag(body, "ignore_eos", False),
+        )
+    except InvalidRequestError as error:
+        param = error.param if error.param != "max_tokens" else max_tokens_field
+        raise bad_request(str(error), param) from None
+
+
+def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    conversation = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role, content = message.get("role"), message.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise bad_request(f"{where}.role must be system, user or assistant", f"{where}.role")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise bad_request(f"{where}.content: only text parts", f"{where}.content")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string", f"{where}.content")
+        conversation.append({"role": role, "content": content})
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return tuple(int(t) for t in ids)
+
+
+def _completion_prompt(
+    body: Mapping[str, Any], tokenizer: Tokenizer, vocab_size: int
+) -> tuple[int, ...]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tuple(tokenizer.encode(prompt, add_special_tokens=True))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return _token_ids(prompt, "prompt", vocab_size)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return tuple(tokenizer.encode(prompt[0], add_special_tokens=True))
+    raise bad_request("prompt must be a string or a list of token ids (one prompt)", "prompt")
+
+
+def parse_generation(
+    body: Any,
+    *,
+    chat: bool,
+    tokenizer: Tokenizer,
+    model_name: str,
+    vocab_size: int,
+    max_context: int,
+) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", None)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_request("model is required", "model")
+    if model != model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    _refuse_unsupported(body)
+    sampling = _sampling(body, "max_completion_tokens" if chat else "max_tokens")
+    prompt_ids = (
+        _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer, vocab_size)
+    )
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", "messages" if chat else "prompt")
+    if len(prompt_ids) + sampling.max_tokens > max_context:
+        raise APIError(
+            400,
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
+            f"the context of {max_context} tokens",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    extension = body.get("augury") or {}
+    if not isinstance(extension, dict):
+        raise bad_request("augury must be an object", "augury")
+    slo = extension.get("tpot_slo_ms")
+    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, int | float) or slo <= 0):
+        raise bad_request("augury.tpot_slo_ms must be a positive number", "augury.tpot_slo_ms")
+    draft = extension.get("draft_model")
+    if draft is not None and not isinstance(draft, str):
+        raise bad_request("augury.draft_model must be a string", "augury.draft_model")
+    priority = _integer(body, "priority", 0) or 0
+    if abs(priority) > MAX_PRIORITY:
+        raise bad_request("priority is out of range", "priority")
+    return GenerationRequest(
+        chat=chat,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        stream=_flag(body, "stream", False),
+        include_usage=_flag(options, "include_usage", False),
+        priority=priority,
+        tpot_slo_ms=None if slo is None else float(slo),
+        draft_model=draft,
+        speculate=_flag(extension, "speculate", True),
+    )

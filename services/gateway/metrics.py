@@ -1,0 +1,80 @@
+"""Client-facing metrics, named like vLLM's under our `augury_` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "augury_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "augury_inter_token_latency_seconds",
+            "Time between streamed token chunks, per token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "augury_e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "augury_num_requests_running", "Requests this gateway is serving.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "augury_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "augury_generation_tokens", "Generated tokens.", registry=r
+        )
+        self.requests = Counter(
+            "augury_request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.spec_drafts = Counter(
+            "augury_spec_decode_num_drafts", "Verification steps that checked a draft.", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "augury_spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "augury_spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "augury_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position.",
+            ["position"],
+            registry=r,
+        )

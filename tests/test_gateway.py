@@ -1,0 +1,369 @@
+"""The gateway over a real embedded Redis, answered by a stand-in scheduler loop in this test.
+
+The stand-in reads Submit/Cancel from the cell's request stream in the scheduler's consumer
+group and answers on the Submit's reply_to stream, as the real scheduler will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from openai import AsyncOpenAI
+
+from services.gateway.app import Gateway
+from shared.bus import Bus, Delivery, EmbeddedRedis, StreamConsumer
+from shared.model.smollm2 import ensure_smollm2
+from shared.settings import AugurySettings, GatewaySettings, RedisSettings
+from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens
+from shared.wire.streams import SCHEDULER, requests_stream
+
+pytestmark = pytest.mark.anyio
+
+REPLY = " Hello world, from the stand-in scheduler!"
+FAST = RedisSettings(block_ms=100, claim_idle_ms=1000)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as embedded:
+        yield embedded
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_smollm2())
+
+
+class StandInScheduler:
+    """Answers each Submit with REPLY in two steps (the first one sent twice, as a redelivery
+    would), a RequestError for prompts containing "fail", and nothing for prompts with "hang".
+    """
+
+    def __init__(self, bus: Bus, tokenizer: Any) -> None:
+        self.bus = bus
+        self.tokenizer = tokenizer
+        self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.submits: list[Submit] = []
+        self.cancelled: list[str] = []
+
+    async def __call__(self, delivery: Delivery) -> None:
+        message = delivery.message
+        if isinstance(message, Cancel):
+            self.cancelled.append(message.request_id)
+            return
+        assert isinstance(message, Submit)
+        self.submits.append(message)
+        prompt = self.tokenizer.decode(message.prompt)
+        if "hang" in prompt:
+            return
+        if "fail" in prompt:
+            error = RequestError(message.request_id, "invalid_request", "no failing", "prompt")
+            await self.bus.publish(message.reply_to, error)
+            return
+        ids = self.reply_ids[: message.sampling.max_tokens]
+        finish = FinishReason.LENGTH if len(ids) < len(self.reply_ids) else FinishReason.STOP
+        first = Tokens(message.request_id, 0, 0, tuple(ids[:1]))
+        rest = Tokens(message.request_id, 1, 1, tuple(ids[1:]), finish, 1, 4, 3)
+        await self.bus.publish_all(
+            [(message.reply_to, first), (message.reply_to, first), (message.reply_to, rest)]
+        )
+
+
+def make_settings(**gateway: Any) -> AugurySettings:
+    return AugurySettings(redis=FAST, gateway=GatewaySettings(**gateway), service={"cell": "t"})
+
+
+async def start(
+    server: EmbeddedRedis, tokenizer: Any, name: str, **gateway: Any
+) -> tuple[TestClient, StandInScheduler, StreamConsumer]:
+    settings = make_settings(**gateway)
+    bus = Bus(server.url, settings.redis, name)
+    scheduler = StandInScheduler(Bus(server.url, settings.redis, f"{name}-sched"), tokenizer)
+    consumer = StreamConsumer(
+        scheduler.bus,
+        group=SCHEDULER,
+        streams=[requests_stream(f"t-{name}")],
+        handler=scheduler,
+        concurrency=8,
+    )
+    settings = settings.model_copy(
+        update={"service": settings.service.model_copy(update={"cell": f"t-{name}"})}
+    )
+    gateway_app = Gateway(settings, bus, tokenizer, vocab_size=len(tokenizer), max_context=2048)
+    client = TestClient(TestServer(gateway_app.app()))
+    await client.start_server()
+    await consumer.start()
+    return client, scheduler, consumer
+
+
+@pytest.fixture
+async def running(
+    server: EmbeddedRedis, tokenizer: Any, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[TestClient, StandInScheduler]]:
+    client, scheduler, consumer = await start(server, tokenizer, request.node.name[:40])
+    yield client, scheduler
+    await consumer.stop()
+    await client.close()
+    await scheduler.bus.close()
+
+
+def model_name() -> str:
+    return GatewaySettings().model_name
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> list[Any]:
+    events = []
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_models_and_health(running: tuple[TestClient, StandInScheduler]) -> None:
+    client, _ = running
+    models = await (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [model_name()]
+    health = await client.get("/health")
+    assert health.status == 200
+
+
+async def test_completion(running: tuple[TestClient, StandInScheduler], tokenizer: Any) -> None:
+    client, scheduler = running
+    body = {"model": model_name(), "prompt": "Say hello", "max_tokens": 50, "temperature": 0}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status == 200, await response.text()
+    out = await response.json()
+    assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
+    assert out["choices"][0]["text"] == REPLY  # the repeated first step is not doubled
+    assert out["choices"][0]["finish_reason"] == "stop"
+    prompt_len = len(tokenizer.encode("Say hello"))
+    completion_len = len(scheduler.reply_ids)
+    assert out["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion_len,
+        "total_tokens": prompt_len + completion_len,
+    }
+    assert out["augury"]["acceptance_rate"] == 0.75
+    assert out["augury"]["mean_accepted_length"] == 4.0
+    (submit,) = scheduler.submits
+    assert submit.prompt == tuple(tokenizer.encode("Say hello"))
+    assert submit.sampling.max_tokens == 50 and submit.sampling.temperature == 0.0
+    assert scheduler.cancelled == []  # finished requests are not cancelled
+
+
+async def test_chat_stream_with_usage(
+    running: tuple[TestClient, StandInScheduler], tokenizer: Any
+) -> None:
+    client, scheduler = running
+    body = {
+        "model": model_name(),
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "priority": 3,
+        "augury": {"tpot_slo_ms": 40, "draft_model": "tiny", "speculate": True},
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = await sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == REPLY
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == len(scheduler.reply_ids)
+    (submit,) = scheduler.submits
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(submit.prompt) == templated
+    assert (submit.priority, submit.tpot_slo_ms, submit.draft_model) == (3, 40.0, "tiny")
+
+
+async def test_openai_client_conformance(running: tuple[TestClient, StandInScheduler]) -> None:
+    client, _ = running
+    openai = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    chat = await openai.chat.completions.create(
+        model=model_name(), messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 3
+    stream = await openai.completions.create(
+        model=model_name(),
+        prompt="Hello",
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    async for part in stream:
+        pieces.extend(choice.text for choice in part.choices)
+        usage = part.usage or usage
+    assert "".join(pieces) == REPLY[: len("".join(pieces))] and pieces
+    assert usage is not None and usage.completion_tokens > 0
+    await openai.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "stop": ["\n"]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "augury": {"tpot_slo_ms": -1}},
+            400,
+            "augury.tpot_slo_ms",
+        ),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages[0].role",
+        ),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ],
+)
+async def test_bad_requests_name_the_field(
+    running: tuple[TestClient, StandInScheduler],
+    path: str,
+    body: dict[str, Any],
+    status: int,
+    param: str,
+) -> None:
+    client, scheduler = running
+    response = await client.post(path, json={"model": model_name(), **body})
+    assert response.status == status
+    error = (await response.json())["error"]
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+    assert scheduler.submits == []  # nothing reached the scheduler
+
+
+async def test_invalid_json_is_a_400(running: tuple[TestClient, StandInScheduler]) -> None:
+    client, _ = running
+    response = await client.post("/v1/completions", data=b"{not json")
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "invalid_json"
+
+
+async def test_scheduler_errors_reach_the_client(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, _ = running
+    response = await client.post("/v1/completions", json={"model": model_name(), "prompt": "fail"})
+    assert response.status == 400
+    assert (await response.json())["error"]["param"] == "prompt"
+    stream = await client.post(
+        "/v1/completions", json={"model": model_name(), "prompt": "fail", "stream": True}
+    )
+    events = await sse_events(stream)
+    assert events[0]["error"]["code"] == "invalid_request" and events[-1] == "[DONE]"
+
+
+async def test_client_disconnect_cancels_the_request(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    body = {
+        "model": model_name(),
+        "messages": [{"role": "user", "content": "hang"}],
+        "stream": True,
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    await response.content.readline()  # the role chunk: the request is in flight
+    response.close()
+    for _ in range(100):
+        if scheduler.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    (submit,) = scheduler.submits
+    assert scheduler.cancelled == [submit.request_id]
+
+
+async def test_non_streaming_disconnect_cancels_too(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    body = {"model": model_name(), "prompt": "hang"}
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.5))
+    for _ in range(100):
+        if scheduler.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert scheduler.cancelled == [scheduler.submits[0].request_id]
+
+
+async def test_overload_answers_429_with_retry_after(server: EmbeddedRedis, tokenizer: Any) -> None:
+    client, scheduler, consumer = await start(
+        server, tokenizer, "overload", max_concurrent_requests=1
+    )
+    hanging = asyncio.create_task(
+        client.post("/v1/completions", json={"model": model_name(), "prompt": "hang"})
+    )
+    for _ in range(100):
+        if scheduler.submits:
+            break
+        await asyncio.sleep(0.02)
+    response = await client.post("/v1/completions", json={"model": model_name(), "prompt": "hi"})
+    assert response.status == 429
+    assert response.headers["Retry-After"] == "1"
+    assert (await response.json())["error"]["type"] == "rate_limit_error"
+    hanging.cancel()
+    await consumer.stop()
+    await client.close()
+
+
+async def test_api_key_is_required_when_configured(server: EmbeddedRedis, tokenizer: Any) -> None:
+    client, _, consumer = await start(server, tokenizer, "auth", api_key="sk-test")
+    body = {"model": model_name(), "prompt": "hi", "max_tokens": 2}
+    assert (await client.post("/v1/completions", json=body)).status == 401
+    wrong = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"})
+    assert wrong.status == 401
+    assert (await wrong.json())["error"]["code"] == "invalid_api_key"
+    ok = await client.post(
+        "/v1/completions", json=body, headers={"Authorization": "Bearer sk-test"}
+    )
+    assert ok.status == 200
+    assert (await client.get("/health")).status == 200  # liveness needs no key
+    await consumer.stop()
+    await client.close()
+
+
+async def test_metrics_are_exposed(running: tuple[TestClient, StandInScheduler]) -> None:
+    client, _ = running
+    await client.post("/v1/completions", json={"model": model_name(), "prompt": "hi"})
+    text = await (await client.get("/metrics")).text()
+    assert "augury_time_to_first_token_seconds_count 1.0" in text
+    assert "augury_e2e_request_latency_seconds_count 1.0" in text
+    assert "augury_spec_decode_num_draft_tokens_total 4.0" in text
+    assert 'augury_spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
+    assert 'augury_request_success_total{finished_reason="stop"} 1.0' in text
+    assert "augury_num_requests_running 0.0" in text
