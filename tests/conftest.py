@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,11 @@ import torch
 
 from shared.model import load_model
 from shared.runner import ModelRunner
+
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before any module
+# (transformers among them) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tiny models and many small tensor ops: a second thread only adds hand-off latency.
 torch.set_num_threads(1)
