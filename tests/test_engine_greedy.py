@@ -71,9 +71,17 @@ def test_mixed_stages_in_one_batch(tiny_target_dir, tiny_draft_dir, plain_output
     assert [engine.requests[i].output for i in ids] == plain_outputs
 
 
-def test_draft_equal_to_target_accepts_everything(tiny_target_dir, plain_outputs):
-    """A draft identical to the target must have every greedy draft token accepted."""
-    engine = make_engine(tiny_target_dir, tiny_target_dir, DraftMethod("chain", k=3))
+@pytest.mark.parametrize("name", ["chain", "static"])
+def test_draft_equal_to_target_accepts_every_step_fully(tiny_target_dir, plain_outputs, name):
+    """With the target as its own draft, every step accepts a full-depth path: drafter
+    positions, masks and KV line up with the verifier's."""
+    method = {
+        "chain": DraftMethod("chain", k=3),
+        "static": DraftMethod("static", expansion=(2, 2, 1)),
+    }[name]
+    engine = make_engine(tiny_target_dir, tiny_target_dir, method)
     reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [r.output for r in reqs] == plain_outputs
-    assert engine.stats.num_accepted == engine.stats.num_draft_tokens
+    # every verify step accepts min(3, tokens left - 1) draft tokens
+    assert all(n == engine.stats.num_drafts for n in engine.stats.accepted_per_position[:2])
+    assert engine.stats.mean_accepted_length > 3.5
