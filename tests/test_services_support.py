@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ class Client:
         self.reply_to = output_stream(name)
         self.outcomes: dict[str, Outcome] = {}
         self._last = "0-0"
+        self.stack: Stack | None = None  # for a description of the services when stuck
 
     async def close(self) -> None:
         await self.bus.close()
@@ -105,7 +108,10 @@ class Client:
     async def wait(self, request_ids: Sequence[str], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not all(self.outcomes[r].done for r in request_ids):
-            assert time.monotonic() < deadline, "requests did not finish in time"
+            if time.monotonic() > deadline:
+                progress = {r: len(self.outcomes[r].tokens) for r in request_ids}
+                state = describe(self.stack) if self.stack is not None else ""
+                raise AssertionError(f"requests did not finish in time: {progress}\n{state}")
             await self.poll()
 
 
@@ -131,11 +137,46 @@ async def running(
         settings, url, models, gateway=False, drafter_replicas=drafter_replicas
     )
     client = Client(url, settings, f"{cell}-client")
+    client.stack = stack
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks, stack)  # kill -USR1 <pid> when stuck
     try:
         yield stack, client
     finally:
+        loop.remove_signal_handler(signal.SIGUSR1)
         await client.close()
         await stack.stop()
+
+
+def dump_tasks(stack: Stack) -> None:
+    print(describe(stack), file=sys.stderr)
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+
+
+def describe(stack: Stack) -> str:
+    """The services' state, for a test that got stuck."""
+    lines = []
+    scheduler = stack.scheduler
+    if scheduler is not None:
+        lines.append(f"scheduler {scheduler.stats}")
+        lines += [
+            f"  running {r.request_id} step {r.step} out {len(r.output)} in_flight {r.in_flight} "
+            f"prefilled {r.num_prefilled}/{len(r.prefill_tokens)} drafter {r.drafter}"
+            for r in scheduler.running
+        ]
+        lines.append(f"  waiting {[r.request_id for r in scheduler.waiting]}")
+        lines.append(f"  drafters {scheduler.drafters.replicas} load {scheduler.drafters.load()}")
+        lines.append(f"  lanes {[(t.get_name(), t.done()) for t in scheduler._lanes]}")
+    consumers = [*(scheduler.consumers if scheduler else [])]
+    consumers += [stack.verifier.consumer] if stack.verifier else []
+    consumers += [d.consumer for d in stack.drafters]
+    for c in consumers:
+        lines.append(
+            f"  {c.streams} busy {c._busy} queued {c._queue.qsize()} {c.stats} "
+            f"crashed {c.crashed!r}"
+        )
+    return "\n".join(lines)
 
 
 def plain_greedy(

@@ -76,6 +76,7 @@ VERIFY_TIMEOUT_S = 60.0  # then the VerifyJob is sent again (the verifier replay
 VERIFY_ATTEMPTS = 3
 REMEMBER_FINISHED = 10_000  # request ids kept to recognise a redelivered Submit
 IDLE_POLL_S = 1.0
+STOP_POLL_S = 1.0
 PUBLISH_RETRY_MAX_S = 2.0
 
 
@@ -206,9 +207,10 @@ class SchedulerService:
 
     async def stop(self) -> None:
         await self.heartbeat.stop()
-        for lane in self._lanes:
-            lane.cancel()
-        await asyncio.gather(*self._lanes, return_exceptions=True)
+        while any(not lane.done() for lane in self._lanes):
+            for lane in self._lanes:
+                lane.cancel()
+            await asyncio.wait(self._lanes, timeout=STOP_POLL_S)
         self._candidates.settle_all()
         self._results.settle_all()
         for consumer in self.consumers:
@@ -292,8 +294,11 @@ class SchedulerService:
             wake = self._wake
             batch = self._next_batch()
             if batch is None:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that arrives as the wait completes, and the lane would never stop
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), IDLE_POLL_S)
+                    async with asyncio.timeout(IDLE_POLL_S):
+                        await wake.wait()
                 continue
             try:
                 await self._iterate(batch)
@@ -455,7 +460,8 @@ class SchedulerService:
             # the next hop is written: the candidate trees' entries may be acknowledged
             self._candidates.settle_where(lambda key: key[0] == job.micro_batch_id)
             try:
-                return await asyncio.wait_for(asyncio.shield(answer), self.verify_timeout_s)
+                async with asyncio.timeout(self.verify_timeout_s):
+                    return await asyncio.shield(answer)
             except TimeoutError:
                 self.stats.verify_resends += 1
                 log.warning("micro-batch %d: no verify result, try %d", job.micro_batch_id, attempt)
