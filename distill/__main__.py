@@ -1,0 +1,159 @@
+"""Rebuild the default drafts from scratch, or evaluate them.
+
+    python -m distill build --out models/drafts      # data + target cache + train + export
+    python -m distill eval --drafts models/drafts    # acceptance, costs, winners -> eval.json
+
+Fixed seeds throughout; the target's top-k cache lives in --cache (ignored by git) and is reused
+when present (delete it to start over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distill import data
+from distill.model import DRAFT_SPECS, TrainableDraft, export_draft
+from distill.train import train_draft
+from shared.model_set import DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
+
+SEED = 1234
+DEFAULT_CACHE = REPO_ROOT / ".cache" / "distill"
+
+
+def tokenizer_fingerprint(tokenizer_dir: Path) -> dict:
+    """What a draft must share with the target's tokenizer: vocab, special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+    return {
+        "vocab_size": len(tok),
+        "vocab_sha256": digest,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(args: argparse.Namespace) -> None:
+    started = time.time()
+    torch.set_num_threads(args.threads)
+    seed_everything(SEED)
+    tdir = target_dir()
+    cache_dir: Path = args.cache
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cache = data.build_topk_cache(cache_dir, tdir)
+    data_seconds = time.time() - t0
+    seqs = json.loads((cache_dir / "sequences.json").read_text())
+    gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
+    fingerprint = tokenizer_fingerprint(tdir)
+    eos, bos = int(fingerprint["eos_token_id"]), int(fingerprint["bos_token_id"])
+    from safetensors import safe_open
+
+    with safe_open(str(tdir / "model.safetensors"), framework="pt") as f:
+        target_embedding = f.get_tensor("model.embed_tokens.weight")
+    target_cfg = json.loads((tdir / "config.json").read_text())
+    rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
+    names = args.drafts.split(",") if args.drafts else list(DRAFT_NAMES)
+    summary = {
+        "sequences": cache.num_sequences,
+        "tokens": len(cache.tokens),
+        "generated_sequences": int(cache.generated.sum()),
+        "top_k": int(cache.topk_ids.shape[1]),
+        "data_seconds": round(data_seconds, 1),
+    }
+    print(json.dumps({"distillation_data": summary}))
+    for name in names:
+        i = DRAFT_NAMES.index(name)  # the seed depends on the draft, not on the subset built
+        spec = DRAFT_SPECS[name]
+        vocab = data.output_vocabulary(cache, spec.num_output_tokens, must_include=[bos, eos, 0])
+        seed_everything(SEED + i)
+        draft = TrainableDraft(
+            spec,
+            target_embedding.shape[0],
+            torch.from_numpy(vocab),
+            rope_theta=float(rope),
+            max_positions=int(target_cfg["max_position_embeddings"]),
+            rms_norm_eps=float(target_cfg["rms_norm_eps"]),
+        )
+        draft.init_from_target(target_embedding, seed=SEED + i)
+        stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i)
+        meta = {
+            "name": name,
+            "target": "SmolLM2-135M-Instruct",
+            "tokenizer": "the target's (load it from the target checkpoint)",
+            "target_tokenizer": fingerprint,
+            "parameters": draft.num_parameters(),
+            "seed": SEED + i,
+            "distillation_data": summary,
+            "training": stats,
+            "rebuild": "python -m distill build --out models/drafts",
+        }
+        out = export_draft(
+            draft, args.out / name, bos_token_id=bos, eos_token_id=eos, metadata=meta
+        )
+        print(json.dumps({"exported": str(out), **stats}))
+    print(json.dumps({"build_seconds": round(time.time() - started, 1)}))
+
+
+def evaluate_cmd(args: argparse.Namespace) -> None:
+    from distill.evaluate import evaluate, markdown_report
+
+    torch.set_num_threads(args.threads)
+    seed_everything(SEED)
+    names = [n for n in DRAFT_NAMES if (args.drafts / n / "config.json").is_file()]
+    drafts = {n: args.drafts / n for n in names}
+    result = evaluate(
+        target_dir(),
+        drafts,
+        n_per_kind=args.n,
+        max_new_tokens=args.max_new_tokens,
+        cache_dir=args.cache,
+    )
+    out = args.out or (args.drafts / "eval.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    report = markdown_report(result)
+    out.with_suffix(".md").write_text(report)
+    print(report)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="rebuild the drafts from scratch")
+    b.add_argument("--out", type=Path, default=DRAFTS_DIR)
+    b.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(DRAFT_NAMES))
+    b.add_argument("--threads", type=int, default=2)
+    e = sub.add_parser("eval", help="evaluate the drafts against the target")
+    e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
+    e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    e.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--out", type=Path, default=None)
+    e.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.cmd == "build":
+        build(args)
+    else:
+        evaluate_cmd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Distillation data: real text plus the target's own answers, and the target's top-k cache.
+
+Two kinds of sequences, all in the target's chat format:
+
+1. *generated*: distillation prompts (chat, code, math; see `shared.datasets`) answered by the
+   target itself, greedily (bf16, batched). At serving time a draft predicts exactly such text.
+2. *documents*: human-written conversations (ShareGPT replies, standard-library Python code,
+   GSM8K reference solutions), teacher-forced.
+
+Then one batched bf16 teacher-forced pass of the target over every sequence caches, per position,
+its top-k next-token log-probabilities (fp16) and ids (int32) — once, shared by all drafts.
+Everything lands under the cache directory (ignored by git) and is reused when present.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shared import datasets
+
+TOP_K = 32
+MAX_USER_CHARS = 1200
+MAX_DOC_TOKENS = 384
+GEN_TOKENS = 128
+# How many prompts the target answers, and how many human-written documents, per kind.
+GEN_PROMPTS = {"chat": 300, "code": 150, "math": 150}
+DOCUMENTS = {"chat": 120, "code": 150, "math": 150}
+
+
+@dataclass
+class TopKCache:
+    tokens: np.ndarray  # int32 [N] all sequences concatenated
+    offsets: np.ndarray  # int64 [S + 1]
+    kinds: list[str]  # [S]
+    generated: np.ndarray  # bool [S]: answered by the target (True) or human-written
+    topk_ids: np.ndarray  # int32 [N, K]: target's top-k next tokens after tokens[: i + 1]
+    topk_logp: np.ndarray  # float16 [N, K]
+
+    def sequence(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    def save(self, path: Path) -> None:
+        np.savez(
+            path,
+            tokens=self.tokens,
+            offsets=self.offsets,
+            kinds=np.array(self.kinds),
+            generated=self.generated,
+            topk_ids=self.topk_ids,
+            topk_logp=self.topk_logp,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> TopKCache:
+        z = np.load(path)
+        return cls(
+            tokens=z["tokens"],
+            offsets=z["offsets"],
+            kinds=[str(k) for k in z["kinds"]],
+            generated=z["generated"],
+            topk_ids=z["topk_ids"],
+            topk_logp=z["topk_logp"],
+        )
+
+
+def chat_ids(tokenizer, messages: list[tuple[str, str]], *, generation_prompt: bool) -> list[int]:
+    msgs = [{"role": r, "content": c} for r, c in messages]
+    text = tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(tokenizer, user_message: str) -> list[int]:
+    """The target's chat-templated prompt for one user message (the serving format)."""
+    return chat_ids(tokenizer, [("user", user_message)], generation_prompt=True)
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    batch_size: int,
+    desc: str,
+) -> list[list[int]]:
+    """Batched greedy continuations (left-padded HF generate), cut after the first eos."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    for lo in range(0, len(order), batch_size):
+        idx = order[lo : lo + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), eos_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=eos_id,
+            eos_token_id=eos_id,
+        )[:, width:]
+        for r, i in enumerate(idx):
+            toks = gen[r].tolist()
+            out[i] = toks[: toks.index(eos_id) + 1] if eos_id in toks else toks
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
+    """Token sequences (prompt + target answer, and documents); cached as sequences.json."""
+    path = cache_dir / "sequences.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    eos = int(tok.eos_token_id)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    seqs: list[dict] = []
+    for kind, n in GEN_PROMPTS.items():
+        prompts = [prompt_ids(tok, m[:MAX_USER_CHARS]) for m in datasets.distill_prompts(kind, n)]
+        part = cache_dir / f"answers_{kind}.json"  # per-kind checkpoint of the slow part
+        if part.is_file():
+            answers = json.loads(part.read_text())
+        else:
+            answers = greedy_generate(
+                model,
+                prompts,
+                max_new_tokens=GEN_TOKENS,
+                eos_id=eos,
+                batch_size=50,
+                desc=f"target answers ({kind})",
+            )
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            part.write_text(json.dumps(answers))
+        for p, a in zip(prompts, answers, strict=True):
+            seqs.append({"kind": kind, "generated": True, "tokens": p + a, "gen_start": len(p)})
+    for kind, n in DOCUMENTS.items():
+        for conv in datasets.distill_documents(kind, n):
+            conv = [(r, c[:4000]) for r, c in conv]
+            ids = chat_ids(tok, conv, generation_prompt=False)[:MAX_DOC_TOKENS]
+            seqs.append({"kind": kind, "generated": False, "tokens": ids, "gen_start": 0})
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(seqs))
+    return seqs
+
+
+@torch.inference_mode()
+def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6144) -> TopKCache:
+    """Target top-k log-probs at every position of every sequence; cached as target_topk.npz."""
+    path = cache_dir / "target_topk.npz"
+    if path.is_file():
+        return TopKCache.load(path)
+    from transformers import AutoModelForCausalLM
+
+    seqs = build_sequences(cache_dir, target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    lengths = np.array([len(s["tokens"]) for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(offsets[-1])
+    topk_ids = np.zeros((total, TOP_K), dtype=np.int32)
+    topk_logp = np.zeros((total, TOP_K), dtype=np.float16)
+    order = np.argsort(-lengths, kind="stable")
+    bar = tqdm(total=total, desc="target top-k cache", unit="tok", unit_scale=True)
+    i = 0
+    while i < len(order):
+        width = int(lengths[order[i]])
+        rows = max(1, batch_tokens // width)
+        idx = order[i : i + rows]
+        ids = torch.full((len(idx), width), 0, dtype=torch.long)
+        for r, s in enumerate(idx):
+            ids[r, : lengths[s]] = torch.tensor(seqs[s]["tokens"])
+        # Right padding under a causal mask leaves every real position's output unchanged.
+        hidden = model.model(input_ids=ids).last_hidden_state
+        for r, s in enumerate(idx):
+            h = hidden[r, : lengths[s]]
+            logp = torch.log_softmax(model.lm_head(h).float(), dim=-1)
+            val, ind = logp.topk(TOP_K, dim=-1)
+            lo = int(offsets[s])
+            topk_ids[lo : lo + len(h)] = ind.numpy().astype(np.int32)
+            topk_logp[lo : lo + len(h)] = val.numpy().astype(np.float16)
+        bar.update(int(lengths[idx].sum()))
+        i += len(idx)
+    bar.close()
+    cache = TopKCache(
+        tokens=np.concatenate([np.asarray(s["tokens"], dtype=np.int32) for s in seqs]),
+        offsets=offsets,
+        kinds=[s["kind"] for s in seqs],
+        generated=np.array([s["generated"] for s in seqs], dtype=bool),
+        topk_ids=topk_ids,
+        topk_logp=topk_logp,
+    )
+    cache.save(path)
+    return cache
+
+
+def output_vocabulary(cache: TopKCache, size: int, must_include: list[int]) -> np.ndarray:
+    """The draft's output tokens: the `size` tokens the target most often ranks first (ties by
+    total probability mass over the cached top-k), always including `must_include`."""
+    top1 = np.bincount(cache.topk_ids[:, 0], minlength=1).astype(np.float64)
+    mass = np.zeros(max(len(top1), int(cache.topk_ids.max()) + 1), dtype=np.float64)
+    np.add.at(mass, cache.topk_ids.ravel(), np.exp(cache.topk_logp.astype(np.float32)).ravel())
+    score = mass.copy()
+    score[: len(top1)] += 1e6 * top1
+    for t in must_include:
+        score[t] = np.inf
+    chosen = np.argsort(-score, kind="stable")[:size]
+    return np.sort(chosen).astype(np.int64)

@@ -1,0 +1,258 @@
+"""Draft architectures, the trainable LLaMA module, and export to an Augury checkpoint directory.
+
+A draft is a LLaMA-architecture decoder with two size-saving twists that `shared.model.load_model`
+understands:
+
+- a factorized input embedding: `model.embed_tokens.weight` [vocab, rank] and
+  `augury.embed_proj.weight` [hidden, rank] (config key `augury_embedding_rank`), initialized from
+  the principal components of the target's embedding matrix;
+- a reduced output vocabulary: `lm_head.weight` [N, hidden] over the target's N most frequent
+  predicted tokens, `augury.output_token_ids` maps rows to full-vocabulary ids (config key
+  `augury_num_output_tokens`). Verification stays exact: the target checks every drafted token.
+
+The forward here (padded batch, causal SDPA) computes the same function as our runtime's forward
+over the paged KV cache; `tests/test_drafts.py` checks that on an exported draft.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    embedding_rank: int
+    num_output_tokens: int
+    train_steps: int
+    lr: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# Three heterogeneous drafts (Spin's SSM set): sizes chosen so all three fit in ~51 MB of fp16.
+DRAFT_SPECS: dict[str, DraftSpec] = {
+    "draft-s": DraftSpec("draft-s", 256, 1, 4, 2, 768, 48, 8192, train_steps=1000, lr=3e-3),
+    "draft-m": DraftSpec("draft-m", 320, 3, 5, 1, 864, 48, 8192, train_steps=800, lr=3e-3),
+    "draft-l": DraftSpec("draft-l", 384, 4, 6, 2, 1024, 48, 8192, train_steps=700, lr=3e-3),
+}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: DraftSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.post_attn_norm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
+        self.gate_proj = nn.Linear(h, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=False)
+
+
+class TrainableDraft(nn.Module):
+    """The draft as a plain module over padded [B, T] batches (training and offline scoring)."""
+
+    def __init__(
+        self,
+        spec: DraftSpec,
+        vocab_size: int,
+        output_token_ids: torch.Tensor,
+        *,
+        rope_theta: float = 10000.0,
+        max_positions: int = 2048,
+        rms_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.rope_theta = rope_theta
+        self.max_positions = max_positions
+        self.eps = rms_norm_eps
+        self.embed_tokens = nn.Embedding(vocab_size, spec.embedding_rank)
+        self.embed_proj = nn.Linear(spec.embedding_rank, spec.hidden_size, bias=False)
+        self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.lm_head = nn.Linear(spec.hidden_size, len(output_token_ids), bias=False)
+        self.register_buffer("output_token_ids", output_token_ids.long().clone())
+        d = spec.head_dim
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def init_from_target(self, target_embedding: torch.Tensor, seed: int) -> None:
+        """Principal components of the target's embedding as the factorized input embedding;
+        the output head starts as the transposed input path (tied in spirit, then untied)."""
+        gen = torch.Generator().manual_seed(seed)
+        spec = self.spec
+        std = 0.02
+        for p in self.parameters():
+            if p.dim() == 2:
+                p.data.normal_(0.0, std, generator=gen)
+        for layer in self.layers:
+            assert isinstance(layer, _Layer)
+            for lin in (layer.o_proj, layer.down_proj):  # GPT-2 style scaled residual init
+                lin.weight.data.mul_(1.0 / (2 * spec.num_layers) ** 0.5)
+        emb = target_embedding.float()
+        centered = emb - emb.mean(0, keepdim=True)
+        _, s, vh = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
+        basis = vh[: spec.embedding_rank]  # [r, target_hidden]
+        low = emb @ basis.T  # [V, r]
+        low = low / low.std()
+        self.embed_tokens.weight.data.copy_(low)
+        proj = self.embed_proj.weight.data  # [hidden, r]
+        proj.normal_(0.0, 1.0 / spec.embedding_rank**0.5, generator=gen)
+        head = low[self.output_token_ids] @ proj.T  # [N, hidden]
+        self.lm_head.weight.data.copy_(head / head.std() * std)
+        del s
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, N] over the reduced output vocabulary (fp32)."""
+        spec = self.spec
+        bsz, seq = input_ids.shape
+        d = spec.head_dim
+        cos = self.cos[:seq].to(self.embed_proj.weight.dtype)[None, None]
+        sin = self.sin[:seq].to(self.embed_proj.weight.dtype)[None, None]
+        x = self.embed_proj(self.embed_tokens(input_ids))
+        for layer in self.layers:
+            assert isinstance(layer, _Layer)
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            q = layer.q_proj(h).view(bsz, seq, spec.num_heads, d).transpose(1, 2)
+            k = layer.k_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
+            v = layer.v_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if spec.num_kv_heads != spec.num_heads:
+                rep = spec.num_heads // spec.num_kv_heads
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, seq, -1))
+            h = _rms_norm(x, layer.post_attn_norm, self.eps)
+            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+        return self.lm_head(_rms_norm(x, self.norm, self.eps)).float()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def hf_config(draft: TrainableDraft, *, bos_token_id: int, eos_token_id: int) -> dict:
+    spec = draft.spec
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": draft.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": draft.eps,
+        "rope_theta": draft.rope_theta,
+        "max_position_embeddings": draft.max_positions,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float16",
+        "augury_num_output_tokens": len(draft.output_token_ids),
+        "augury_embedding_rank": spec.embedding_rank,
+        "augury_draft_spec": asdict(spec),
+    }
+
+
+def export_draft(
+    draft: TrainableDraft,
+    out_dir: Path,
+    *,
+    bos_token_id: int,
+    eos_token_id: int,
+    metadata: dict,
+) -> Path:
+    """Write config.json + fp16 model.safetensors (HF LLaMA tensor names) + metadata.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": draft.embed_tokens.weight,
+        "augury.embed_proj.weight": draft.embed_proj.weight,
+        "model.norm.weight": draft.norm,
+        "lm_head.weight": draft.lm_head.weight,
+    }
+    for i, layer in enumerate(draft.layers):
+        assert isinstance(layer, _Layer)
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = layer.input_norm
+        t[p + "post_attention_layernorm.weight"] = layer.post_attn_norm
+        for n in ("q", "k", "v", "o"):
+            t[p + f"self_attn.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
+        for n in ("gate", "up", "down"):
+            t[p + f"mlp.{n}_proj.weight"] = getattr(layer, f"{n}_proj").weight
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in t.items()}
+    tensors["augury.output_token_ids"] = draft.output_token_ids.detach().long().contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(draft, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    return out_dir
+
+
+def load_trainable(draft_dir: Path) -> TrainableDraft:
+    """Rebuild the training module from an exported draft (fp32), e.g. to check the export."""
+    from safetensors.torch import load_file
+
+    config = json.loads((draft_dir / "config.json").read_text())
+    spec = DraftSpec(**config["augury_draft_spec"])
+    w = load_file(str(draft_dir / "model.safetensors"))
+    draft = TrainableDraft(
+        spec,
+        config["vocab_size"],
+        w["augury.output_token_ids"],
+        rope_theta=config["rope_theta"],
+        max_positions=config["max_position_embeddings"],
+        rms_norm_eps=config["rms_norm_eps"],
+    )
+    draft.embed_tokens.weight.data.copy_(w["model.embed_tokens.weight"])
+    draft.embed_proj.weight.data.copy_(w["augury.embed_proj.weight"])
+    draft.norm.data.copy_(w["model.norm.weight"])
+    draft.lm_head.weight.data.copy_(w["lm_head.weight"])
+    for i, layer in enumerate(draft.layers):
+        assert isinstance(layer, _Layer)
+        p = f"model.layers.{i}."
+        layer.input_norm.data.copy_(w[p + "input_layernorm.weight"])
+        layer.post_attn_norm.data.copy_(w[p + "post_attention_layernorm.weight"])
+        for n in ("q", "k", "v", "o"):
+            getattr(layer, f"{n}_proj").weight.data.copy_(w[p + f"self_attn.{n}_proj.weight"])
+        for n in ("gate", "up", "down"):
+            getattr(layer, f"{n}_proj").weight.data.copy_(w[p + f"mlp.{n}_proj.weight"])
+    return draft.float().eval()
