@@ -18,13 +18,16 @@ from services.runtime import ModelThread
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
 from shared.drafting import Drafter
 from shared.drafting import DraftRequest as EngineDraftRequest
+from shared.engine import tree_capacity
 from shared.runner import ModelRunner
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
+from shared.wire import DraftMethod as WireMethod
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
 
 log = logging.getLogger(__name__)
 
 OUT_OF_SYNC = "out_of_sync"
+OUT_OF_KV_MEMORY = "out_of_kv_memory"
 
 
 @dataclass
@@ -129,14 +132,40 @@ class DrafterService:
         self.stats.errors[reason.split(":")[0]] += 1
         return DraftedTree(entry.request_id, entry.step, None, reason)
 
+    def _fit_in_memory(
+        self,
+        todo: dict[int, DraftRequest],
+        indices: list[int],
+        method: WireMethod,
+        answers: dict[int, DraftedTree],
+    ) -> list[int]:
+        """Entries whose delta and tree fit in the free draft KV, in job order; the others get
+        `out_of_kv_memory` (no tree this step, and their draft state restarts later)."""
+        free = self.runner.cache.allocator.num_free
+        nodes = tree_capacity(engine_method(method))
+        fitting = []
+        for i in indices:
+            entry = todo[i]
+            need = self.runner.blocks_needed(entry.request_id, len(entry.new_tokens) + nodes)
+            if need > free:
+                self.drafter.free(entry.request_id)
+                answers[i] = self._error(entry, f"{OUT_OF_KV_MEMORY}: needs {need} blocks")
+            else:
+                free -= need
+                fitting.append(i)
+        return fitting
+
     def _draft(self, todo: dict[int, DraftRequest]) -> dict[int, DraftedTree]:
         """One batched draft per method (a job normally carries one)."""
-        groups: dict[object, list[int]] = defaultdict(list)
+        groups: dict[WireMethod, list[int]] = defaultdict(list)
         for i, entry in todo.items():
             groups[entry.method].append(i)
         answers: dict[int, DraftedTree] = {}
         room = self.runner.max_context
-        for indices in groups.values():
+        for method, indices in groups.items():
+            indices = self._fit_in_memory(todo, indices, method, answers)
+            if not indices:
+                continue
             entries = [todo[i] for i in indices]
             requests = [
                 EngineDraftRequest(

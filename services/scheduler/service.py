@@ -26,7 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.scheduler.batching import BatchLimits, MicroBatch, form_batch, tree_nodes
 from services.scheduler.drafters import DrafterDirectory, FixedDraftModel
@@ -571,7 +572,7 @@ class SchedulerService:
             try:
                 await self.bus.publish_all(messages)
                 return
-            except (RedisError, OSError) as error:
+            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                 log.warning("publishing %d messages failed (%s); retrying", len(messages), error)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
