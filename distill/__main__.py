@@ -133,6 +133,29 @@ def evaluate_cmd(args: argparse.Namespace) -> None:
     print(report)
 
 
+def trees_cmd(args: argparse.Namespace) -> None:
+    from distill.evaluate import KINDS, engine_trees, target_references
+
+    torch.set_num_threads(args.threads)
+    tdir = target_dir()
+    refs = target_references(tdir, args.n, args.max_new_tokens, args.cache / "eval_references.json")
+    few = [r for kind in KINDS for r in [x for x in refs if x.kind == kind][: args.per_kind]]
+    names = args.names.split(",")
+    rows = engine_trees(tdir, {n: args.drafts / n for n in names}, few)
+    out = args.drafts / "engine_trees.json"
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    lines = ["| draft | method | mean accepted (engine) | acceptance rate | outputs = greedy |"]
+    lines.append("|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['draft']} | {r['method']} | {r['engine_mean_accepted_length']:.2f} | "
+            f"{r['engine_acceptance_rate']:.3f} | "
+            f"{r['outputs_equal_target_greedy']}/{r['requests']} |"
+        )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -148,9 +171,19 @@ def main() -> None:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--out", type=Path, default=None)
     e.add_argument("--threads", type=int, default=2)
+    t = sub.add_parser("trees", help="tree drafting through the real engine, a few requests")
+    t.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
+    t.add_argument("--names", default=",".join(DRAFT_NAMES))
+    t.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    t.add_argument("--n", type=int, default=40)
+    t.add_argument("--per-kind", type=int, default=4)
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.cmd == "build":
         build(args)
+    elif args.cmd == "trees":
+        trees_cmd(args)
     else:
         evaluate_cmd(args)
 

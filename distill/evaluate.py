@@ -393,42 +393,74 @@ def markdown_report(result: dict, chain: int = 4, max_tree_nodes: int = 16) -> s
 
 
 @torch.inference_mode()
-def engine_crosscheck(
-    target_dir: Path, draft_dir: Path, refs: list[Reference], chain: int = 4
-) -> dict:
-    """Run the real engine (shared.engine, greedy, chain drafting) on `refs` and compare its
-    target-forward count and outputs with the offline simulation."""
-    from shared.drafting import Drafter, DraftMethod
+def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method) -> dict:
+    """Greedy decoding of `refs` with the real engine (shared.engine) and one draft method."""
+    from shared.drafting import Drafter
     from shared.engine import SpecEngine
     from shared.sampling import SamplingParams
     from shared.verifier import Verifier
 
     target = load_model(target_dir, torch.float32)
     draft = load_model(draft_dir, torch.float32)
-    total = sum(len(r.prompt) + len(r.continuation) + 32 for r in refs)
+    total = sum(len(r.prompt) + len(r.continuation) + 64 for r in refs)
     engine = SpecEngine(
         Verifier(_runner(target, total)),
         Drafter(_runner(draft, total)),
-        DraftMethod("chain", k=chain),
+        method,
         eos_token_ids=target.cfg.eos_token_ids,
     )
     params = [SamplingParams(max_tokens=len(r.continuation)) for r in refs]
+    start = time.perf_counter()
     out = engine.generate([r.prompt for r in refs], params)
+    seconds = time.perf_counter() - start
     eos = set(target.cfg.eos_token_ids)
     # The engine reports a stop token as the finish reason, not as an output token.
     same = sum(
         o.output == [t for t in r.continuation if t not in eos]
         for o, r in zip(out, refs, strict=True)
     )
-    ranks = teacher_forced_ranks(draft_dir, refs)
-    offline = sum(simulate(rk, (1,) * chain)[0] for rk in ranks)
-    produced = sum(len(r.continuation) - 1 for r in refs)
     return {
         "draft": draft_dir.name,
         "requests": len(refs),
         "outputs_equal_target_greedy": same,
         "engine_target_forwards": engine.stats.num_target_forwards,
         "engine_mean_accepted_length": round(engine.stats.mean_accepted_length, 3),
-        "offline_target_forwards": offline,
-        "offline_mean_accepted_tokens": round(produced / offline, 3),
+        "engine_acceptance_rate": round(engine.stats.acceptance_rate, 3),
+        "wall_seconds_batched": round(seconds, 1),
     }
+
+
+def engine_crosscheck(
+    target_dir: Path, draft_dir: Path, refs: list[Reference], chain: int = 4
+) -> dict:
+    """The engine's chain decoding against the offline simulation (forward counts must agree)."""
+    from shared.drafting import DraftMethod
+
+    result = engine_run(target_dir, draft_dir, refs, DraftMethod("chain", k=chain))
+    ranks = teacher_forced_ranks(draft_dir, refs)
+    offline = sum(simulate(rk, (1,) * chain)[0] for rk in ranks)
+    produced = sum(len(r.continuation) - 1 for r in refs)
+    result["offline_target_forwards"] = offline
+    result["offline_mean_accepted_tokens"] = round(produced / offline, 3)
+    return result
+
+
+def engine_trees(
+    target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
+) -> list[dict]:
+    """Tree methods of shared.drafting run through the engine (greedy): mean accepted length."""
+    from shared.drafting import DraftMethod
+
+    methods = {
+        "chain k=4": DraftMethod("chain", k=4),
+        "static <4,1,1,1>": DraftMethod("static", expansion=(4, 1, 1, 1)),
+        "static <2,2,1,1>": DraftMethod("static", expansion=(2, 2, 1, 1)),
+        "dynamic (<=16 nodes, depth<=6)": DraftMethod(
+            "dynamic", budget=16 * len(refs), max_size=16, max_depth=6
+        ),
+    }
+    rows = []
+    for name, d in draft_dirs.items():
+        for label, method in tqdm(methods.items(), desc=f"engine trees {name}"):
+            rows.append({"method": label, **engine_run(target_dir, d, refs, method)})
+    return rows
