@@ -42,16 +42,31 @@ def tree_attention_reference(
         if tree > 1:  # a lone new token sees everything: no mask, the fast SDPA path
             mask = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool, device=q.device)
             mask[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree)
-        o = F.scaled_dot_product_attention(
-            q[q_lo:q_hi].transpose(0, 1),  # [Hq, n, D]
-            k.transpose(0, 1),  # [Hkv, S, D]
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[q_lo:q_hi] = o.transpose(0, 1)
+        out[q_lo:q_hi] = _grouped_sdpa(q[q_lo:q_hi], k, v, mask, scale)
     return out
+
+
+def _grouped_sdpa(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [n, S] bool or None
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D]
+    """GQA without repeating KV: the query heads sharing a KV head become extra query rows
+    (query head h reads KV head h // group, as in transformers)."""
+    n, num_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    rows = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, dim)
+    o = F.scaled_dot_product_attention(
+        rows,  # [Hkv, group * n, D]
+        k.transpose(0, 1),  # [Hkv, S, D]
+        v.transpose(0, 1),
+        attn_mask=None if mask is None else mask.repeat(group, 1),
+        scale=scale,
+    )
+    return o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
 
 
 def commit_kv_reference(

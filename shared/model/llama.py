@@ -37,10 +37,18 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)  # [P, D]
         self.sin = emb.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D], positions [T] -> rotated x."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, [T, 1, D], computed once per forward."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> rotated x."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -101,11 +109,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
+        cos, sin = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
-            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), positions)
-            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions)
+            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache[i].flatten(0, 1)[slots] = k
             v_cache[i].flatten(0, 1)[slots] = v
