@@ -37,7 +37,7 @@ from shared.verifier import Verifier
 
 METHODS = {
     "chain4": DraftMethod("chain", k=4),
-    "tree": DraftMethod("dynamic", budget=10, max_size=10, max_depth=6, max_width=2),
+    "tree16": DraftMethod("dynamic", budget=16, max_size=16, max_depth=6, max_width=4),
 }
 KINDS = ("chat", "code", "math")
 KV_BYTES = 64 << 20
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--no-assisted", action="store_true", help="skip (d)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     args = ap.parse_args()
@@ -115,8 +116,9 @@ def main() -> None:
     gen_cfg = GenerationConfig(
         max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos
     )
-    hf_target = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
-    target = load_model(tdir)
+    dtype = getattr(torch, args.dtype)
+    hf_target = LlamaForCausalLM.from_pretrained(tdir, dtype=dtype).eval()
+    target = load_model(tdir, dtype=dtype)
     params = SamplingParams(max_tokens=n)
     rows: list[Row] = []
 
@@ -143,7 +145,7 @@ def main() -> None:
     ]
     drafts = draft_dirs()
     for name in args.drafts:
-        draft = load_model(drafts[name])
+        draft = load_model(drafts[name], dtype=dtype)
         for method_name in args.methods:
             engine = SpecEngine(
                 Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
@@ -153,7 +155,7 @@ def main() -> None:
             )
             configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
         if not args.no_assisted:
-            assistant = hf_llama_from_draft(drafts[name])
+            assistant = hf_llama_from_draft(drafts[name]).to(dtype)
             configs.append(
                 Config(
                     f"(d) transformers assisted, {name}",
@@ -191,6 +193,7 @@ def main() -> None:
         "per_kind": args.per_kind,
         "max_tokens": n,
         "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
         "torch": torch.__version__,
     }
     if args.json:
