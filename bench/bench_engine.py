@@ -38,6 +38,11 @@ from shared.verifier import Verifier
 METHODS = {
     "chain4": DraftMethod("chain", k=4),
     "tree16": DraftMethod("dynamic", budget=16, max_size=16, max_depth=6, max_width=4),
+    # cost-aware: draft only what the draft itself expects the target to accept
+    "chain8-p0.4": DraftMethod("chain", k=8, min_path_prob=0.4),
+    "tree16-p0.2": DraftMethod(
+        "dynamic", budget=16, max_size=16, max_depth=8, max_width=4, min_path_prob=0.2
+    ),
 }
 KINDS = ("chat", "code", "math")
 KV_BYTES = 64 << 20
@@ -97,7 +102,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--drafts", nargs="+", default=["draft-s", "draft-m", "draft-l"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=["chain4", "tree16"], choices=list(METHODS))
     ap.add_argument("--no-assisted", action="store_true", help="skip (d)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

@@ -43,12 +43,21 @@ class DraftMethod:
     max_width: int = 4  # dynamic: nodes per layer
     top_children: int = 4  # dynamic: children proposed per leaf (the thesis uses 4)
     proposal_top_k: int = 32  # sampled children come from this renormalized top-k
+    # Cost-aware speculation: a node whose path probability (the draft's estimate that the
+    # target accepts it) is below this is not drafted, so the verifier does not pay for it.
+    min_path_prob: float = 0.0
 
     def __post_init__(self) -> None:
         limits = [self.k, self.depth, self.width, self.budget, self.max_size, self.max_depth]
         limits += [self.max_width, self.top_children, self.proposal_top_k, *self.expansion]
         if min(limits) < 1 or not self.expansion:
             raise ValueError(f"draft method {self} has a non-positive limit")
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
+
+    @property
+    def min_path_logprob(self) -> float:
+        return float(np.log(self.min_path_prob)) if self.min_path_prob > 0 else -np.inf
 
     @property
     def num_layers(self) -> int:
@@ -183,23 +192,28 @@ class Drafter:
             return self._sample_children(t, per_node, method)
         logq = self._log_q(t)
         if method.kind == "beam":
-            return self._beam_layer(t, logq, method.width)
+            return self._beam_layer(t, logq, method.width, method.min_path_logprob)
         per_node = 1 if method.kind == "chain" else method.expansion[layer - 1]
         top = logq.topk(per_node, dim=-1)
         added = []
         for row, node in enumerate(t.frontier):
             for lp, idx in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
-                added.append(t.add(node, int(self.output_ids[idx]), lp))
+                if t.path_lp[node] + lp >= method.min_path_logprob:
+                    added.append(t.add(node, int(self.output_ids[idx]), lp))
         return added
 
-    def _beam_layer(self, t: _Growing, logq: torch.Tensor, width: int) -> list[int]:
+    def _beam_layer(
+        self, t: _Growing, logq: torch.Tensor, width: int, min_path_logprob: float
+    ) -> list[int]:
         """AdaServe: the w children with the highest path probability among all w x |V|."""
         path = torch.tensor([t.path_lp[n] for n in t.frontier], dtype=torch.float64)
         scores = (logq + path[:, None]).flatten()
-        best = scores.topk(min(width, scores.numel())).indices.tolist()
+        top = scores.topk(min(width, scores.numel()))
         num_out = logq.shape[1]
         added = []
-        for flat in best:
+        for score, flat in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if score < min_path_logprob:
+                break
             row, idx = divmod(flat, num_out)
             added.append(t.add(t.frontier[row], int(self.output_ids[idx]), float(logq[row, idx])))
         return added
@@ -212,6 +226,8 @@ class Drafter:
         top = probs.topk(k, dim=-1)
         added = []
         for row, node in enumerate(t.frontier):
+            if t.path_lp[node] < method.min_path_logprob:
+                continue  # not expanded; a drawn child is never dropped (losslessness)
             mass = top.values[row]
             keep = mass > 0
             q_probs = (mass[keep] / mass[keep].sum()).numpy()
@@ -248,6 +264,7 @@ class Drafter:
                     top.values[row].tolist(), top.indices[row].tolist(), strict=True
                 ):
                     mine.append((t.path_lp[node] + lq, ti, node, int(self.output_ids[idx]), lq))
+            mine = [c for c in mine if c[0] >= method.min_path_logprob]
             mine.sort(key=lambda c: -c[0])
             candidates.extend(mine[: method.max_width])
         candidates.sort(key=lambda c: -c[0])

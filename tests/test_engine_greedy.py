@@ -17,6 +17,9 @@ METHODS = {
     "static": DraftMethod("static", expansion=(3, 2, 1)),
     "beam": DraftMethod("beam", depth=4, width=3),
     "dynamic": DraftMethod("dynamic", budget=12, max_size=8, max_depth=5, max_width=3),
+    "chain_cost_aware": DraftMethod("chain", k=6, min_path_prob=0.05),
+    "beam_cost_aware": DraftMethod("beam", depth=4, width=3, min_path_prob=0.02),
+    "dynamic_cost_aware": DraftMethod("dynamic", budget=12, max_size=8, min_path_prob=0.02),
 }
 PROMPTS = [
     [5, 17, 3, 44],

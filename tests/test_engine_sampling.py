@@ -47,6 +47,7 @@ SAMPLED_METHODS = {
     "static": DraftMethod("static", expansion=(2, 2)),
     "beam": METHODS["beam"],
     "dynamic": METHODS["dynamic"],
+    "static_cost_aware": DraftMethod("static", expansion=(2, 2), min_path_prob=0.3),
 }
 
 
