@@ -109,6 +109,7 @@ class StepOutput:
 class _Batch:
     prefill: list[tuple[Request, int]]  # request, chunk length
     decode: list[Request]
+    failed: list[Request]  # could not go on (e.g. alone and still too big for the KV cache)
 
 
 def tree_capacity(method: DraftMethod | None) -> int:
@@ -166,7 +167,9 @@ class SpecEngine:
                 f"the model's context of {runner.max_context} tokens",
                 param="max_tokens",
             )
-        need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens)
+        need = runner.cache.num_blocks_for(
+            len(prompt) + params.max_tokens + tree_capacity(self.method)
+        )
         if need > runner.cache.num_blocks:
             raise OutOfKVMemoryError(
                 f"request needs {need} KV blocks, more than the cache's {runner.cache.num_blocks}"
@@ -192,7 +195,8 @@ class SpecEngine:
     def step(self) -> list[StepOutput]:
         batch = self._schedule()
         results = self._run(batch)
-        return self._postprocess(batch, results)
+        failed = [StepOutput(r.request_id, [], r.finish_reason, r.error) for r in batch.failed]
+        return failed + self._postprocess(batch, results)
 
     def _schedule(self) -> _Batch:
         """Running requests decode; waiting ones are admitted (prefill chunks) while KV lasts."""
@@ -200,6 +204,7 @@ class SpecEngine:
         per_tree = tree_capacity(self.method)
         free = runner.cache.allocator.num_free
         decode: list[Request] = []
+        failed: list[Request] = []
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:  # (preempted for an older one)
                 continue
@@ -212,6 +217,7 @@ class SpecEngine:
             if need > free:
                 if len(self.running) == 1:  # alone in the cache and still too big
                     self._finish(req, "error", "KV cache exhausted by a single request")
+                    failed.append(req)
                 else:  # older requests hold the memory: wait for them
                     free += self._preempt(req)
                 continue
@@ -242,7 +248,7 @@ class SpecEngine:
             budget -= chunk
             self._admit(req)
             prefill.append((req, chunk))
-        return _Batch(prefill, decode)
+        return _Batch(prefill, decode, failed)
 
     def _admit(self, req: Request) -> None:
         if req in self.waiting:
