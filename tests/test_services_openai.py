@@ -3,6 +3,7 @@ scheduler, verifier and drafter in one process, every message through (embedded)
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from shared.bus import EmbeddedRedis
 from shared.model_set import draft_dirs
 from shared.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
-from tests.test_services_support import make_settings, plain_greedy
+from tests.test_services_support import describe, make_settings, plain_greedy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.smollm2]
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -111,10 +112,14 @@ async def test_openai_client_streams_a_chat_completion(
         )
         pieces: list[str] = []
         chunks: list[Any] = []
-        async for chunk in stream:
-            chunks.append(chunk)
-            if chunk.choices and chunk.choices[0].delta.content:
-                pieces.append(chunk.choices[0].delta.content)
+        try:
+            async with asyncio.timeout(120):
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        pieces.append(chunk.choices[0].delta.content)
+        except TimeoutError:
+            raise AssertionError(f"stuck after {pieces}\n{describe(stack)}") from None
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[0].id.startswith("chatcmpl-")
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -129,8 +134,6 @@ async def test_openai_client_streams_a_chat_completion(
 
 
 async def wait_for_gateway(client: AsyncOpenAI, attempts: int = 100) -> None:
-    import asyncio
-
     import openai
 
     for _ in range(attempts):
