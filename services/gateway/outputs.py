@@ -62,7 +62,8 @@ class OutputRouter:
                 await self._task
         if self._client is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._client.aclose(), grace)
+                async with asyncio.timeout(grace):
+                    await self._client.aclose()
 
     async def _read(self) -> None:
         assert self._client is not None

@@ -93,7 +93,8 @@ async def follow(
     """Yield text deltas in order until the request finishes; drop repeats, refuse gaps."""
     while progress.finish is None:
         try:
-            message = await asyncio.wait_for(queue.get(), idle_timeout_s)
+            async with asyncio.timeout(idle_timeout_s):  # (3.11's wait_for can eat a cancel)
+                message = await queue.get()
         except TimeoutError:
             raise APIError(
                 503, "no output from the scheduler in time", kind="server_error", code="timeout"
