@@ -34,6 +34,7 @@ def build_method(args: argparse.Namespace) -> DraftMethod:
         max_size=args.budget,
         max_depth=args.depth,
         max_width=args.width,
+        min_path_prob=args.min_path_prob,
     )
 
 
@@ -43,14 +44,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--draft", default="draft-l", help="draft name from the model set, or a dir")
+    gen.add_argument("--draft", default="draft-s", help="draft name from the model set, or a dir")
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
-    gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default="chain")
+    gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default="dynamic")
     gen.add_argument("--k", type=int, default=4, help="chain length")
     gen.add_argument("--expansion", type=int, nargs="+", default=[2, 2, 1, 1])
-    gen.add_argument("--depth", type=int, default=5, help="beam/dynamic depth")
-    gen.add_argument("--width", type=int, default=3, help="beam/dynamic width")
-    gen.add_argument("--budget", type=int, default=12, help="dynamic tree: draft tokens")
+    gen.add_argument("--depth", type=int, default=6, help="beam/dynamic depth")
+    gen.add_argument("--width", type=int, default=4, help="beam/dynamic width")
+    gen.add_argument("--budget", type=int, default=16, help="dynamic tree: draft tokens")
+    gen.add_argument(
+        "--min-path-prob",
+        type=float,
+        default=0.2,
+        help="draft no node the draft expects the target to accept with less probability",
+    )
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

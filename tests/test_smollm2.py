@@ -79,3 +79,19 @@ def test_speculative_greedy_equals_plain_on_real_prompts(target, prompts, method
     spec = engine.generate(prompts, params)
     assert [r.output for r in spec] == [r.output for r in plain]
     assert engine.stats.num_accepted > 0
+
+
+def test_cli_streams_a_completion_and_reports_acceptance(capsys):
+    from shared.cli import main
+
+    assert main(["generate", "Name a color.", "--max-tokens", "12", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "generated tokens" in out and "tokens/s" in out
+    assert "mean accepted length" in out and "draft-s (dynamic)" in out
+
+
+def test_cli_reports_bad_input_clearly(capsys):
+    from shared.cli import main
+
+    assert main(["generate", "Hi", "--max-tokens", "9000", "--no-spec"]) == 2
+    assert "context of 8192 tokens" in capsys.readouterr().err
