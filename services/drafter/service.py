@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from services.drafter.methods import engine_method
-from services.runtime import ModelThread
-from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from services.model_service import ModelService
+from shared.bus import Bus
 from shared.drafting import Drafter
 from shared.drafting import DraftRequest as EngineDraftRequest
 from shared.engine import tree_capacity
@@ -39,43 +39,29 @@ class DrafterStats:
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
-class DrafterService:
+class DrafterService(ModelService[DraftJob, CandidateTrees]):
+    job_type = DraftJob
+
     def __init__(self, bus: Bus, runner: ModelRunner, *, model: str, cell: str) -> None:
-        self.bus = bus
-        self.model = model
-        self.cell = cell
         self.replica = bus.consumer_name
+        super().__init__(
+            bus,
+            service=DRAFTER,
+            cell=cell,
+            model=model,
+            job_stream=draft_stream(cell, model, bus.consumer_name),
+            reply_stream=candidates_stream(cell),
+        )
         self.drafter = Drafter(runner, name=model)
-        self.stream = draft_stream(cell, model, self.replica)
         self.stats = DrafterStats()
         self._answers: dict[str, DraftedTree] = {}  # last answer per request, for redeliveries
-        self._thread = ModelThread(f"drafter-{model}")
-        self.consumer = StreamConsumer(
-            bus, group=DRAFTER, streams=[self.stream], handler=self.handle
-        )
-        self.heartbeat = Heartbeater(bus, service=DRAFTER, cell=cell, model=model, capacity=1)
 
     @property
     def runner(self) -> ModelRunner:
         return self.drafter.runner
 
-    async def start(self) -> None:
-        await self.consumer.start()
-        await self.heartbeat.start()
-
-    async def stop(self) -> None:
-        await self.heartbeat.stop()
-        await self.consumer.stop()
-        self._thread.close()
-
-    # ---- handling ------------------------------------------------------------------------------
-    async def handle(self, delivery: Delivery) -> None:
-        job = delivery.message
-        if not isinstance(job, DraftJob):
-            raise DeadLetterError(f"a drafter reads draft jobs, not {job.TYPE}")
-        answer = await self._thread.run(self.draft_job, job)
-        if answer is not None:
-            await self.bus.publish(candidates_stream(self.cell), answer)
+    def run_job(self, job: DraftJob) -> CandidateTrees | None:
+        return self.draft_job(job)
 
     def draft_job(self, job: DraftJob) -> CandidateTrees | None:
         """Runs on the model thread: releases, then one batched draft of the job's requests."""

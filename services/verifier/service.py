@@ -17,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from services.runtime import ModelThread
-from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from services.model_service import ModelService
+from shared.bus import Bus
 from shared.runner import ModelRunner
 from shared.verifier import Verifier, VerifyEntry
 from shared.verifier import VerifyResult as EngineResult
@@ -56,39 +56,28 @@ def to_wire(entry: VerifyRequest, result: EngineResult) -> VerifiedRequest:
     )
 
 
-class VerifierService:
+class VerifierService(ModelService[VerifyJob, VerifyResult]):
+    job_type = VerifyJob
+
     def __init__(self, bus: Bus, runner: ModelRunner, *, cell: str, model: str = "target") -> None:
-        self.bus = bus
-        self.cell = cell
+        super().__init__(
+            bus,
+            service=VERIFIER,
+            cell=cell,
+            model=model,
+            job_stream=verify_stream(cell),
+            reply_stream=results_stream(cell),
+        )
         self.verifier = Verifier(runner)
         self.stats = VerifierStats()
         self._answers: dict[str, VerifiedRequest] = {}
-        self._thread = ModelThread("verifier")
-        self.consumer = StreamConsumer(
-            bus, group=VERIFIER, streams=[verify_stream(cell)], handler=self.handle
-        )
-        self.heartbeat = Heartbeater(bus, service=VERIFIER, cell=cell, model=model, capacity=1)
 
     @property
     def runner(self) -> ModelRunner:
         return self.verifier.runner
 
-    async def start(self) -> None:
-        await self.consumer.start()
-        await self.heartbeat.start()
-
-    async def stop(self) -> None:
-        await self.heartbeat.stop()
-        await self.consumer.stop()
-        self._thread.close()
-
-    async def handle(self, delivery: Delivery) -> None:
-        job = delivery.message
-        if not isinstance(job, VerifyJob):
-            raise DeadLetterError(f"the verifier reads verify jobs, not {job.TYPE}")
-        answer = await self._thread.run(self.verify_job, job)
-        if answer is not None:
-            await self.bus.publish(results_stream(self.cell), answer)
+    def run_job(self, job: VerifyJob) -> VerifyResult | None:
+        return self.verify_job(job)
 
     # ---- on the model thread ---------------------------------------------------------------------
     def verify_job(self, job: VerifyJob) -> VerifyResult | None:
