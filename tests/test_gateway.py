@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -32,12 +32,6 @@ FAST = RedisSettings(block_ms=100, claim_idle_ms=1000)
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
-        yield embedded
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,17 +30,6 @@ from shared.wire.streams import (
 from tests.test_services_support import plain_greedy, running, until
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return "asyncio", {"use_uvloop": True}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
-        yield embedded
 
 
 PROMPT = [5, 17, 33, 2, 80, 41]

@@ -6,7 +6,6 @@ Real Redis (embedded), real (tiny, random) LLaMA models on CPU; every message go
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,6 @@ from shared.wire import FinishReason
 from tests.test_services_support import plain_greedy, running
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return "asyncio", {"use_uvloop": True}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
-        yield embedded
 
 
 def prompts_of(n: int) -> list[list[int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,6 @@ from tests.test_services_support import describe, make_settings, plain_greedy
 pytestmark = [pytest.mark.anyio, pytest.mark.smollm2]
 QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 24
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return "asyncio", {"use_uvloop": True}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as embedded:
-        yield embedded
 
 
 @pytest.fixture(scope="module")

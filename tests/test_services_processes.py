@@ -23,11 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 1]]
 
 
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return "asyncio", {"use_uvloop": True}
-
-
 def service_env(target: Path, draft: Path, cell: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUGURY_")}
     env.update(
