@@ -58,5 +58,16 @@ class ModelService(Generic[JobT, AnswerT]):
             await self.bus.publish(self._reply_stream, answer)
 
     def run_job(self, job: JobT) -> AnswerT | None:
-        """Runs on the model thread; None when there is nothing to answer."""
+        """On the model thread: drop the released requests, then answer the job's entries."""
+        for request_id in job.release:  # type: ignore[attr-defined]
+            self.forget(request_id)
+        if not job.entries:  # type: ignore[attr-defined]
+            return None
+        return self.answer(job)
+
+    def forget(self, request_id: str) -> None:
+        """Free everything held for a request (its KV, its last answer)."""
+        raise NotImplementedError
+
+    def answer(self, job: JobT) -> AnswerT:
         raise NotImplementedError

@@ -60,16 +60,14 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
     def runner(self) -> ModelRunner:
         return self.drafter.runner
 
-    def run_job(self, job: DraftJob) -> CandidateTrees | None:
-        return self.draft_job(job)
+    draft_job = ModelService.run_job
 
-    def draft_job(self, job: DraftJob) -> CandidateTrees | None:
-        """Runs on the model thread: releases, then one batched draft of the job's requests."""
-        for request_id in job.release:
-            self.drafter.free(request_id)
-            self._answers.pop(request_id, None)
-        if not job.entries:
-            return None
+    def forget(self, request_id: str) -> None:
+        self.drafter.free(request_id)
+        self._answers.pop(request_id, None)
+
+    def answer(self, job: DraftJob) -> CandidateTrees:
+        """One batched draft of the job's requests (replaying answers already given)."""
         started = time.perf_counter()
         answers: dict[int, DraftedTree] = {}
         todo: dict[int, DraftRequest] = {}

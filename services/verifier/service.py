@@ -76,16 +76,14 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
     def runner(self) -> ModelRunner:
         return self.verifier.runner
 
-    def run_job(self, job: VerifyJob) -> VerifyResult | None:
-        return self.verify_job(job)
+    verify_job = ModelService.run_job
 
     # ---- on the model thread ---------------------------------------------------------------------
-    def verify_job(self, job: VerifyJob) -> VerifyResult | None:
-        for request_id in job.release:
-            self.verifier.free(request_id)
-            self._answers.pop(request_id, None)
-        if not job.entries:
-            return None
+    def forget(self, request_id: str) -> None:
+        self.verifier.free(request_id)
+        self._answers.pop(request_id, None)
+
+    def answer(self, job: VerifyJob) -> VerifyResult:
         started = time.perf_counter()
         answers: dict[int, VerifiedRequest] = {}
         todo: dict[int, VerifyRequest] = {}
