@@ -150,7 +150,7 @@ def main() -> None:
     ]
     drafts = draft_dirs()
     for name in args.drafts:
-        draft = load_model(drafts[name], dtype=dtype)
+        draft = load_model(drafts[name], dtype=dtype, target_path=tdir)
         for method_name in args.methods:
             engine = SpecEngine(
                 Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
@@ -160,7 +160,7 @@ def main() -> None:
             )
             configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
         if not args.no_assisted:
-            assistant = hf_llama_from_draft(drafts[name]).to(dtype)
+            assistant = hf_llama_from_draft(drafts[name], tdir).to(dtype)
             configs.append(
                 Config(
                     f"(d) transformers assisted, {name}",

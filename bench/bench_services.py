@@ -88,7 +88,9 @@ class EngineRunner:
     def __init__(self, target: Path, draft: Path | None, method: DraftMethod | None) -> None:
         runner = ModelRunner(load_model(target), kv_memory_bytes=KV_BYTES)
         drafter = (
-            Drafter(ModelRunner(load_model(draft), kv_memory_bytes=KV_BYTES)) if draft else None
+            Drafter(ModelRunner(load_model(draft, target_path=target), kv_memory_bytes=KV_BYTES))
+            if draft
+            else None
         )
         self.engine = SpecEngine(
             Verifier(runner), drafter, method, eos_token_ids=runner.cfg.eos_token_ids

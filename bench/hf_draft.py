@@ -1,8 +1,9 @@
 """A committed Augury draft as a transformers `LlamaForCausalLM` computing the same function.
 
-Our drafts factorize the input embedding and predict a reduced vocabulary; transformers' assisted
-generation needs a plain LlamaForCausalLM, so we materialize the embedding (E @ P^T) and give the
-lm_head a bias of -inf (as -1e9) on every token outside the draft's output vocabulary.
+Our drafts factorize the input embedding (or share the target's) and predict a reduced
+vocabulary; transformers' assisted generation needs a plain LlamaForCausalLM, so we materialize the
+embedding (E @ P^T, or the target's rows) and give the lm_head a bias of -inf (as -1e9) on every
+token outside the draft's output vocabulary.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 NEG_INF = -1e9
 
 
-def hf_llama_from_draft(draft_dir: Path) -> LlamaForCausalLM:
+def hf_llama_from_draft(draft_dir: Path, target_dir: Path) -> LlamaForCausalLM:
+    """`target_dir` supplies the input embedding of a draft that shares the target's."""
     cfg = json.loads((draft_dir / "config.json").read_text())
     w = {
         k: v.float() if v.is_floating_point() else v
         for k, v in load_file(str(draft_dir / "model.safetensors")).items()
     }
+    if cfg.get("augury_shares_target_embedding"):
+        embed = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+        w["model.embed_tokens.weight"] = embed.float()
     hf_cfg = LlamaConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],

@@ -64,10 +64,10 @@ def build(args: argparse.Namespace) -> None:
     gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
     fingerprint = tokenizer_fingerprint(tdir)
     eos, bos = int(fingerprint["eos_token_id"]), int(fingerprint["bos_token_id"])
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    with safe_open(str(tdir / "model.safetensors"), framework="pt") as f:
-        target_embedding = f.get_tensor("model.embed_tokens.weight")
+    target_tensors = load_file(str(tdir / "model.safetensors"))
+    target_embedding = target_tensors["model.embed_tokens.weight"]
     target_cfg = json.loads((tdir / "config.json").read_text())
     rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
     names = args.drafts.split(",") if args.drafts else list(DRAFT_NAMES)
@@ -92,7 +92,7 @@ def build(args: argparse.Namespace) -> None:
             max_positions=int(target_cfg["max_position_embeddings"]),
             rms_norm_eps=float(target_cfg["rms_norm_eps"]),
         )
-        draft.init_from_target(target_embedding, seed=SEED + i)
+        draft.init_from_target(target_tensors, seed=SEED + i)
         stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i)
         meta = {
             "name": name,

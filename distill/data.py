@@ -29,7 +29,7 @@ MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
 GEN_TOKENS = 128
 # How many prompts the target answers, and how many human-written documents, per kind.
-GEN_PROMPTS = {"chat": 300, "code": 150, "math": 150}
+GEN_PROMPTS = {"chat": 700, "code": 300, "math": 300}
 DOCUMENTS = {"chat": 120, "code": 150, "math": 150}
 
 

@@ -119,10 +119,12 @@ def greedy_runner(
 
 
 @torch.inference_mode()
-def teacher_forced_ranks(draft_dir: Path, refs: list[Reference]) -> list[np.ndarray]:
+def teacher_forced_ranks(
+    draft_dir: Path, target_dir: Path, refs: list[Reference]
+) -> list[np.ndarray]:
     """Per request, the draft's rank of g[j] given prompt + g[:j], for j = 1..len(g)-1
     (0 = the draft's argmax; MAX_RANK when absent from its top-(MAX_RANK-1) or its vocab)."""
-    model = load_model(draft_dir, torch.float32)
+    model = load_model(draft_dir, torch.float32, target_path=target_dir)
     out_ids = model.output_token_ids
     full_to_row = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
     full_to_row[out_ids] = torch.arange(len(out_ids))
@@ -199,7 +201,9 @@ def measure_costs(target_dir: Path, draft_dirs: dict[str, Path]) -> Costs:
     verify = _time_widths(target, [1, 5, 9, 17, 33])
     drafts = {}
     for name, d in tqdm(draft_dirs.items(), desc="time drafts"):
-        drafts[name] = _time_widths(load_model(d, torch.float32), [1, 2, 4, 8, 16])
+        drafts[name] = _time_widths(
+            load_model(d, torch.float32, target_path=target_dir), [1, 2, 4, 8, 16]
+        )
     return Costs(verify[1], verify, drafts)
 
 
@@ -248,7 +252,7 @@ def evaluate(
     )
     refs_used = [r for r in refs if len(r.continuation) >= 2]
     costs = measure_costs(target_dir, draft_dirs)
-    ranks = {name: teacher_forced_ranks(d, refs_used) for name, d in draft_dirs.items()}
+    ranks = {name: teacher_forced_ranks(d, target_dir, refs_used) for name, d in draft_dirs.items()}
     chain_shape = (1,) * chain
     result: dict = {
         "n_per_kind": n_per_kind,
@@ -269,7 +273,7 @@ def evaluate(
     kinds_of = [r.kind for r in refs_used]
     trees = candidate_trees(max_tree_nodes)
     for name, ddir in draft_dirs.items():
-        vocab = set(load_model(ddir).output_token_ids.tolist())
+        vocab = set(load_model(ddir, target_path=target_dir).output_token_ids.tolist())
         per_kind: dict[str, dict] = {}
         for kind in [*KINDS, "mix"]:
             idx = [i for i, k in enumerate(kinds_of) if kind in ("mix", k)]
@@ -401,7 +405,7 @@ def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method)
     from shared.verifier import Verifier
 
     target = load_model(target_dir, torch.float32)
-    draft = load_model(draft_dir, torch.float32)
+    draft = load_model(draft_dir, torch.float32, target_path=target_dir)
     total = sum(len(r.prompt) + len(r.continuation) + 64 for r in refs)
     engine = SpecEngine(
         Verifier(_runner(target, total)),
@@ -437,7 +441,7 @@ def engine_crosscheck(
     from shared.drafting import DraftMethod
 
     result = engine_run(target_dir, draft_dir, refs, DraftMethod("chain", k=chain))
-    ranks = teacher_forced_ranks(draft_dir, refs)
+    ranks = teacher_forced_ranks(draft_dir, target_dir, refs)
     offline = sum(simulate(rk, (1,) * chain)[0] for rk in ranks)
     produced = sum(len(r.continuation) - 1 for r in refs)
     result["offline_target_forwards"] = offline

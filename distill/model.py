@@ -1,11 +1,14 @@
 """Draft architectures, the trainable LLaMA module, and export to an Augury checkpoint directory.
 
-A draft is a LLaMA-architecture decoder with two size-saving twists that `shared.model.load_model`
+A draft is a LLaMA-architecture decoder with size-saving twists that `shared.model.load_model`
 understands:
 
 - a factorized input embedding: `model.embed_tokens.weight` [vocab, rank] and
   `augury.embed_proj.weight` [hidden, rank] (config key `augury_embedding_rank`), initialized from
   the principal components of the target's embedding matrix;
+- or, for a draft as wide as the target, the target's own input embedding, not stored (config key
+  `augury_shares_target_embedding`; the loader reads it from the target checkpoint), with layers
+  initialized from the target's first layers (`DraftSpec.target_layers`);
 - a reduced output vocabulary: `lm_head.weight` [N, hidden] over the target's N most frequent
   predicted tokens, `augury.output_token_ids` maps rows to full-vocabulary ids (config key
   `augury_num_output_tokens`). Verification stays exact: the target checks every drafted token.
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -34,22 +38,42 @@ class DraftSpec:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    embedding_rank: int
+    embedding_rank: int | None  # None: the full-width input embedding
     num_output_tokens: int
     train_steps: int
     lr: float
+    # Initialize layer i from target layer `target_layers[i]` (same width as the target).
+    target_layers: tuple[int, ...] = ()
+    # The input embedding is the target's own: frozen, not exported (the loader reads it from
+    # the target checkpoint). Needs hidden_size equal to the target's.
+    shares_target_embedding: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
 
-# Three heterogeneous drafts (Spin's SSM set): sizes chosen so all three fit in ~51 MB of fp16.
+# Three heterogeneous drafts (Spin's SSM set), all under 60 MB of fp16 together:
+# - draft-s: a narrow 1-layer decoder trained from scratch (factorized input embedding);
+# - draft-m, draft-l: the target's own first 1 / 3 layers at full width, then distilled; they
+#   share the target's input embedding and train their own reduced-vocabulary head.
 DRAFT_SPECS: dict[str, DraftSpec] = {
-    "draft-s": DraftSpec("draft-s", 256, 1, 4, 2, 768, 48, 8192, train_steps=1000, lr=3e-3),
-    "draft-m": DraftSpec("draft-m", 320, 3, 5, 1, 864, 48, 8192, train_steps=800, lr=3e-3),
-    "draft-l": DraftSpec("draft-l", 384, 4, 6, 2, 1024, 48, 8192, train_steps=700, lr=3e-3),
-}
+    "draft-s": DraftSpec(
+        "draft-s", hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
+        intermediate_size=768, embedding_rank=48, num_output_tokens=8192,
+        train_steps=2000, lr=3e-3,
+    ),
+    "draft-m": DraftSpec(
+        "draft-m", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+        intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
+        train_steps=1500, lr=1e-3, target_layers=(0,), shares_target_embedding=True,
+    ),
+    "draft-l": DraftSpec(
+        "draft-l", hidden_size=576, num_layers=3, num_heads=9, num_kv_heads=3,
+        intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
+        train_steps=1500, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
+    ),
+}  # fmt: skip
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,8 +122,9 @@ class TrainableDraft(nn.Module):
         self.rope_theta = rope_theta
         self.max_positions = max_positions
         self.eps = rms_norm_eps
-        self.embed_tokens = nn.Embedding(vocab_size, spec.embedding_rank)
-        self.embed_proj = nn.Linear(spec.embedding_rank, spec.hidden_size, bias=False)
+        rank = spec.embedding_rank
+        self.embed_tokens = nn.Embedding(vocab_size, rank or spec.hidden_size)
+        self.embed_proj = nn.Linear(rank, spec.hidden_size, bias=False) if rank else None
         self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = nn.Linear(spec.hidden_size, len(output_token_ids), bias=False)
@@ -111,9 +136,14 @@ class TrainableDraft(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def init_from_target(self, target_embedding: torch.Tensor, seed: int) -> None:
-        """Principal components of the target's embedding as the factorized input embedding;
-        the output head starts as the transposed input path (tied in spirit, then untied)."""
+    def init_from_target(self, target: dict[str, torch.Tensor], seed: int) -> None:
+        """Initialize from the target's tensors (HF names).
+
+        Random layers (GPT-2 scaled residual init) unless `spec.target_layers` names target layers
+        to copy. The input embedding is the target's own when shared, else a factorized one from
+        the top principal directions of the target's embedding; the output head is the target's
+        rows for the draft's vocabulary when shared, else the transposed input path.
+        """
         gen = torch.Generator().manual_seed(seed)
         spec = self.spec
         std = 0.02
@@ -122,29 +152,40 @@ class TrainableDraft(nn.Module):
                 p.data.normal_(0.0, std, generator=gen)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
-            for lin in (layer.o_proj, layer.down_proj):  # GPT-2 style scaled residual init
+            for lin in (layer.o_proj, layer.down_proj):
                 lin.weight.data.mul_(1.0 / (2 * spec.num_layers) ** 0.5)
-        emb = target_embedding.float()
+        for layer, source in zip(self.layers, spec.target_layers, strict=False):
+            assert isinstance(layer, _Layer)
+            _copy_target_layer(layer, target, source)
+        emb = target["model.embed_tokens.weight"].float()
+        head_rows = target.get("lm_head.weight", target["model.embed_tokens.weight"]).float()
+        if self.embed_proj is None:  # full width: the target's embedding, head and final norm
+            self.embed_tokens.weight.data.copy_(emb)
+            self.embed_tokens.weight.requires_grad_(not spec.shares_target_embedding)
+            self.lm_head.weight.data.copy_(head_rows[self.output_token_ids])
+            self.norm.data.copy_(target["model.norm.weight"].float())
+            return
         centered = emb - emb.mean(0, keepdim=True)
-        _, s, vh = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
-        basis = vh[: spec.embedding_rank]  # [r, target_hidden]
+        _, _, vh = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
+        basis = vh[: self.embed_proj.in_features]  # [r, target_hidden]
         low = emb @ basis.T  # [V, r]
         low = low / low.std()
         self.embed_tokens.weight.data.copy_(low)
         proj = self.embed_proj.weight.data  # [hidden, r]
-        proj.normal_(0.0, 1.0 / spec.embedding_rank**0.5, generator=gen)
+        proj.normal_(0.0, 1.0 / proj.shape[1] ** 0.5, generator=gen)
         head = low[self.output_token_ids] @ proj.T  # [N, hidden]
         self.lm_head.weight.data.copy_(head / head.std() * std)
-        del s
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, N] over the reduced output vocabulary (fp32)."""
         spec = self.spec
         bsz, seq = input_ids.shape
         d = spec.head_dim
-        cos = self.cos[:seq].to(self.embed_proj.weight.dtype)[None, None]
-        sin = self.sin[:seq].to(self.embed_proj.weight.dtype)[None, None]
-        x = self.embed_proj(self.embed_tokens(input_ids))
+        cos = self.cos[:seq].to(self.norm.dtype)[None, None]
+        sin = self.sin[:seq].to(self.norm.dtype)[None, None]
+        x = self.embed_tokens(input_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
             h = _rms_norm(x, layer.input_norm, self.eps)
@@ -163,7 +204,19 @@ class TrainableDraft(nn.Module):
         return self.lm_head(_rms_norm(x, self.norm, self.eps)).float()
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters the draft's checkpoint stores (a shared target embedding is not counted)."""
+        shared = self.embed_tokens.weight.numel() if self.spec.shares_target_embedding else 0
+        return sum(p.numel() for p in self.parameters()) - shared
+
+
+def _copy_target_layer(layer: _Layer, target: dict[str, torch.Tensor], source: int) -> None:
+    p = f"model.layers.{source}."
+    layer.input_norm.data.copy_(target[p + "input_layernorm.weight"].float())
+    layer.post_attn_norm.data.copy_(target[p + "post_attention_layernorm.weight"].float())
+    for n in ("q", "k", "v", "o"):
+        getattr(layer, f"{n}_proj").weight.data.copy_(target[p + f"self_attn.{n}_proj.weight"])
+    for n in ("gate", "up", "down"):
+        getattr(layer, f"{n}_proj").weight.data.copy_(target[p + f"mlp.{n}_proj.weight"])
 
 
 def hf_config(draft: TrainableDraft, *, bos_token_id: int, eos_token_id: int) -> dict:
@@ -189,6 +242,7 @@ def hf_config(draft: TrainableDraft, *, bos_token_id: int, eos_token_id: int) ->
         "torch_dtype": "float16",
         "augury_num_output_tokens": len(draft.output_token_ids),
         "augury_embedding_rank": spec.embedding_rank,
+        "augury_shares_target_embedding": spec.shares_target_embedding,
         "augury_draft_spec": asdict(spec),
     }
 
@@ -204,11 +258,13 @@ def export_draft(
     """Write config.json + fp16 model.safetensors (HF LLaMA tensor names) + metadata.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": draft.embed_tokens.weight,
-        "augury.embed_proj.weight": draft.embed_proj.weight,
         "model.norm.weight": draft.norm,
         "lm_head.weight": draft.lm_head.weight,
     }
+    if not draft.spec.shares_target_embedding:  # a shared one is read from the target
+        t["model.embed_tokens.weight"] = draft.embed_tokens.weight
+    if draft.embed_proj is not None:
+        t["augury.embed_proj.weight"] = draft.embed_proj.weight
     for i, layer in enumerate(draft.layers):
         assert isinstance(layer, _Layer)
         p = f"model.layers.{i}."
@@ -227,13 +283,21 @@ def export_draft(
     return out_dir
 
 
-def load_trainable(draft_dir: Path) -> TrainableDraft:
-    """Rebuild the training module from an exported draft (fp32), e.g. to check the export."""
+def load_trainable(draft_dir: Path, target_dir: Path | None = None) -> TrainableDraft:
+    """Rebuild the training module from an exported draft (fp32), e.g. to check the export.
+
+    `target_dir` supplies the input embedding of a draft that shares the target's."""
     from safetensors.torch import load_file
 
     config = json.loads((draft_dir / "config.json").read_text())
-    spec = DraftSpec(**config["augury_draft_spec"])
+    raw = config["augury_draft_spec"]
+    spec = DraftSpec(**{**raw, "target_layers": tuple(raw.get("target_layers", ()))})
     w = load_file(str(draft_dir / "model.safetensors"))
+    if spec.shares_target_embedding:
+        if target_dir is None:
+            raise ValueError(f"draft {draft_dir} shares the target's embedding: pass target_dir")
+        with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+            w["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
     draft = TrainableDraft(
         spec,
         config["vocab_size"],
@@ -243,7 +307,8 @@ def load_trainable(draft_dir: Path) -> TrainableDraft:
         rms_norm_eps=config["rms_norm_eps"],
     )
     draft.embed_tokens.weight.data.copy_(w["model.embed_tokens.weight"])
-    draft.embed_proj.weight.data.copy_(w["augury.embed_proj.weight"])
+    if draft.embed_proj is not None:
+        draft.embed_proj.weight.data.copy_(w["augury.embed_proj.weight"])
     draft.norm.data.copy_(w["model.norm.weight"])
     draft.lm_head.weight.data.copy_(w["lm_head.weight"])
     for i, layer in enumerate(draft.layers):

@@ -15,12 +15,26 @@ from distill.model import DraftSpec, TrainableDraft
 BATCH_TOKENS = 2048
 ANSWER_WEIGHT = 2.0  # positions inside the target's own answers count double
 WARMUP_STEPS = 30
+VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training
+EVAL_INTERVAL = 250  # steps between held-out checks; the best checkpoint is kept
 
 
-def make_batches(cache: TopKCache, batch_tokens: int) -> list[np.ndarray]:
+def split_validation(cache: TopKCache) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) sequence indices: every VALIDATION_EVERY-th target answer is held out,
+    so the held-out top-1 agreement measures what serving sees (the target's own answers)."""
+    generated = np.flatnonzero(cache.generated)
+    validation = generated[VALIDATION_EVERY // 2 :: VALIDATION_EVERY]
+    train = np.setdiff1d(np.arange(cache.num_sequences), validation)
+    return train, validation
+
+
+def make_batches(
+    cache: TopKCache, batch_tokens: int, seq_ids: np.ndarray | None = None
+) -> list[np.ndarray]:
     """Sequence indices grouped by similar length, each group at most `batch_tokens` padded."""
     lengths = np.diff(cache.offsets)
-    order = np.argsort(lengths, kind="stable")
+    ids = np.arange(cache.num_sequences) if seq_ids is None else np.asarray(seq_ids)
+    order = ids[np.argsort(lengths[ids], kind="stable")]
     batches: list[np.ndarray] = []
     i = 0
     while i < len(order):
@@ -85,6 +99,23 @@ def distill_loss(
     return loss, acc
 
 
+@torch.inference_mode()
+def answer_agreement(
+    draft: TrainableDraft, builder: BatchBuilder, batches: list[np.ndarray]
+) -> float:
+    """Top-1 agreement with the target on the answer positions of held-out target answers."""
+    agree = total = 0
+    for seq_ids in batches:
+        ids, tgt, prob, weight = builder(seq_ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = draft(ids)
+        # answer positions carry ANSWER_WEIGHT; the top-1 must be inside the draft's vocabulary
+        mask = (weight >= ANSWER_WEIGHT) & (prob[..., 0] > 0)
+        agree += int(((logits.argmax(-1) == tgt[..., 0]) & mask).sum())
+        total += int(mask.sum())
+    return agree / max(1, total)
+
+
 def train_draft(
     draft: TrainableDraft,
     spec: DraftSpec,
@@ -94,13 +125,17 @@ def train_draft(
     seed: int,
     batch_tokens: int = BATCH_TOKENS,
 ) -> dict:
-    """Fixed number of AdamW steps (warmup + cosine), bf16 autocast on CPU; returns stats."""
+    """Fixed number of AdamW steps (warmup + cosine), bf16 autocast on CPU, keeping the weights
+    with the best held-out agreement (checked every EVAL_INTERVAL steps); returns stats."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     builder = BatchBuilder(cache, draft.output_token_ids.numpy(), gen_starts)
-    batches = make_batches(cache, batch_tokens)
-    decay = [p for n, p in draft.named_parameters() if p.dim() == 2]
-    no_decay = [p for n, p in draft.named_parameters() if p.dim() < 2]
+    train_ids, validation_ids = split_validation(cache)
+    batches = make_batches(cache, batch_tokens, train_ids)
+    validation = make_batches(cache, batch_tokens, validation_ids)
+    trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trainable if p.dim() == 2]
+    no_decay = [p for n, p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.lr,
@@ -117,6 +152,8 @@ def train_draft(
     order: list[int] = []
     tokens_seen = 0
     ema_loss = ema_acc = None
+    best = (-1.0, 0, {k: v.clone() for k, v in draft.state_dict().items()})
+    history: list[tuple[int, float]] = []
     start = time.time()
     bar = tqdm(range(spec.train_steps), desc=f"train {spec.name}", unit="step")
     for step in bar:
@@ -136,10 +173,24 @@ def train_draft(
         ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
         ema_acc = acc.item() if ema_acc is None else 0.95 * ema_acc + 0.05 * acc.item()
         bar.set_postfix(loss=f"{ema_loss:.3f}", top1=f"{ema_acc:.3f}")
+        done = step + 1
+        if done % EVAL_INTERVAL == 0 or done == spec.train_steps:
+            draft.eval()
+            held_out = answer_agreement(draft, builder, validation)
+            draft.train()
+            history.append((done, round(held_out, 4)))
+            if held_out > best[0]:
+                best = (held_out, done, {k: v.clone() for k, v in draft.state_dict().items()})
+            bar.write(f"{spec.name} step {done}: held-out answer top-1 {held_out:.4f}")
     bar.close()
+    draft.load_state_dict(best[2])
     draft.eval()
     return {
         "steps": spec.train_steps,
+        "kept_step": best[1],
+        "held_out_answer_top1": round(best[0], 4),
+        "held_out_history": history,
+        "validation_sequences": len(validation_ids),
         "batch_tokens": batch_tokens,
         "tokens_seen": tokens_seen,
         "final_loss_ema": round(float(ema_loss or 0.0), 4),

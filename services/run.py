@@ -99,7 +99,9 @@ async def start_drafter(
 ) -> DrafterService:
     if name not in models.drafts:
         raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
-    runner = await asyncio.to_thread(load_runner, models.drafts[name], stack.settings.engine)
+    runner = await asyncio.to_thread(
+        load_runner, models.drafts[name], stack.settings.engine, target=models.target
+    )
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )

@@ -67,14 +67,18 @@ def max_context(settings: EngineSettings, config: ModelConfig) -> int:
     return min(limit, settings.max_context) if settings.max_context else limit
 
 
-def load_runner(path: Path, settings: EngineSettings) -> Any:
-    """A ModelRunner for the checkpoint with the engine's dtype, device and KV budget."""
+def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = None) -> Any:
+    """A ModelRunner for the checkpoint with the engine's dtype, device and KV budget.
+
+    `target`: the target checkpoint, for a draft that shares the target's input embedding."""
     import torch
 
     from shared.model import load_model
     from shared.runner import ModelRunner
 
-    model = load_model(path, dtype=getattr(torch, settings.dtype), device=settings.device)
+    model = load_model(
+        path, dtype=getattr(torch, settings.dtype), device=settings.device, target_path=target
+    )
     return ModelRunner(
         model, block_size=settings.block_size, kv_memory_bytes=settings.kv_memory_bytes
     )

@@ -87,7 +87,11 @@ def generate(args: argparse.Namespace) -> int:
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target = load_model(target_path)
-    drafter = Drafter(ModelRunner(load_model(draft_path))) if draft_path else None
+    drafter = (
+        Drafter(ModelRunner(load_model(draft_path, target_path=target_path)))
+        if draft_path
+        else None
+    )
     engine = SpecEngine(
         Verifier(ModelRunner(target)),
         drafter,

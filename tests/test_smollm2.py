@@ -72,7 +72,7 @@ def test_logits_match_transformers(target, prompts):
 def test_speculative_greedy_equals_plain_on_real_prompts(target, prompts, method):
     params = SamplingParams(max_tokens=24)
     plain = SpecEngine(Verifier(ModelRunner(target))).generate(prompts, params)
-    drafter = Drafter(ModelRunner(load_model(draft_dirs()["draft-s"])))
+    drafter = Drafter(ModelRunner(load_model(draft_dirs()["draft-s"], target_path=target_dir())))
     engine = SpecEngine(
         Verifier(ModelRunner(target)), drafter, method, EngineConfig(max_prefill_tokens_per_step=40)
     )

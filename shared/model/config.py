@@ -32,6 +32,9 @@ class ModelConfig:
     # A factorized input embedding (small drafts): embed_tokens is [vocab, rank] and a learned
     # projection `embed_proj` [hidden, rank] lifts it to the hidden size.
     embedding_rank: int | None = None
+    # A draft whose input embedding is the target's own: the checkpoint does not store it and
+    # `load_model` reads it from the target checkpoint (hidden sizes must match).
+    shares_target_embedding: bool = False
 
     @property
     def num_query_per_kv(self) -> int:
@@ -75,6 +78,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             num_output_tokens=cfg.get("augury_num_output_tokens"),
             embedding_rank=cfg.get("augury_embedding_rank"),
+            shares_target_embedding=bool(cfg.get("augury_shares_target_embedding", False)),
         )
 
 

@@ -14,6 +14,7 @@ from shared.model.llama import LlamaModel
 
 OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
 EMBED_PROJ_KEY = "augury.embed_proj.weight"
+EMBED_KEY = "model.embed_tokens.weight"
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -35,13 +36,46 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _read_target_embedding(
+    draft: Path, cfg: ModelConfig, target: str | Path | None
+) -> torch.Tensor:
+    """The target's input embedding for a draft that shares it."""
+    if target is None:
+        raise UnsupportedModelError(
+            f"draft {draft} uses its target's input embedding: load it with target_path="
+        )
+    target = Path(target)
+    target_cfg = read_config(target)
+    if (target_cfg.vocab_size, target_cfg.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise UnsupportedModelError(
+            f"draft {draft} (vocab {cfg.vocab_size}, hidden {cfg.hidden_size}) cannot share the "
+            f"embedding of {target} (vocab {target_cfg.vocab_size}, hidden "
+            f"{target_cfg.hidden_size})"
+        )
+    for file in sorted(target.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if EMBED_KEY in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return f.get_tensor(EMBED_KEY)
+    raise UnsupportedModelError(f"target checkpoint {target} lacks tensor {EMBED_KEY!r}")
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    target_path: str | Path | None = None,
 ) -> LlamaModel:
-    """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections."""
+    """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections.
+
+    `target_path` is the target checkpoint, needed only by a draft that shares its input embedding
+    (`augury_shares_target_embedding`); other checkpoints ignore it.
+    """
     path = Path(path)
     cfg = read_config(path)
     w = _read_tensors(path)
+    if cfg.shares_target_embedding:
+        w[EMBED_KEY] = _read_target_embedding(path, cfg, target_path)
 
     def take(name: str) -> torch.Tensor:
         if name not in w:
@@ -49,7 +83,7 @@ def load_model(
         return w.pop(name)
 
     model = LlamaModel(cfg)
-    model.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+    model.embed_tokens.weight.copy_(take(EMBED_KEY))
     if model.embed_proj is not None:
         model.embed_proj.weight.copy_(take(EMBED_PROJ_KEY))
     for i, layer in enumerate(model.layers):
@@ -69,7 +103,12 @@ def load_model(
     model.norm.copy_(take("model.norm.weight"))
     if "lm_head.weight" in w:
         model.lm_head.weight.copy_(take("lm_head.weight"))
-    elif cfg.tie_word_embeddings and cfg.num_output_tokens is None and cfg.embedding_rank is None:
+    elif (
+        cfg.tie_word_embeddings
+        and cfg.num_output_tokens is None
+        and cfg.embedding_rank is None
+        and not cfg.shares_target_embedding
+    ):
         model.lm_head.weight = model.embed_tokens.weight
     else:
         raise UnsupportedModelError(f"checkpoint {path} lacks lm_head.weight")
