@@ -60,7 +60,7 @@ def build(args: argparse.Namespace) -> None:
     t0 = time.time()
     cache = data.build_topk_cache(cache_dir, tdir)
     data_seconds = time.time() - t0
-    seqs = json.loads((cache_dir / "sequences.json").read_text())
+    seqs = json.loads(data.sequences_path(cache_dir).read_text())
     gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
     fingerprint = tokenizer_fingerprint(tdir)
     eos, bos = int(fingerprint["eos_token_id"]), int(fingerprint["bos_token_id"])

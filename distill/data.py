@@ -14,6 +14,7 @@ Everything lands under the cache directory (ignored by git) and is reused when p
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,19 @@ MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
 GEN_TOKENS = 128
 # How many prompts the target answers, and how many human-written documents, per kind.
-GEN_PROMPTS = {"chat": 700, "code": 300, "math": 300}
+GEN_PROMPTS = {"chat": 2000, "code": 1200, "math": 819}
 DOCUMENTS = {"chat": 120, "code": 150, "math": 150}
+
+
+def data_tag() -> str:
+    """Names the sequence and top-k cache files after what they were built from, so changing a
+    count above rebuilds them (answers are kept and extended)."""
+    recipe = [GEN_PROMPTS, DOCUMENTS, GEN_TOKENS, MAX_DOC_TOKENS, MAX_USER_CHARS, TOP_K]
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def sequences_path(cache_dir: Path) -> Path:
+    return cache_dir / f"sequences-{data_tag()}.json"
 
 
 @dataclass
@@ -125,8 +137,8 @@ def greedy_generate(
 
 
 def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
-    """Token sequences (prompt + target answer, and documents); cached as sequences.json."""
-    path = cache_dir / "sequences.json"
+    """Token sequences (prompt + target answer, and documents); cached as sequences-*.json."""
+    path = sequences_path(cache_dir)
     if path.is_file():
         return json.loads(path.read_text())
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,13 +149,14 @@ def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
     seqs: list[dict] = []
     for kind, n in GEN_PROMPTS.items():
         prompts = [prompt_ids(tok, m[:MAX_USER_CHARS]) for m in datasets.distill_prompts(kind, n)]
-        part = cache_dir / f"answers_{kind}.json"  # per-kind checkpoint of the slow part
-        if part.is_file():
-            answers = json.loads(part.read_text())
-        else:
-            answers = greedy_generate(
+        # Per-kind checkpoint of the slow part. Prompts are a fixed prefix-stable list, so a
+        # checkpoint made with fewer prompts is extended, not redone.
+        part = cache_dir / f"answers_{kind}.json"
+        answers = json.loads(part.read_text())[: len(prompts)] if part.is_file() else []
+        if len(answers) < len(prompts):
+            answers += greedy_generate(
                 model,
-                prompts,
+                prompts[len(answers) :],
                 max_new_tokens=GEN_TOKENS,
                 eos_id=eos,
                 batch_size=50,
@@ -165,8 +178,8 @@ def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
 
 @torch.inference_mode()
 def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6144) -> TopKCache:
-    """Target top-k log-probs at every position of every sequence; cached as target_topk.npz."""
-    path = cache_dir / "target_topk.npz"
+    """Target top-k log-probs at every position of every sequence; cached as target_topk-*.npz."""
+    path = cache_dir / f"target_topk-{data_tag()}.npz"
     if path.is_file():
         return TopKCache.load(path)
     from transformers import AutoModelForCausalLM

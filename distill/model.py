@@ -61,17 +61,17 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
     "draft-s": DraftSpec(
         "draft-s", hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
         intermediate_size=768, embedding_rank=48, num_output_tokens=8192,
-        train_steps=2000, lr=3e-3,
+        train_steps=3000, lr=3e-3,
     ),
     "draft-m": DraftSpec(
         "draft-m", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
-        train_steps=1500, lr=1e-3, target_layers=(0,), shares_target_embedding=True,
+        train_steps=2000, lr=1e-3, target_layers=(0,), shares_target_embedding=True,
     ),
     "draft-l": DraftSpec(
         "draft-l", hidden_size=576, num_layers=3, num_heads=9, num_kv_heads=3,
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
-        train_steps=1500, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
+        train_steps=2000, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
     ),
 }  # fmt: skip
 
