@@ -71,7 +71,7 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
     "draft-l": DraftSpec(
         "draft-l", hidden_size=576, num_layers=3, num_heads=9, num_kv_heads=3,
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
-        train_steps=2000, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
+        train_steps=3000, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
     ),
 }  # fmt: skip
 
