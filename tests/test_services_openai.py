@@ -30,7 +30,8 @@ def smollm2_models(tmp_path_factory: pytest.TempPathFactory) -> ModelPaths:
 
     target = ensure_smollm2()
     try:
-        drafts = {"draft-s": draft_dirs()["draft-s"]}
+        # draft-l shares the target's input embedding: the drafter must load it with the target
+        drafts = {"draft-l": draft_dirs()["draft-l"]}
     except FileNotFoundError:  # distilled drafts not built yet: a tiny random draft instead
         tiny = make_tiny_checkpoint(
             tmp_path_factory.mktemp("draft"),
