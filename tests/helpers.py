@@ -19,3 +19,15 @@ def hf_greedy(model_dir, prompt: Sequence[int], max_new_tokens: int) -> list[int
             ),
         )
     return out[0, len(prompt) :].tolist()
+
+
+def paged_logits(runner, tokens: Sequence[int], split: int) -> torch.Tensor:
+    """Logits of every position from our runtime: a prefill of tokens[:split], a commit, then the
+    rest as a chain over the paged KV cache (exercising both the prefill and the cached path)."""
+    from shared.runner import ForwardItem
+
+    runner.add_request("a")
+    [a] = runner.forward([ForwardItem.chain("a", list(tokens[:split]), logits="all")])
+    runner.commit({"a": range(split)})
+    [b] = runner.forward([ForwardItem.chain("a", list(tokens[split:]), logits="all")])
+    return torch.cat([a, b])

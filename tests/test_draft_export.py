@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from distill.model import DraftSpec, TrainableDraft, export_draft, load_trainable
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
-from shared.runner import ForwardItem, ModelRunner
+from shared.runner import ModelRunner
+from tests.helpers import paged_logits
 
 SPEC = DraftSpec(
     "tiny-shared",
@@ -75,13 +76,9 @@ def test_runtime_forward_equals_training_forward(shared_draft_dir: Path, tiny_ta
     model = load_model(shared_draft_dir, target_path=tiny_target_dir)
     trained = load_trainable(shared_draft_dir, tiny_target_dir)
     toks = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20)
-    runner.add_request("a")
-    [a] = runner.forward([ForwardItem.chain("a", toks[:12], logits="all")])
-    runner.commit({"a": range(12)})
-    [b] = runner.forward([ForwardItem.chain("a", toks[12:], logits="all")])
+    got = paged_logits(ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20), toks, 12)
     with torch.no_grad():
         ref = trained(torch.tensor([toks]))[0]
     # fp16 export on both sides; the two forwards differ only in summation order
-    torch.testing.assert_close(torch.cat([a, b]), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
     assert model.output_token_ids.tolist() == list(range(3, 35))

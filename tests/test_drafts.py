@@ -16,7 +16,8 @@ from distill.model import load_trainable
 from shared import datasets
 from shared.model import load_model
 from shared.model_set import DRAFT_NAMES, default_model_set
-from shared.runner import ForwardItem, ModelRunner
+from shared.runner import ModelRunner
+from tests.helpers import paged_logits
 
 pytestmark = pytest.mark.smollm2
 
@@ -113,14 +114,10 @@ def test_runtime_forward_equals_training_forward(model_set, name: str):
     model = load_model(d, target_path=model_set.target)
     trained = load_trainable(d, model_set.target)
     toks = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    runner = ModelRunner(model, block_size=16, kv_memory_bytes=8 << 20)
-    runner.add_request("a")
-    [a] = runner.forward([ForwardItem.chain("a", toks[:32], logits="all")])
-    runner.commit({"a": range(32)})
-    [b] = runner.forward([ForwardItem.chain("a", toks[32:], logits="all")])
+    got = paged_logits(ModelRunner(model, block_size=16, kv_memory_bytes=8 << 20), toks, 32)
     with torch.no_grad():
         ref = trained(torch.tensor([toks]))[0]
-    torch.testing.assert_close(torch.cat([a, b]), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.parametrize("name", DRAFT_NAMES)
