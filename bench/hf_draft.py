@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from shared.model.loader import read_target_embedding
+
 NEG_INF = -1e9
 
 
@@ -26,8 +28,7 @@ def hf_llama_from_draft(draft_dir: Path, target_dir: Path) -> LlamaForCausalLM:
         for k, v in load_file(str(draft_dir / "model.safetensors")).items()
     }
     if cfg.get("augury_shares_target_embedding"):
-        embed = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
-        w["model.embed_tokens.weight"] = embed.float()
+        w["model.embed_tokens.weight"] = read_target_embedding(draft_dir, target_dir).float()
     hf_cfg = LlamaConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],

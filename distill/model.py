@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from shared.model.loader import read_target_embedding
 
 
 @dataclass(frozen=True)
@@ -294,10 +295,7 @@ def load_trainable(draft_dir: Path, target_dir: Path | None = None) -> Trainable
     spec = DraftSpec(**{**raw, "target_layers": tuple(raw.get("target_layers", ()))})
     w = load_file(str(draft_dir / "model.safetensors"))
     if spec.shares_target_embedding:
-        if target_dir is None:
-            raise ValueError(f"draft {draft_dir} shares the target's embedding: pass target_dir")
-        with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
-            w["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
+        w["model.embed_tokens.weight"] = read_target_embedding(draft_dir, target_dir)
     draft = TrainableDraft(
         spec,
         config["vocab_size"],

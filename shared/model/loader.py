@@ -36,10 +36,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_target_embedding(
-    draft: Path, cfg: ModelConfig, target: str | Path | None
-) -> torch.Tensor:
-    """The target's input embedding for a draft that shares it."""
+def read_target_embedding(draft: str | Path, target: str | Path | None) -> torch.Tensor:
+    """The input embedding a draft shares with its target (`augury_shares_target_embedding`),
+    read from the target checkpoint after checking that vocabulary and width agree."""
+    draft = Path(draft)
+    cfg = read_config(draft)
     if target is None:
         raise UnsupportedModelError(
             f"draft {draft} uses its target's input embedding: load it with target_path="
@@ -75,7 +76,7 @@ def load_model(
     cfg = read_config(path)
     w = _read_tensors(path)
     if cfg.shares_target_embedding:
-        w[EMBED_KEY] = _read_target_embedding(path, cfg, target_path)
+        w[EMBED_KEY] = read_target_embedding(path, target_path)
 
     def take(name: str) -> torch.Tensor:
         if name not in w:
