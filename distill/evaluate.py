@@ -143,6 +143,16 @@ def teacher_forced_ranks(
     return ranks
 
 
+def _output_vocabulary(draft_dir: Path) -> set[int]:
+    """The token ids a draft can propose, read without building the model."""
+    from safetensors import safe_open
+
+    from shared.model.loader import OUTPUT_TOKEN_IDS_KEY
+
+    with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
+        return set(f.get_tensor(OUTPUT_TOKEN_IDS_KEY).tolist())
+
+
 def tree_size(shape: tuple[int, ...]) -> int:
     return sum(int(np.prod(shape[: d + 1])) for d in range(len(shape)))
 
@@ -273,7 +283,7 @@ def evaluate(
     kinds_of = [r.kind for r in refs_used]
     trees = candidate_trees(max_tree_nodes)
     for name, ddir in draft_dirs.items():
-        vocab = set(load_model(ddir, target_path=target_dir).output_token_ids.tolist())
+        vocab = _output_vocabulary(ddir)
         per_kind: dict[str, dict] = {}
         for kind in [*KINDS, "mix"]:
             idx = [i for i, k in enumerate(kinds_of) if kind in ("mix", k)]
