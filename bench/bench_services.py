@@ -27,14 +27,14 @@ import torch
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
-from shared.drafting import Drafter, DraftMethod
-from shared.engine import SpecEngine
+from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.model_set import draft_dirs, target_dir
-from shared.runner import ModelRunner
-from shared.sampling import SamplingParams
+from shared.model.model_set import draft_dirs, target_dir
+from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
-from shared.verifier import Verifier
 from tests.test_services_support import Client
 
 KV_BYTES = 256 << 20

@@ -203,10 +203,10 @@ def bench_attention_case(
 # ---- verifier step latency ----------------------------------------------------------------------
 
 
-def llama7b_runner(num_layers: int, kv_tokens: int):  # noqa: ANN201 (a shared.runner.ModelRunner)
+def llama7b_runner(num_layers: int, kv_tokens: int):  # noqa: ANN201 (a shared.model.runner.ModelRunner)
     from shared.model.config import ModelConfig
     from shared.model.llama import LlamaModel
-    from shared.runner import ModelRunner
+    from shared.model.runner import ModelRunner
 
     cfg = ModelConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=num_layers,
@@ -227,7 +227,7 @@ def llama7b_runner(num_layers: int, kv_tokens: int):  # noqa: ANN201 (a shared.r
 def bench_step_latency(
     token_counts: list[int], num_requests: int, prefix: int, num_layers: int, repeats: int
 ) -> list[tuple[int, float]]:
-    from shared.runner import ForwardItem
+    from shared.model.runner import ForwardItem
 
     max_tree = -(-max(token_counts) // num_requests)
     runner = llama7b_runner(num_layers, num_requests * (prefix + max_tree + BLOCK_SIZE))

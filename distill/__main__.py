@@ -22,7 +22,7 @@ import torch
 from distill import data
 from distill.model import DRAFT_SPECS, TrainableDraft, export_draft
 from distill.train import train_draft
-from shared.model_set import DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
+from shared.model.model_set import DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
 SEED = 1234
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "distill"

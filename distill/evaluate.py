@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from shared.datasets import KINDS, eval_prompts
 from shared.model import load_model
-from shared.runner import ForwardItem, ModelRunner
+from shared.model.runner import ForwardItem, ModelRunner
 
 MAX_RANK = 16  # ranks at or past this count as "not in any tree we consider"
 
@@ -416,10 +416,10 @@ def _histogram(win: dict[str, dict[str, int]]) -> list[str]:
 @torch.inference_mode()
 def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method) -> dict:
     """Greedy decoding of `refs` with the real engine (shared.engine) and one draft method."""
-    from shared.drafting import Drafter
-    from shared.engine import SpecEngine
-    from shared.sampling import SamplingParams
-    from shared.verifier import Verifier
+    from shared.engine.drafting import Drafter
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.spec_engine import SpecEngine
+    from shared.engine.verifier import Verifier
 
     target = load_model(target_dir, torch.float32)
     draft = load_model(draft_dir, torch.float32, target_path=target_dir)
@@ -455,7 +455,7 @@ def engine_crosscheck(
     target_dir: Path, draft_dir: Path, refs: list[Reference], chain: int = 4
 ) -> dict:
     """The engine's chain decoding against the offline simulation (forward counts must agree)."""
-    from shared.drafting import DraftMethod
+    from shared.engine.drafting import DraftMethod
 
     result = engine_run(target_dir, draft_dir, refs, DraftMethod("chain", k=chain))
     ranks = teacher_forced_ranks(draft_dir, target_dir, refs)
@@ -469,8 +469,8 @@ def engine_crosscheck(
 def engine_trees(
     target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
 ) -> list[dict]:
-    """Tree methods of shared.drafting run through the engine (greedy): mean accepted length."""
-    from shared.drafting import DraftMethod
+    """Tree methods of shared.engine.drafting through the engine (greedy): mean accepted length."""
+    from shared.engine.drafting import DraftMethod
 
     methods = {
         "chain k=4": DraftMethod("chain", k=4),

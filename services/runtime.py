@@ -45,7 +45,7 @@ class ModelPaths:
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
     """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts."""
-    from shared.model_set import draft_dirs, target_dir
+    from shared.model.model_set import draft_dirs, target_dir
 
     target = settings.models.target_dir or target_dir()
     if settings.models.drafts:
@@ -74,7 +74,7 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
     import torch
 
     from shared.model import load_model
-    from shared.runner import ModelRunner
+    from shared.model.runner import ModelRunner
 
     model = load_model(
         path, dtype=getattr(torch, settings.dtype), device=settings.device, target_path=target

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.drafting import Drafter, DraftMethod
-from shared.engine import SpecEngine
+from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
-from shared.runner import ModelRunner
-from shared.sampling import SamplingParams
-from shared.verifier import Verifier
+from shared.model.runner import ModelRunner
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
 
@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from shared.model_set import draft_dirs, target_dir
+    from shared.model.model_set import draft_dirs, target_dir
 
     target = args.target or str(target_dir())
     if args.no_spec:

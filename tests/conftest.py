@@ -11,7 +11,7 @@ import torch
 
 from shared.bus import EmbeddedRedis
 from shared.model import load_model
-from shared.runner import ModelRunner
+from shared.model.runner import ModelRunner
 
 # Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before any module
 # (transformers among them) imports triton.

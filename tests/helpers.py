@@ -24,7 +24,7 @@ def hf_greedy(model_dir, prompt: Sequence[int], max_new_tokens: int) -> list[int
 def paged_logits(runner, tokens: Sequence[int], split: int) -> torch.Tensor:
     """Logits of every position from our runtime: a prefill of tokens[:split], a commit, then the
     rest as a chain over the paged KV cache (exercising both the prefill and the cached path)."""
-    from shared.runner import ForwardItem
+    from shared.model.runner import ForwardItem
 
     runner.add_request("a")
     [a] = runner.forward([ForwardItem.chain("a", list(tokens[:split]), logits="all")])

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from services.__main__ import parse_args
-from shared.model_set import DRAFT_NAMES
+from shared.model.model_set import DRAFT_NAMES
 from shared.settings import load_settings
 from shared.wire.streams import DRAFTER, SCHEDULER, VERIFIER
 

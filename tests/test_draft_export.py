@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from distill.model import DraftSpec, TrainableDraft, export_draft, load_trainable
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
-from shared.runner import ModelRunner
+from shared.model.runner import ModelRunner
 from tests.helpers import paged_logits
 
 SPEC = DraftSpec(

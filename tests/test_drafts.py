@@ -15,8 +15,8 @@ from distill.evaluate import Reference, greedy_runner, simulate, teacher_forced_
 from distill.model import load_trainable
 from shared import datasets
 from shared.model import load_model
-from shared.model_set import DRAFT_NAMES, default_model_set
-from shared.runner import ModelRunner
+from shared.model.model_set import DRAFT_NAMES, default_model_set
+from shared.model.runner import ModelRunner
 from tests.helpers import paged_logits
 
 pytestmark = pytest.mark.smollm2

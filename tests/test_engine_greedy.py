@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.drafting import Drafter, DraftMethod
-from shared.engine import EngineConfig, SpecEngine
+from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.runner import ModelRunner
-from shared.sampling import SamplingParams
-from shared.verifier import Verifier
+from shared.model.runner import ModelRunner
 from tests.helpers import hf_greedy
 
 METHODS = {

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.drafting import DraftMethod
-from shared.sampling import SamplingParams, processed_probs
+from shared.engine.drafting import DraftMethod
+from shared.engine.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_engine_greedy import METHODS, make_engine

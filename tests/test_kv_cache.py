@@ -8,14 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.drafting import Drafter, DraftMethod
-from shared.engine import SpecEngine
+from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
-from shared.kv_cache import BlockAllocator
 from shared.model import load_model
-from shared.runner import ForwardItem, ModelRunner
-from shared.sampling import SamplingParams
-from shared.verifier import Verifier
+from shared.model.kv_cache import BlockAllocator
+from shared.model.runner import ForwardItem, ModelRunner
 
 
 def fresh_prefill_kv(model, tokens):

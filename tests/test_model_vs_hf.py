@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.model import load_model
-from shared.runner import ForwardItem, ModelRunner
+from shared.model.runner import ForwardItem, ModelRunner
 
 
 def hf_logits(hf: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.sampling import SamplingParams
-from shared.tree import SparseDist, TokenTree
+from shared.engine.sampling import SamplingParams
+from shared.engine.tree import SparseDist, TokenTree
 from shared.wire import (
     SCHEMA_VERSION,
     BeamMethod,

@@ -8,8 +8,8 @@ import pytest
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.sampling import SamplingParams
-from shared.tree import TokenTree
+from shared.engine.sampling import SamplingParams
+from shared.engine.tree import TokenTree
 from shared.wire import (
     ChainMethod,
     DraftJob,

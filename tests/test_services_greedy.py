@@ -12,7 +12,7 @@ import pytest
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams
 from shared.wire import FinishReason
 from tests.test_services_support import plain_greedy, running
 

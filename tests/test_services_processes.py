@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import EmbeddedRedis
-from shared.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams
 from tests.test_services_support import Client, make_settings, plain_greedy, until
 
 pytestmark = pytest.mark.anyio

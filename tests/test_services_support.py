@@ -19,12 +19,12 @@ from typing import Any
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import Bus
-from shared.engine import SpecEngine
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.runner import ModelRunner
-from shared.sampling import SamplingParams
+from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
-from shared.verifier import Verifier
 from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, decode_entry
 from shared.wire.streams import output_stream, requests_stream
 

@@ -16,11 +16,11 @@ from services.scheduler.replies import Replies
 from services.scheduler.request import PoolRequest, append_tokens
 from services.scheduler.selection import GlobalGreedy, make_selector
 from services.scheduler.service import wire_method
-from shared.drafting import DraftMethod
-from shared.engine import tree_capacity
-from shared.sampling import SamplingParams
+from shared.engine.drafting import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import tree_capacity
+from shared.engine.tree import SparseDist, TokenTree
 from shared.settings import SpeculationSettings
-from shared.tree import SparseDist, TokenTree
 from shared.wire import BeamMethod, ChainMethod, DynamicTreeMethod, StaticTreeMethod, Submit
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from shared.drafting import Drafter, DraftMethod
-from shared.engine import EngineConfig, SpecEngine
+from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.model_set import draft_dirs, target_dir
-from shared.runner import ForwardItem, ModelRunner
-from shared.sampling import SamplingParams
-from shared.verifier import Verifier
+from shared.model.model_set import draft_dirs, target_dir
+from shared.model.runner import ForwardItem, ModelRunner
 
 pytestmark = pytest.mark.smollm2
 

@@ -250,7 +250,7 @@ def test_commit_without_pairs_is_a_no_op() -> None:
 
 def test_runner_selects_the_kernel_on_cuda_only() -> None:
     from kernels.reference import commit_kv_reference as ref_commit
-    from shared.runner import select_attention
+    from shared.model.runner import select_attention
 
     assert select_attention(torch.device("cuda")) == (tree_attention_triton, commit_kv_triton)
     assert select_attention(torch.device("cpu")) == (tree_attention_reference, ref_commit)
@@ -259,7 +259,7 @@ def test_runner_selects_the_kernel_on_cuda_only() -> None:
 def test_runner_forward_with_the_kernel(tiny_target_dir) -> None:  # noqa: ANN001
     """The model's packed forward gives the same logits through the kernel as the reference."""
     from shared.model import load_model
-    from shared.runner import ForwardItem, ModelRunner
+    from shared.model.runner import ForwardItem, ModelRunner
 
     model = load_model(tiny_target_dir)
     runners = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.drafting import DraftMethod
+from shared.engine.drafting import DraftMethod
 from shared.wire import BeamMethod, ChainMethod, DynamicTreeMethod, StaticTreeMethod
 from shared.wire import DraftMethod as WireMethod
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from services.drafter.methods import engine_method
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.drafting import Drafter
-from shared.drafting import DraftRequest as EngineDraftRequest
-from shared.engine import tree_capacity
-from shared.runner import ModelRunner
+from shared.engine.drafting import Drafter
+from shared.engine.drafting import DraftRequest as EngineDraftRequest
+from shared.engine.spec_engine import tree_capacity
+from shared.model.runner import ModelRunner
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
 from shared.wire import DraftMethod as WireMethod
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shared.engine.sampling import SamplingParams
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1

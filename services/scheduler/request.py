@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from shared.engine import Request
+from shared.engine.spec_engine import Request
 from shared.wire import FinishReason, Submit
 
 FINISH_REASONS = {

@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Protocol
 
-from shared.tree import DETERMINISTIC, TokenTree
+from shared.engine.tree import DETERMINISTIC, TokenTree
 
 
 class TreeSelector(Protocol):

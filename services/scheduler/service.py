@@ -36,11 +36,11 @@ from services.scheduler.replies import Replies
 from services.scheduler.request import FINISH_REASONS, PoolRequest, append_tokens
 from services.scheduler.selection import make_selector, root_only
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
-from shared.engine import AcceptanceStats
-from shared.sampling import SEED_BITS
+from shared.engine.sampling import SEED_BITS
+from shared.engine.spec_engine import AcceptanceStats
+from shared.engine.tree import TokenTree
+from shared.engine.verifier import VerifyResult as EngineResult
 from shared.settings import AugurySettings, SpeculationSettings
-from shared.tree import TokenTree
-from shared.verifier import VerifyResult as EngineResult
 from shared.wire import (
     BeamMethod,
     Cancel,

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.runner import ModelRunner
-from shared.verifier import Verifier, VerifyEntry
-from shared.verifier import VerifyResult as EngineResult
+from shared.engine.verifier import Verifier, VerifyEntry
+from shared.engine.verifier import VerifyResult as EngineResult
+from shared.model.runner import ModelRunner
 from shared.wire import FinishReason, VerifiedRequest, VerifyJob, VerifyRequest, VerifyResult
 from shared.wire.streams import VERIFIER, results_stream, verify_stream
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from shared.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.values import (

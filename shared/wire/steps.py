@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from shared.sampling import SamplingParams
-from shared.tree import TokenTree
+from shared.engine.sampling import SamplingParams
+from shared.engine.tree import TokenTree
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.requests import MAX_ID_LEN, check_request_id

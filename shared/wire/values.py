@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shared.sampling import SamplingParams
-from shared.tree import SparseDist, TokenTree
+from shared.engine.sampling import SamplingParams
+from shared.engine.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
 
 MAX_TREE_NODES = 1 << 16

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shared.model.smollm2 import ensure_smollm2
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DRAFTS_DIR = REPO_ROOT / "models" / "drafts"
 # Smallest (fastest, least accurate) first.
 DRAFT_NAMES = ("draft-s", "draft-m", "draft-l")

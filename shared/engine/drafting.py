@@ -23,9 +23,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from shared.runner import ForwardItem, ModelRunner
-from shared.sampling import DRAFT_STREAM, SamplingParams, processed_probs, sample, step_rng
-from shared.tree import DETERMINISTIC, SparseDist, TokenTree
+from shared.engine.sampling import DRAFT_STREAM, SamplingParams, processed_probs, sample, step_rng
+from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree
+from shared.model.runner import ForwardItem, ModelRunner
 
 DraftKind = Literal["chain", "static", "beam", "dynamic"]
 

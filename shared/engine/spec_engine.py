@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from shared.drafting import Drafter, DraftMethod, DraftRequest
+from shared.engine.drafting import Drafter, DraftMethod, DraftRequest
+from shared.engine.sampling import SEED_BITS, SamplingParams
+from shared.engine.tree import TokenTree
+from shared.engine.verifier import Verifier, VerifyEntry, VerifyResult
 from shared.errors import ContextLengthError, InvalidRequestError, OutOfKVMemoryError
-from shared.kv_cache import SwappedKV
-from shared.sampling import SEED_BITS, SamplingParams
-from shared.tree import TokenTree
-from shared.verifier import Verifier, VerifyEntry, VerifyResult
+from shared.model.kv_cache import SwappedKV
 
 
 class EngineConfig(BaseModel):

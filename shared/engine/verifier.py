@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.runner import ForwardItem, ModelRunner
-from shared.sampling import VERIFY_STREAM, SamplingParams, processed_probs, sample, step_rng
-from shared.tree import TokenTree
-from shared.verification import verify
+from shared.engine.sampling import VERIFY_STREAM, SamplingParams, processed_probs, sample, step_rng
+from shared.engine.tree import TokenTree
+from shared.engine.verification import verify
+from shared.model.runner import ForwardItem, ModelRunner
 
 
 @dataclass

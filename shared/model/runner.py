@@ -18,7 +18,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata, num_mask_words
 from kernels.reference import commit_kv_reference, tree_attention_reference
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.kv_cache import PagedKVCache, SwappedKV
+from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
 
 LogitsRows = Literal["all", "last", "none"]
