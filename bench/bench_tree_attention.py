@@ -41,6 +41,8 @@ from kernels.synthetic import PagedBatch, RequestSpec, make_paged_batch, random_
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 128, 16
 MAX_DENSE_MASK_ELEMENTS = 1 << 29  # skip a baseline whose mask or padding would not fit
 MAX_PADDED_BYTES = 16 << 30
+# SDPA with a mask falls back to a kernel that materializes the [heads, queries, keys] scores
+MAX_SCORE_BYTES = 8 << 30
 
 
 @dataclass
@@ -106,7 +108,8 @@ def request_mask(b: PagedBatch, r: int) -> torch.Tensor:  # [n_q, S] bool
 def dense_mask_baseline(b: PagedBatch, scale: float) -> Callable[[], torch.Tensor] | None:
     """SDPA over the packed batch as one sequence; a dense [T, S_total] mask parts the requests."""
     kv_lens = [p + t for p, t in zip(b.meta.prefix_lens_host, b.meta.tree_lens_host, strict=True)]
-    if b.meta.num_tokens * sum(kv_lens) > MAX_DENSE_MASK_ELEMENTS:
+    elements = b.meta.num_tokens * sum(kv_lens)
+    if elements > MAX_DENSE_MASK_ELEMENTS or 4 * HEADS * elements > MAX_SCORE_BYTES:
         return None
     kvs = [request_kv(b, r) for r in range(b.meta.num_requests)]
     k = torch.cat([kv[0] for kv in kvs]).transpose(0, 1)  # [Hkv, S_total, D]
@@ -131,7 +134,9 @@ def padded_baseline(
     kv_lens = [p + t for p, t in zip(meta.prefix_lens_host, meta.tree_lens_host, strict=True)]
     num_r, max_q, max_kv = meta.num_requests, max(q_lens), max(kv_lens)
     padded_bytes = 2 * num_r * max_kv * KV_HEADS * HEAD_DIM * b.q.element_size()
-    if padded_bytes > MAX_PADDED_BYTES or num_r * max_q * max_kv > MAX_DENSE_MASK_ELEMENTS:
+    elements = num_r * max_q * max_kv
+    too_big = elements > MAX_DENSE_MASK_ELEMENTS or 4 * HEADS * elements > MAX_SCORE_BYTES
+    if padded_bytes > MAX_PADDED_BYTES or too_big:
         return None
     dev, dtype = b.q.device, b.q.dtype
     q = torch.zeros(num_r, HEADS, max_q, HEAD_DIM, dtype=dtype, device=dev)
@@ -183,16 +188,19 @@ def bench_attention_case(
     plan_us = (time.perf_counter() - t0) * 1e6
     gbps = attention_bytes(b) / (kernel_ms * 1e-3) / 1e9
 
-    dense = dense_mask_baseline(b, scale)
-    sdpa_mask_ms = bench_ms(dense) if dense else None
-    del dense
-    padded = padded_baseline(b, scale)
-    padded_ms = err = None
-    if padded:
-        run_padded, unpad = padded
-        padded_ms = bench_ms(run_padded)
-        err = (unpad(run_padded()).float() - kernel().float()).abs().max().item()
-    del padded
+    sdpa_mask_ms = padded_ms = err = None
+    try:  # a baseline that does not fit in memory is reported as such ("-")
+        dense = dense_mask_baseline(b, scale)
+        sdpa_mask_ms = bench_ms(dense) if dense else None
+        del dense
+        padded = padded_baseline(b, scale)
+        if padded:
+            run_padded, unpad = padded
+            padded_ms = bench_ms(run_padded)
+            err = (unpad(run_padded()).float() - kernel().float()).abs().max().item()
+        del padded
+    except torch.OutOfMemoryError:
+        pass  # the exception (and the tensors its frames held) is gone after this block
     torch.cuda.empty_cache()
     return AttentionResult(
         batch, prefix, tree, kernel_ms, gbps, 100 * gbps / copy_gbps, plan_us,

@@ -261,7 +261,7 @@ def test_runner_forward_with_the_kernel(tiny_target_dir) -> None:  # noqa: ANN00
     from shared.model import load_model
     from shared.model.runner import ForwardItem, ModelRunner
 
-    model = load_model(tiny_target_dir)
+    model = load_model(tiny_target_dir, device=DEVICE)
     runners = [
         ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20, attention=attention)
         for attention in (tree_attention_reference, tree_attention_triton)
