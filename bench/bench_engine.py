@@ -27,13 +27,15 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from bench.hf_draft import hf_llama_from_draft
 from shared.datasets import eval_prompts
-from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
-from shared.engine.spec_engine import AcceptanceStats, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import draft_dirs, target_dir
 from shared.model.runner import ModelRunner
+from shared.scheduling.request import AcceptanceStats
 
 METHODS = {
     "chain4": DraftMethod("chain", k=4),

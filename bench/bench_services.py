@@ -27,7 +27,8 @@ import torch
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
-from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier

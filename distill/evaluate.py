@@ -455,7 +455,7 @@ def engine_crosscheck(
     target_dir: Path, draft_dir: Path, refs: list[Reference], chain: int = 4
 ) -> dict:
     """The engine's chain decoding against the offline simulation (forward counts must agree)."""
-    from shared.engine.drafting import DraftMethod
+    from shared.engine.methods import DraftMethod
 
     result = engine_run(target_dir, draft_dir, refs, DraftMethod("chain", k=chain))
     ranks = teacher_forced_ranks(draft_dir, target_dir, refs)
@@ -470,7 +470,7 @@ def engine_trees(
     target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
 ) -> list[dict]:
     """Tree methods of shared.engine.drafting through the engine (greedy): mean accepted length."""
-    from shared.engine.drafting import DraftMethod
+    from shared.engine.methods import DraftMethod
 
     methods = {
         "chain k=4": DraftMethod("chain", k=4),

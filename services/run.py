@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
-from services.scheduler.service import SchedulerService, TargetInfo
+from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
+from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
 
 log = logging.getLogger(__name__)

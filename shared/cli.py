@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier

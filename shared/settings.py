@@ -100,10 +100,18 @@ class EngineSettings(_Group):
     block_size: PositiveInt = 16
     max_tokens_per_step: PositiveInt = 512  # hardware token budget B of one verifier forward
     max_context: PositiveInt | None = None  # None: the model's max_position_embeddings
+    # Cost profiles (python -m bench.profile): a matching one is loaded from here at start
+    # (None: the repository's profiles/); without one, a quick one is measured if allowed.
+    profile_dir: Path | None = None
+    measure_profile: bool = True
 
 
 class SpeculationSettings(_Group):
     method: Literal["none", "chain", "static", "beam", "dynamic"] = "chain"
+    # goodput: each request's speculation is sized by the cost model every step (plain
+    # decoding included); fixed: always the method's whole tree
+    planner: Literal["goodput", "fixed"] = "goodput"
+    min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     chain_length: PositiveInt = 4
     static_expansion: tuple[PositiveInt, ...] = (2, 2, 1, 1)  # SpecInfer's <k1..km>
     beam_depth: PositiveInt = 4
@@ -123,7 +131,9 @@ class SpeculationSettings(_Group):
 class SchedulerSettings(_Group):
     micro_batches: PositiveInt = 1
     policy: Literal["fcfs"] = "fcfs"  # more policies join as they are implemented
-    tree_selection: Literal["global_greedy"] = "global_greedy"
+    draft_chooser: Literal["fixed"] = "fixed"
+    replica_matcher: Literal["least-loaded"] = "least-loaded"
+    tree_selection: Literal["goodput", "global-greedy"] = "goodput"
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.drafting import DraftMethod
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams, sampling_params_from_options
 from shared.errors import (
     ContextLengthError,

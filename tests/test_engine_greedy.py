@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
@@ -61,9 +62,7 @@ def test_speculative_greedy_equals_plain(tiny_target_dir, tiny_draft_dir, plain_
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_mixed_stages_in_one_batch(tiny_target_dir, tiny_draft_dir, plain_outputs, name):
     """Requests arrive while others decode; prompts prefill in chunks beside trees."""
-    engine = make_engine(
-        tiny_target_dir, tiny_draft_dir, METHODS[name], max_prefill_tokens_per_step=5
-    )
+    engine = make_engine(tiny_target_dir, tiny_draft_dir, METHODS[name], max_tokens_per_step=5)
     params = SamplingParams(max_tokens=20)
     ids = [engine.add_request(PROMPTS[0], params)]
     pending = list(PROMPTS[1:])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine.drafting import DraftMethod
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value

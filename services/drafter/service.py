@@ -13,15 +13,13 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.drafter.methods import engine_method
 from services.model_service import ModelService
 from shared.bus import Bus
 from shared.engine.drafting import Drafter
 from shared.engine.drafting import DraftRequest as EngineDraftRequest
-from shared.engine.spec_engine import tree_capacity
+from shared.engine.methods import DraftMethod, tree_capacity
 from shared.model.runner import ModelRunner
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
-from shared.wire import DraftMethod as WireMethod
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
 
 log = logging.getLogger(__name__)
@@ -120,13 +118,13 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
         self,
         todo: dict[int, DraftRequest],
         indices: list[int],
-        method: WireMethod,
+        method: DraftMethod,
         answers: dict[int, DraftedTree],
     ) -> list[int]:
         """Entries whose delta and tree fit in the free draft KV, in job order; the others get
         `out_of_kv_memory` (no tree this step, and their draft state restarts later)."""
         free = self.runner.cache.allocator.num_free
-        nodes = tree_capacity(engine_method(method))
+        nodes = tree_capacity(method)
         fitting = []
         for i in indices:
             entry = todo[i]
@@ -141,7 +139,7 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
 
     def _draft(self, todo: dict[int, DraftRequest]) -> dict[int, DraftedTree]:
         """One batched draft per method (a job normally carries one)."""
-        groups: dict[WireMethod, list[int]] = defaultdict(list)
+        groups: dict[DraftMethod, list[int]] = defaultdict(list)
         for i, entry in todo.items():
             groups[entry.method].append(i)
         answers: dict[int, DraftedTree] = {}
@@ -158,12 +156,13 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
                     e.sampling,
                     e.seed,
                     e.step,
-                    max_depth=max(0, room - e.base_len - len(e.new_tokens)),
+                    max_depth=_capped(room - e.base_len - len(e.new_tokens), e.max_depth),
+                    max_nodes=e.max_nodes or None,
                 )
                 for e in entries
             ]
             try:
-                trees = self.drafter.draft(requests, engine_method(entries[0].method, len(entries)))
+                trees = self.drafter.draft(requests, method.for_batch(len(entries)))
             except Exception as error:  # e.g. out of draft KV: these requests restart from 0
                 log.warning(
                     "drafter %s failed on %d requests: %r", self.replica, len(entries), error
@@ -175,3 +174,9 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
             for i, e in zip(indices, entries, strict=True):
                 answers[i] = DraftedTree(e.request_id, e.step, trees[e.request_id])
         return answers
+
+
+def _capped(room: int, planned: int) -> int:
+    """No deeper than the context allows, nor than the scheduler planned (0: no plan)."""
+    room = max(0, room)
+    return min(room, planned) if planned > 0 else room

@@ -1,14 +1,16 @@
-"""The scheduler: the request pool and the iteration loop (DESIGN §2), over Redis only.
+"""The scheduler service: the scheduler core driven over Redis streams (DESIGN: a request's life).
 
-M lanes run the loop at once, each carrying one micro-batch at a time through its stages
-(Spin §V-B): while one micro-batch is being verified, drafters speculate another. One lane's
-iteration:
+Every decision is the core's (`shared.scheduling.core.SchedulerCore`), the same object the
+in-process engine drives; this executor turns its plans into messages. M lanes run at once, each
+carrying one micro-batch at a time through its stages (Spin §V-B): while one micro-batch is being
+verified, drafters speculate another. One lane's iteration:
 
-1. form a micro-batch from idle requests (policy order, token budget, admissions);
+1. `core.next_batch`: who decodes, who prefills how much, who is admitted or preempted, and
+   what each request's drafter is asked for;
 2. send one DraftJob per drafter replica (deltas of committed tokens), await CandidateTrees;
-3. select each request's tree under the budget; send one VerifyJob, await its VerifyResult;
-4. commit tokens, apply stops, append Tokens to each request's output stream, release what
-   finished.
+3. `core.select_trees`; send one VerifyJob, await its VerifyResult;
+4. `core.observe`: commit tokens, apply stops; append Tokens to each request's output stream and
+   release what finished.
 
 Every answer is matched by (micro-batch, request, step): a stale or repeated answer changes
 nothing. The scheduler touches token ids and counters only, never tensors.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import secrets
 import time
@@ -29,29 +30,24 @@ from dataclasses import dataclass, field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.scheduler.batching import BatchLimits, MicroBatch, form_batch, tree_nodes
-from services.scheduler.drafters import DrafterDirectory, FixedDraftModel
-from services.scheduler.policy import make_policy
+from services.scheduler.drafters import DrafterDirectory
 from services.scheduler.replies import Replies
-from services.scheduler.request import FINISH_REASONS, PoolRequest, append_tokens
-from services.scheduler.selection import make_selector, root_only
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
 from shared.engine.sampling import SEED_BITS
-from shared.engine.spec_engine import AcceptanceStats
 from shared.engine.tree import TokenTree
-from shared.engine.verifier import VerifyResult as EngineResult
-from shared.settings import AugurySettings, SpeculationSettings
+from shared.errors import ContextLengthError, InvalidRequestError
+from shared.scheduling.core import MicroBatch, Release, StepOutput, StepResult
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.factory import TargetInfo, build_core
+from shared.scheduling.request import AcceptanceStats, RequestState
+from shared.settings import AugurySettings
 from shared.wire import (
-    BeamMethod,
     Cancel,
     CandidateTrees,
-    ChainMethod,
     DraftJob,
-    DraftMethod,
     DraftRequest,
-    DynamicTreeMethod,
+    FinishReason,
     RequestError,
-    StaticTreeMethod,
     Submit,
     Tokens,
     VerifiedRequest,
@@ -79,15 +75,12 @@ REMEMBER_FINISHED = 10_000  # request ids kept to recognise a redelivered Submit
 IDLE_POLL_S = 1.0
 STOP_POLL_S = 1.0
 PUBLISH_RETRY_MAX_S = 2.0
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    """What the scheduler knows about the target: limits, not weights."""
-
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...] = ()
+FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ABORT,
+}
 
 
 @dataclass
@@ -109,21 +102,6 @@ class SchedulerStats:
         return (self.wall_ms - self.draft_ms - self.verify_ms) / self.iterations
 
 
-def wire_method(spec: SpeculationSettings) -> DraftMethod | None:
-    match spec.method:
-        case "chain":
-            return ChainMethod(spec.chain_length)
-        case "static":
-            return StaticTreeMethod(tuple(spec.static_expansion))
-        case "beam":
-            return BeamMethod(spec.beam_depth, spec.beam_width)
-        case "dynamic":
-            return DynamicTreeMethod(
-                spec.dynamic_max_nodes, spec.dynamic_max_depth, spec.dynamic_max_width
-            )
-    return None
-
-
 class SchedulerService:
     def __init__(
         self,
@@ -132,33 +110,23 @@ class SchedulerService:
         target: TargetInfo,
         *,
         draft_models: Sequence[str] = (),
+        cost: CostModel | None = None,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
         verify_timeout_s: float = VERIFY_TIMEOUT_S,
     ) -> None:
         config = settings.scheduler
         self.bus = bus
         self.cell = settings.service.cell
-        self.target = target
-        self.method = wire_method(config.speculation)
-        self.limits = BatchLimits(
-            token_budget=settings.engine.max_tokens_per_step,
-            max_running=config.max_running_requests,
-            micro_batches=config.micro_batches,
-            tree_nodes=tree_nodes(self.method),
+        self.draft_models = list(draft_models)
+        self.core = build_core(
+            settings, target, self.draft_models, cost, first_batch_id=secrets.randbits(40) + 1
         )
-        self.policy = make_policy(config.policy)
-        self.selector = make_selector(config.tree_selection)
-        self.drafters = DrafterDirectory(bus, self.cell, FixedDraftModel(draft_models))
+        self.drafters = DrafterDirectory(bus, self.cell, self.core)
         self.draft_timeout_s = draft_timeout_s
         self.verify_timeout_s = verify_timeout_s
-        self.requests: dict[str, PoolRequest] = {}
-        self.running: list[PoolRequest] = []
-        self.waiting: list[PoolRequest] = []
+        self.reply_to: dict[str, str] = {}  # request id -> its output stream
         self.stats = SchedulerStats()
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self._arrivals = itertools.count()
-        self._batch_ids = itertools.count(secrets.randbits(40) + 1)
-        self._kv_full = False  # the verifier refused KV: admit nobody until a request finishes
         self._wake = asyncio.Event()
         self._candidates: Replies[CandidateTrees] = Replies()
         self._results: Replies[VerifyResult] = Replies()
@@ -192,8 +160,20 @@ class SchedulerService:
             service=SCHEDULER,
             cell=self.cell,
             capacity=config.max_running_requests,
-            in_flight=lambda: len(self.running),
+            in_flight=lambda: len(self.core.running),
         )
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.core.requests
+
+    @property
+    def running(self) -> list[RequestState]:
+        return self.core.running
+
+    @property
+    def waiting(self) -> list[RequestState]:
+        return self.core.waiting
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -202,7 +182,7 @@ class SchedulerService:
             await consumer.start()
         self._lanes = [
             asyncio.create_task(self._lane(), name=f"scheduler-lane-{i}")
-            for i in range(self.limits.micro_batches)
+            for i in range(self.core.config.micro_batches)
         ]
         await self.heartbeat.start()
 
@@ -236,45 +216,44 @@ class SchedulerService:
 
     async def _submit(self, submit: Submit) -> None:
         rid = submit.request_id
-        if rid in self.requests or rid in self._finished:
+        if rid in self.core.requests or rid in self._finished:
             return  # a redelivered Submit
-        problem = self._check(submit)
-        if problem is not None:
-            self._remember(rid)
-            await self.bus.publish(submit.reply_to, problem)
-            return
         seed = submit.sampling.seed
-        seed = seed if seed is not None else secrets.randbits(SEED_BITS)
-        request = PoolRequest.from_submit(submit, seed, next(self._arrivals))
-        self.requests[rid] = request
-        self.waiting.append(request)
-        self._notify()
-
-    def _check(self, submit: Submit) -> RequestError | None:
-        rid = submit.request_id
-        bad = next((t for t in submit.prompt if not 0 <= t < self.target.vocab_size), None)
-        if bad is not None:
-            message = f"token id {bad} out of range [0, {self.target.vocab_size})"
-            return RequestError(rid, "invalid_request", message, "prompt")
-        total = len(submit.prompt) + submit.sampling.max_tokens
-        if total > self.target.max_context:
-            message = (
-                f"prompt ({len(submit.prompt)} tokens) plus max_tokens "
-                f"({submit.sampling.max_tokens}) exceeds the context of "
-                f"{self.target.max_context} tokens"
+        request = RequestState(
+            rid,
+            list(submit.prompt),
+            submit.sampling,
+            seed if seed is not None else secrets.randbits(SEED_BITS),
+            arrival_time=submit.arrival_time,
+            priority=submit.priority,
+            tpot_slo_ms=submit.tpot_slo_ms,
+            requested_draft=submit.draft_model,
+            speculate=submit.speculate,
+        )
+        try:
+            if submit.draft_model is not None and submit.draft_model not in self.draft_models:
+                raise InvalidRequestError(
+                    f"unknown draft model {submit.draft_model!r}; known: {self.draft_models}",
+                    param="augury.draft_model",
+                )
+            self.core.add(request)
+        except InvalidRequestError as error:
+            self._remember(rid)
+            code = (
+                "context_length_exceeded"
+                if isinstance(error, ContextLengthError)
+                else "invalid_request"
             )
-            return RequestError(rid, "context_length_exceeded", message, "max_tokens")
-        return None
+            refusal = RequestError(rid, code, str(error), error.param)
+            await self.bus.publish(submit.reply_to, refusal)
+            return
+        self.reply_to[rid] = submit.reply_to
+        self._notify()
 
     def cancel(self, request_id: str) -> list[tuple[str, WireMessage]]:
         """Stop a request; free its state now, or when its micro-batch comes back."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return []
-        request.cancelled = True
-        if request.in_flight:
-            return []
-        return self._finish(request, "abort")
+        self.core.cancel(request_id)
+        return self._releases()
 
     # ---- answers ---------------------------------------------------------------------------------
     async def handle_candidates(self, delivery: Delivery) -> None:
@@ -293,7 +272,7 @@ class SchedulerService:
     async def _lane(self) -> None:
         while True:
             wake = self._wake
-            batch = self._next_batch()
+            batch = self.core.next_batch(time.time())
             if batch is None:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
                 # that arrives as the wait completes, and the lane would never stop
@@ -313,27 +292,26 @@ class SchedulerService:
                     request.in_flight = False
                 self._notify()
 
-    def _next_batch(self) -> MicroBatch | None:
-        running = self.policy.order(self.running)
-        waiting = self.policy.order(self.waiting)
-        admit = not self._kv_full or not self.running
-        batch, admitted = form_batch(next(self._batch_ids), running, waiting, self.limits, admit)
-        for request in admitted:
-            self.waiting.remove(request)
-            self.running.append(request)
-        if not batch.members:
-            return None
-        for request in batch.members:
-            request.in_flight = True
-        return batch
-
     async def _iterate(self, batch: MicroBatch) -> None:
         started = time.perf_counter()
+        self.stats.preempted += len(batch.drop)
         try:
-            trees, draft_ms = await self._draft(batch)
+            await self._publish(self._outputs(batch.failed) + self._releases())
+            if batch.is_empty:
+                return
+            drafted, draft_ms = await self._draft(batch)
+            trees = self.core.select_trees(batch, drafted, time.time())
             job = VerifyJob(batch.id, self._verify_entries(batch, trees))
             result = await self._verify(job)
-            await self._publish(self._commit(batch, trees, result))
+            results = {
+                e.request_id: StepResult(
+                    e.request_id, e.step, e.new_tokens, len(e.accepted), e.error
+                )
+                for e in result.entries
+            }
+            outputs = self.core.observe(batch, results, time.time())
+            self._record(batch, outputs)
+            await self._publish(self._outputs(outputs) + self._releases())
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
             self._results.settle(batch.id)
@@ -344,84 +322,53 @@ class SchedulerService:
 
     # ---- drafting --------------------------------------------------------------------------------
     async def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], float]:
-        """Candidate trees of the decoding requests (root only where nobody drafts), selected
-        under the budget, and the drafting time the slowest replica reported."""
-        trees = {r.request_id: root_only(r.all_tokens) for r in batch.decode}
+        """The trees the drafters answered in time, and the slowest replica's drafting time."""
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
-        for request in batch.decode:
-            entry = self._draft_request(request)
-            if entry is not None:
-                assert request.draft_model is not None and request.drafter is not None
-                jobs.setdefault((request.draft_model, request.drafter), []).append(entry)
-        releases = self._left_behind()
+        for rid, plan in batch.drafts.items():
+            request = self.core.requests[rid]
+            jobs.setdefault((plan.model, plan.replica), []).append(
+                DraftRequest(
+                    request_id=rid,
+                    step=request.step,
+                    base_len=plan.base_len,
+                    new_tokens=plan.new_tokens,
+                    method=plan.method,
+                    sampling=request.params,
+                    seed=request.seed,
+                    max_nodes=plan.max_nodes,
+                    max_depth=plan.max_depth,
+                )
+            )
+        if not jobs:
+            return {}, 0.0
         waits = [self._candidates.expect((batch.id, replica)) for _, replica in jobs]
-        messages = [
-            (draft_stream(self.cell, model, replica), DraftJob(batch.id, tuple(entries)))
-            for (model, replica), entries in jobs.items()
-        ]
-        draft_ms = 0.0
-        await self._publish(messages + releases)
-        if waits:
-            done, pending = await asyncio.wait(waits, timeout=self.draft_timeout_s)
-            self.stats.draft_timeouts += len(pending)
-            sent = {e.request_id: e for entries in jobs.values() for e in entries}
-            for answer in (w.result() for w in done if not w.cancelled()):
-                draft_ms = max(draft_ms, answer.draft_ms)
-                self._take_trees(answer, sent, trees)
-            for entry in sent.values():  # no answer in time: that drafter's state is unknown
-                self.requests[entry.request_id].num_seen_by_drafter = 0
-        budget = self.limits.token_budget - batch.prefill_tokens
-        depth = {r.request_id: self._max_depth(r) for r in batch.decode}
-        return self.selector.select(trees, budget, depth), draft_ms
-
-    def _draft_request(self, request: PoolRequest) -> DraftRequest | None:
-        if self.method is None or not request.speculate or request.tokens_left <= 1:
-            return None
-        if not self.drafters.assign(request):
-            return None
-        tokens = request.all_tokens
-        base = request.num_seen_by_drafter
-        if base >= len(tokens):  # nothing new to root a tree at: start that drafter over
-            base = 0
-        return DraftRequest(
-            request_id=request.request_id,
-            step=request.step,
-            base_len=base,
-            new_tokens=tuple(tokens[base:]),
-            method=self.method,
-            sampling=request.params,
-            seed=request.seed,
+        await self._publish(
+            [
+                (draft_stream(self.cell, model, replica), DraftJob(batch.id, tuple(entries)))
+                for (model, replica), entries in jobs.items()
+            ]
         )
-
-    def _take_trees(
-        self,
-        answer: CandidateTrees,
-        sent: dict[str, DraftRequest],
-        trees: dict[str, TokenTree],
-    ) -> None:
-        for drafted in answer.entries:
-            entry = sent.get(drafted.request_id)
-            if entry is None or entry.step != drafted.step:
-                continue
-            del sent[drafted.request_id]
-            request = self.requests[drafted.request_id]
-            tokens = request.all_tokens
-            if drafted.tree is None or drafted.tree.root_token != tokens[-1]:
-                request.num_seen_by_drafter = 0  # resend from the first token next time
-                continue
-            request.num_seen_by_drafter = len(tokens)
-            trees[request.request_id] = drafted.tree
-
-    def _max_depth(self, request: PoolRequest) -> int:
-        room = self.target.max_context - len(request.all_tokens)
-        return max(0, min(request.tokens_left - 1, room))
-
-    def _left_behind(self) -> list[tuple[str, WireMessage]]:
-        moved, self.drafters.left_behind = self.drafters.left_behind, []
-        return [
-            (draft_stream(self.cell, model, replica), DraftJob(RELEASE_ONLY, (), (rid,)))
-            for model, replica, rid in moved
-        ]
+        done, pending = await asyncio.wait(waits, timeout=self.draft_timeout_s)
+        self.stats.draft_timeouts += len(pending)
+        sent = {e.request_id: e for entries in jobs.values() for e in entries}
+        trees: dict[str, TokenTree] = {}
+        draft_ms = 0.0
+        for answer in (w.result() for w in done if not w.cancelled()):
+            draft_ms = max(draft_ms, answer.draft_ms)
+            for drafted in answer.entries:
+                entry = sent.get(drafted.request_id)
+                if entry is None or entry.step != drafted.step:
+                    continue
+                del sent[drafted.request_id]
+                root = self.core.requests[drafted.request_id].all_tokens[-1]
+                ok = drafted.tree is not None and drafted.tree.root_token == root
+                self.core.note_drafted(drafted.request_id, ok)
+                if ok:
+                    assert drafted.tree is not None
+                    trees[drafted.request_id] = drafted.tree
+        for rid in sent:  # no answer in time: that drafter's state is unknown
+            self.core.note_drafted(rid, False)
+        return trees, draft_ms
 
     # ---- verification ----------------------------------------------------------------------------
     def _verify_entries(
@@ -472,92 +419,59 @@ class SchedulerService:
         return VerifyResult(job.micro_batch_id, 0.0, failed)
 
     # ---- committing ------------------------------------------------------------------------------
-    def _commit(
-        self, batch: MicroBatch, trees: dict[str, TokenTree], result: VerifyResult
-    ) -> list[tuple[str, WireMessage]]:
-        answers = {e.request_id: e for e in result.entries}
-        chunks = {r.request_id: n for r, n in batch.prefill}
-        out: list[tuple[str, WireMessage]] = []
-        for request in batch.members:
-            if request.cancelled:
-                out += self._finish(request, "abort")
+    def _record(self, batch: MicroBatch, outputs: list[StepOutput]) -> None:
+        decoded = {r.request_id for r in batch.decode}
+        for out in outputs:
+            if out.request_id in decoded and out.error is None:
+                self.stats.acceptance.record(out.num_draft_tokens, out.num_accepted)
+        requeued = [r for r in batch.members if r.kv == "dropped" and not r.is_finished]
+        self.stats.preempted += len(requeued)
+
+    def _outputs(self, outputs: list[StepOutput]) -> list[tuple[str, WireMessage]]:
+        """Each output as its client sees it: Tokens, or a RequestError for a failure."""
+        messages: list[tuple[str, WireMessage]] = []
+        for out in outputs:
+            reply_to = self.reply_to.get(out.request_id)
+            if reply_to is None:
                 continue
-            answer = answers.get(request.request_id)
-            if answer is None or answer.step != request.step:
-                answer = VerifiedRequest(request.request_id, request.step, error="out_of_sync")
-            if answer.error is not None:
-                out += self._failed(request, answer.error)
-                continue
-            request.step += 1
-            drafted = 0
-            if request.request_id in chunks:
-                request.num_prefilled += chunks[request.request_id]
-            else:
-                drafted = trees[request.request_id].num_nodes - 1
-                record = EngineResult(
-                    request.request_id,
-                    answer.step,
-                    list(answer.new_tokens),
-                    drafted,
-                    len(answer.accepted),
-                )
-                request.stats.record(record)
-                self.stats.acceptance.record(record)
-            new = append_tokens(request, answer.new_tokens, self.target.eos_token_ids)
-            if new or request.is_finished:
-                finish = FINISH_REASONS.get(request.finish_reason or "")
+            if out.error_type is not None:
+                message = out.error or "request failed"
+                messages.append((reply_to, RequestError(out.request_id, out.error_type, message)))
+            elif out.new_tokens or out.finish_reason not in (None, "abort"):
                 tokens = Tokens(
-                    request_id=request.request_id,
-                    step=answer.step,
-                    offset=len(request.output) - len(new),
-                    token_ids=tuple(new),
-                    finish=finish,
-                    drafts=int(drafted > 0),
-                    draft_tokens=drafted,
-                    accepted_tokens=len(answer.accepted) if drafted else 0,
+                    request_id=out.request_id,
+                    step=out.step,
+                    offset=out.offset,
+                    token_ids=tuple(out.new_tokens),
+                    finish=FINISH_REASONS.get(out.finish_reason or ""),
+                    drafts=int(out.num_draft_tokens > 0),
+                    draft_tokens=out.num_draft_tokens,
+                    accepted_tokens=out.num_accepted,
                 )
-                out.append((request.reply_to, tokens))
-            if request.is_finished:
-                out += self._finish(request, request.finish_reason or "stop")
-        return out
+                messages.append((reply_to, tokens))
+        return messages
 
-    def _failed(self, request: PoolRequest, error: str) -> list[tuple[str, WireMessage]]:
-        """Out of KV or out of sync: recompute later. Anything else fails the request."""
-        kind = error.split(":")[0]
-        if kind == "out_of_kv_memory" and self.running == [request]:
-            message = "the request needs more KV memory than the verifier has, even alone"
-            refusal = RequestError(request.request_id, "context_length_exceeded", message)
-            return [(request.reply_to, refusal), *self._finish(request, "abort")]
-        if kind in ("out_of_kv_memory", "out_of_sync", "verify_timeout"):
-            self._kv_full |= kind == "out_of_kv_memory"
-            self.stats.preempted += 1
-            request.recompute()
-            self.running.remove(request)
-            self.waiting.insert(0, request)
-            return [(verify_stream(self.cell), VerifyJob(RELEASE_ONLY, (), (request.request_id,)))]
-        log.warning("request %s failed: %s", request.request_id, error)
-        message = RequestError(request.request_id, "internal_error", f"verification failed: {kind}")
-        return [(request.reply_to, message), *self._finish(request, "abort")]
+    def _releases(self) -> list[tuple[str, WireMessage]]:
+        """Release jobs for what the core let go: the verifier's KV, a drafter replica's state."""
+        messages: list[tuple[str, WireMessage]] = []
+        for release in self.core.take_releases():
+            messages += self._release(release)
+        if messages:
+            self._notify()
+        return messages
 
-    def _finish(self, request: PoolRequest, reason: str) -> list[tuple[str, WireMessage]]:
-        """Drop the request from the pool; release its KV in the verifier and its drafter."""
-        request.finish_reason = reason
-        rid = request.request_id
-        self.requests.pop(rid, None)
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
-        self._remember(rid)
-        self._kv_full = False
-        self._notify()
-        out: list[tuple[str, WireMessage]] = [
-            (verify_stream(self.cell), VerifyJob(RELEASE_ONLY, (), (rid,)))
-        ]
-        if request.draft_model is not None and request.drafter is not None:
-            self.drafters.release(request)
-            stream = draft_stream(self.cell, request.draft_model, request.drafter)
-            out.append((stream, DraftJob(RELEASE_ONLY, (), (rid,))))
+    def _release(self, release: Release) -> list[tuple[str, WireMessage]]:
+        rid = release.request_id
+        out: list[tuple[str, WireMessage]] = []
+        if release.target:
+            out.append((verify_stream(self.cell), VerifyJob(RELEASE_ONLY, (), (rid,))))
+            if rid not in self.core.requests:  # finished: a cancel may have no output yet
+                self._remember(rid)
+        if release.draft is not None:
+            model, replica = release.draft
+            out.append(
+                (draft_stream(self.cell, model, replica), DraftJob(RELEASE_ONLY, (), (rid,)))
+            )
         return out
 
     def _remember(self, request_id: str) -> None:

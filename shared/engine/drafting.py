@@ -18,55 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import DRAFT_STREAM, SamplingParams, processed_probs, sample, step_rng
 from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree
 from shared.model.runner import ForwardItem, ModelRunner
-
-DraftKind = Literal["chain", "static", "beam", "dynamic"]
-
-
-@dataclass(frozen=True)
-class DraftMethod:
-    kind: DraftKind = "chain"
-    k: int = 4  # chain length
-    expansion: tuple[int, ...] = (2, 2, 1, 1)  # static <k1..km>
-    depth: int = 4  # beam depth d
-    width: int = 2  # beam width w
-    budget: int = 32  # dynamic: draft tokens across the batch
-    max_size: int = 16  # dynamic: draft tokens per tree
-    max_depth: int = 6  # dynamic
-    max_width: int = 4  # dynamic: nodes per layer
-    top_children: int = 4  # dynamic: children proposed per leaf (the thesis uses 4)
-    proposal_top_k: int = 32  # sampled children come from this renormalized top-k
-    # Cost-aware speculation: a node whose path probability (the draft's estimate that the
-    # target accepts it) is below this is not drafted, so the verifier does not pay for it.
-    min_path_prob: float = 0.0
-
-    def __post_init__(self) -> None:
-        limits = [self.k, self.depth, self.width, self.budget, self.max_size, self.max_depth]
-        limits += [self.max_width, self.top_children, self.proposal_top_k, *self.expansion]
-        if min(limits) < 1 or not self.expansion:
-            raise ValueError(f"draft method {self} has a non-positive limit")
-        if not 0.0 <= self.min_path_prob < 1.0:
-            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
-
-    @property
-    def min_path_logprob(self) -> float:
-        return float(np.log(self.min_path_prob)) if self.min_path_prob > 0 else -np.inf
-
-    @property
-    def num_layers(self) -> int:
-        return {
-            "chain": self.k,
-            "static": len(self.expansion),
-            "beam": self.depth,
-            "dynamic": self.max_depth,
-        }[self.kind]
 
 
 @dataclass
@@ -77,6 +36,7 @@ class DraftRequest:
     seed: int
     step: int
     max_depth: int  # no deeper than this (tokens left to generate, room in the context)
+    max_nodes: int | None = None  # no more draft tokens than this (the scheduler's plan)
 
 
 @dataclass
@@ -109,6 +69,13 @@ class _Growing:
     @property
     def num_draft_tokens(self) -> int:
         return len(self.tokens) - 1 - len(self.pruned)
+
+    def room(self, method: DraftMethod) -> int:
+        """Draft tokens this tree may still add (the method's and the request's limits)."""
+        cap = method.max_draft_tokens
+        if self.req.max_nodes is not None:
+            cap = min(cap, self.req.max_nodes)
+        return cap - self.num_draft_tokens
 
     def result(self) -> TokenTree:
         tree = TokenTree.build(
@@ -192,13 +159,14 @@ class Drafter:
             return self._sample_children(t, per_node, method)
         logq = self._log_q(t)
         if method.kind == "beam":
-            return self._beam_layer(t, logq, method.width, method.min_path_logprob)
+            width = min(method.width, t.room(method))
+            return self._beam_layer(t, logq, width, method.min_path_logprob) if width > 0 else []
         per_node = 1 if method.kind == "chain" else method.expansion[layer - 1]
         top = logq.topk(per_node, dim=-1)
         added = []
         for row, node in enumerate(t.frontier):
             for lp, idx in zip(top.values[row].tolist(), top.indices[row].tolist(), strict=True):
-                if t.path_lp[node] + lp >= method.min_path_logprob:
+                if t.path_lp[node] + lp >= method.min_path_logprob and t.room(method) > 0:
                     added.append(t.add(node, int(self.output_ids[idx]), lp))
         return added
 
@@ -226,7 +194,7 @@ class Drafter:
         top = probs.topk(k, dim=-1)
         added = []
         for row, node in enumerate(t.frontier):
-            if t.path_lp[node] < method.min_path_logprob:
+            if t.path_lp[node] < method.min_path_logprob or t.room(method) < per_node:
                 continue  # not expanded; a drawn child is never dropped (losslessness)
             mass = top.values[row]
             keep = mass > 0
@@ -275,7 +243,7 @@ class Drafter:
             t = trees[ti]
             if ti in closed or node in t.pruned:
                 continue
-            if t.num_draft_tokens >= method.max_size:
+            if t.room(method) <= 0:
                 victim = _lowest_leaf(trees, [ti])
             elif used >= method.budget:
                 victim = _lowest_leaf(trees, range(len(trees)))

@@ -1,151 +1,118 @@
-"""The in-process speculative engine: one target, optionally one drafter, one loop.
+"""The in-process engine: one target, its drafters and the scheduler core, in one loop.
 
 This is the whole system in one process (no Redis), used by the CLI, the benchmarks and the
-tests. The services split the same pieces (`Drafter`, `Verifier`) across processes; the loop
-here is what the scheduler service runs. A step reads as three lines: schedule, run, finish.
+tests. It is one of the core's executors (the scheduler service is another), so every decision
+(admission, preemption, draft model, speculation depth, tree selection) is the core's; the engine
+owns the models and their KV, and turns the core's plan into forwards. A step reads as three
+lines: schedule, run, observe.
 """
 
 from __future__ import annotations
 
-import itertools
 import secrets
-from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from shared.engine.drafting import Drafter, DraftMethod, DraftRequest
+from shared.engine.drafting import Drafter, DraftRequest
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.tree import TokenTree
-from shared.engine.verifier import Verifier, VerifyEntry, VerifyResult
-from shared.errors import ContextLengthError, InvalidRequestError, OutOfKVMemoryError
+from shared.engine.verifier import Verifier, VerifyEntry
+from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.model.kv_cache import SwappedKV
+from shared.scheduling.core import (
+    CoreConfig,
+    MicroBatch,
+    SchedulerCore,
+    SpeculationPlanner,
+    StepOutput,
+    StepResult,
+)
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.draft_choice import make_chooser
+from shared.scheduling.ordering import make_policy
+from shared.scheduling.request import AcceptanceStats, RequestState
+from shared.scheduling.tree_selection import make_selector
 
 
 class EngineConfig(BaseModel):
-    max_prefill_tokens_per_step: int = Field(512, ge=1)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens_per_step: int = Field(512, ge=1)  # B: prompt chunks and trees of one forward
     max_running: int = Field(64, ge=1)
+    policy: str = "fcfs"
+    draft_chooser: str = "fixed"
+    tree_selection: str = "goodput"
+    planner: SpeculationPlanner = "goodput"
 
 
-@dataclass
-class AcceptanceStats:
-    num_drafts: int = 0  # verify steps that offered at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    num_target_forwards: int = 0  # verify steps after prefill (each emits >= 1 token)
+class RunnerKV:
+    """The verifier's paged cache as the core sees it (block counts only)."""
 
-    def record(self, result: VerifyResult) -> None:
-        self.num_target_forwards += 1
-        if result.num_draft_tokens:
-            self.num_drafts += 1
-            self.num_draft_tokens += result.num_draft_tokens
-            self.num_accepted += result.num_accepted
-            grow = result.num_accepted - len(self.accepted_per_position)
-            self.accepted_per_position.extend([0] * max(0, grow))
-            for pos in range(result.num_accepted):
-                self.accepted_per_position[pos] += 1
+    can_swap = True
 
-    def merge(self, other: AcceptanceStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted += other.num_accepted
-        self.num_target_forwards += other.num_target_forwards
-        grow = len(other.accepted_per_position) - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, grow))
-        for pos, n in enumerate(other.accepted_per_position):
-            self.accepted_per_position[pos] += n
+    def __init__(self, verifier: Verifier) -> None:
+        self.runner = verifier.runner
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+    def num_free_blocks(self) -> int:
+        return self.runner.cache.allocator.num_free
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward, bonus included (vLLM: 1 + accepted / drafts)."""
-        if not self.num_target_forwards:
-            return 0.0
-        return 1.0 + self.num_accepted / self.num_target_forwards
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        return self.runner.blocks_needed(request_id, num_new_tokens)
 
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    output: list[int] = field(default_factory=list)
-    num_prefilled: int = 0
-    num_seen_by_drafter: int = 0
-    step: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    swapped: SwappedKV | None = None
-    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-
-    @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt)
-
-    @property
-    def tokens_left(self) -> int:
-        return self.params.max_tokens - len(self.output)
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_tokens: list[int]
-    finish_reason: str | None
-    error: str | None = None
-
-
-@dataclass
-class _Batch:
-    prefill: list[tuple[Request, int]]  # request, chunk length
-    decode: list[Request]
-    failed: list[Request]  # could not go on (e.g. alone and still too big for the KV cache)
-
-
-def tree_capacity(method: DraftMethod | None) -> int:
-    """Most nodes (root included) a tree of this method can have."""
-    if method is None:
-        return 1
-    match method.kind:
-        case "chain":
-            return 1 + method.k
-        case "static":
-            return 1 + sum(itertools.accumulate(method.expansion, lambda a, b: a * b))
-        case "beam":
-            return 1 + method.depth * method.width
-        case _:
-            return 1 + min(method.max_size, method.budget)
+    def blocks_held(self, request_id: str) -> int:
+        if not self.runner.has_request(request_id):
+            return 0
+        return len(self.runner.cache.blocks(request_id))
 
 
 class SpecEngine:
     def __init__(
         self,
         verifier: Verifier,
-        drafter: Drafter | None = None,
+        drafter: Drafter | Mapping[str, Drafter] | None = None,
         method: DraftMethod | None = None,
         config: EngineConfig | None = None,
         eos_token_ids: Sequence[int] = (),
+        *,
+        cost: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.verifier = verifier
-        self.drafter = drafter
-        self.method = method if drafter is not None else None
+        if isinstance(drafter, Drafter):
+            drafter = {drafter.name: drafter}
+        self.drafters: dict[str, Drafter] = dict(drafter or {})
         self.config = config or EngineConfig()
-        self.eos_token_ids = set(eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.clock = clock
+        runner = verifier.runner
+        self.core = SchedulerCore(
+            CoreConfig(
+                vocab_size=runner.cfg.vocab_size,
+                max_context=runner.max_context,
+                eos_token_ids=tuple(eos_token_ids),
+                token_budget=self.config.max_tokens_per_step,
+                max_running=self.config.max_running,
+                method=method if self.drafters else None,
+                planner=self.config.planner,
+            ),
+            policy=make_policy(self.config.policy),
+            chooser=make_chooser(self.config.draft_chooser, list(self.drafters)),
+            selector=make_selector(self.config.tree_selection),
+            cost=cost,
+        )
+        self.core.set_drafters({name: ["local"] for name in self.drafters})
+        self.kv = RunnerKV(verifier)
+        self.requests: dict[str, RequestState] = {}  # every request given, until popped
         self.stats = AcceptanceStats()
-        self._ids = itertools.count()
+        self._swapped: dict[str, SwappedKV] = {}
+        self._ids = 0
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The first drafter (the engine's only one in the common single-draft set-up)."""
+        return next(iter(self.drafters.values()), None)
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(
@@ -153,220 +120,139 @@ class SpecEngine:
         prompt: Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        priority: int = 0,
+        tpot_slo_ms: float | None = None,
+        draft_model: str | None = None,
+        speculate: bool = True,
+        method: DraftMethod | None = None,
     ) -> str:
+        """Queue a request; bad input raises an `AuguryError` naming the limit."""
+        self.core.check(prompt, params.max_tokens)
         runner = self.verifier.runner
-        if not prompt:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = runner.cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} out of range [0, {vocab})", param="prompt")
-        if len(prompt) + params.max_tokens > runner.max_context:
-            raise ContextLengthError(
-                f"prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds "
-                f"the model's context of {runner.max_context} tokens",
-                param="max_tokens",
-            )
-        need = runner.cache.num_blocks_for(
-            len(prompt) + params.max_tokens + tree_capacity(self.method)
-        )
+        capacity = 1 + (self.core.config.method.max_draft_tokens if self.core.config.method else 0)
+        need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
         if need > runner.cache.num_blocks:
             raise OutOfKVMemoryError(
                 f"request needs {need} KV blocks, more than the cache's {runner.cache.num_blocks}"
             )
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        if draft_model is not None and draft_model not in self.drafters:
+            raise InvalidRequestError(
+                f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
+                param="draft_model",
+            )
+        if request_id is None:
+            request_id = f"req-{self._ids}"
+            self._ids += 1
         seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
-        req = Request(rid, list(prompt), params, seed)
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
+        request = RequestState(
+            request_id,
+            list(prompt),
+            params,
+            seed,
+            arrival_time=self.clock(),
+            priority=priority,
+            tpot_slo_ms=tpot_slo_ms,
+            requested_draft=draft_model,
+            speculate=speculate,
+            method=method,
+        )
+        self.core.add(request)
+        self.requests[request_id] = request
+        return request_id
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and req.finish_reason is None:
-            self._finish(req, "abort")
+        self.core.cancel(request_id)
+        self._release()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.core.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        batch = self._schedule()
+        batch = self.core.next_batch(self.clock(), self.kv)
+        if batch is None:
+            return []
         results = self._run(batch)
-        failed = [StepOutput(r.request_id, [], r.finish_reason, r.error) for r in batch.failed]
-        return failed + self._postprocess(batch, results)
-
-    def _schedule(self) -> _Batch:
-        """Running requests decode; waiting ones are admitted (prefill chunks) while KV lasts."""
-        runner = self.verifier.runner
-        per_tree = tree_capacity(self.method)
-        free = runner.cache.allocator.num_free
-        decode: list[Request] = []
-        failed: list[Request] = []
-        for req in list(self.running):
-            if req.is_prefilling or req not in self.running:  # (preempted for an older one)
-                continue
-            need = runner.blocks_needed(req.request_id, per_tree)
-            while need > free:
-                released = self._preempt_newest(exclude=req)
-                if not released:
-                    break
-                free += released
-            if need > free:
-                if len(self.running) == 1:  # alone in the cache and still too big
-                    self._finish(req, "error", "KV cache exhausted by a single request")
-                    failed.append(req)
-                else:  # older requests hold the memory: wait for them
-                    free += self._preempt(req)
-                continue
-            free -= need
-            decode.append(req)
-        prefill: list[tuple[Request, int]] = []
-        budget = self.config.max_prefill_tokens_per_step
-        candidates = [r for r in self.running if r.is_prefilling] + list(self.waiting)
-        for req in candidates:
-            if budget <= 0:
-                break
-            if req.swapped is not None:
-                blocks = runner.cache.num_blocks_for(req.swapped.num_tokens + per_tree)
-                if blocks > free:
-                    break
-                runner.swap_in(req.request_id, req.swapped)
-                free -= runner.cache.num_blocks_for(req.swapped.num_tokens)
-                req.swapped = None
-                self._admit(req)
-                continue
-            if req not in self.running and len(self.running) >= self.config.max_running:
-                break
-            chunk = min(budget, len(req.prompt) - req.num_prefilled)
-            need = runner.blocks_needed(req.request_id, chunk)
-            if need > free:
-                break
-            free -= need
-            budget -= chunk
-            self._admit(req)
-            prefill.append((req, chunk))
-        return _Batch(prefill, decode, failed)
-
-    def _admit(self, req: Request) -> None:
-        if req in self.waiting:
-            self.waiting.remove(req)
-            self.running.append(req)
-
-    def _preempt_newest(self, exclude: Request) -> int:
-        """Swap the most recently admitted other request out; returns the blocks released."""
-        runner = self.verifier.runner
-        for victim in reversed(self.running):
-            if victim is exclude:
-                return 0  # only requests admitted after `exclude` may be preempted for it
-            if runner.has_request(victim.request_id):
-                return self._preempt(victim)
-        return 0
-
-    def _preempt(self, victim: Request) -> int:
-        """Swap a running request out (or drop its partial prefill); returns blocks released."""
-        runner = self.verifier.runner
-        released = len(runner.cache.blocks(victim.request_id))
-        if victim.is_prefilling:
-            runner.free_request(victim.request_id)
-            victim.num_prefilled = 0
-        else:
-            victim.swapped = runner.swap_out(victim.request_id)
-        if self.drafter is not None:
-            self.drafter.free(victim.request_id)
-            victim.num_seen_by_drafter = 0
-        self.running.remove(victim)
-        self.waiting.appendleft(victim)
-        return released
-
-    def _run(self, batch: _Batch) -> list[VerifyResult]:
-        trees = self._draft(batch.decode)
-        entries = [
-            VerifyEntry(
-                req.request_id,
-                req.step,
-                req.params,
-                req.seed,
-                prompt_chunk=req.prompt[req.num_prefilled : req.num_prefilled + chunk],
-                is_final_chunk=req.num_prefilled + chunk == len(req.prompt),
-            )
-            for req, chunk in batch.prefill
-        ]
-        entries += [
-            VerifyEntry(req.request_id, req.step, req.params, req.seed, tree=trees[req.request_id])
-            for req in batch.decode
-        ]
-        return self.verifier.step(entries) if entries else []
-
-    def _draft(self, reqs: list[Request]) -> dict[str, TokenTree]:
-        if self.drafter is None or self.method is None:
-            return {r.request_id: TokenTree.root_only(r.output[-1]) for r in reqs}
-        room = self.verifier.runner.max_context
-        draft_reqs = [
-            DraftRequest(
-                r.request_id,
-                r.all_tokens[r.num_seen_by_drafter :],
-                r.params,
-                r.seed,
-                r.step,
-                max_depth=min(r.tokens_left - 1, room - len(r.all_tokens)),
-            )
-            for r in reqs
-        ]
-        trees = self.drafter.draft(draft_reqs, self.method)
-        for r in reqs:
-            r.num_seen_by_drafter = len(r.all_tokens)
-        return trees
-
-    def _postprocess(self, batch: _Batch, results: list[VerifyResult]) -> list[StepOutput]:
-        chunks = {req.request_id: chunk for req, chunk in batch.prefill}
-        outputs = []
-        for res in results:
-            req = self.requests[res.request_id]
-            req.step += 1
-            if res.request_id in chunks:
-                req.num_prefilled += chunks[res.request_id]
-            else:
-                req.stats.record(res)
-                self.stats.record(res)
-            new_tokens = self._append(req, res.tokens)
-            if new_tokens or req.finish_reason:
-                outputs.append(StepOutput(req.request_id, new_tokens, req.finish_reason))
+        outputs = batch.failed + self.core.observe(batch, results, self.clock())
+        self._record(batch, outputs)
+        self._release()
         return outputs
 
-    def _append(self, req: Request, tokens: list[int]) -> list[int]:
-        appended = []
-        stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops |= self.eos_token_ids
-        for tok in tokens:
-            if tok in stops:
-                self._finish(req, "stop")
-                break
-            req.output.append(tok)
-            appended.append(tok)
-            if req.tokens_left == 0:
-                self._finish(req, "length")
-                break
-        return appended
+    def _run(self, batch: MicroBatch) -> dict[str, StepResult]:
+        runner = self.verifier.runner
+        for request in batch.swap_out:
+            self._swapped[request.request_id] = runner.swap_out(request.request_id)
+        for request in batch.drop:
+            self.verifier.free(request.request_id)
+        for request in batch.swap_in:
+            runner.swap_in(request.request_id, self._swapped.pop(request.request_id))
+        self._release()  # drafts left behind by preemption or a change of draft model
+        trees = self.core.select_trees(batch, self._draft(batch), self.clock())
+        entries = [
+            VerifyEntry(
+                r.request_id,
+                r.step,
+                r.params,
+                r.seed,
+                prompt_chunk=r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk],
+                is_final_chunk=r.num_prefilled + chunk == len(r.prefill_tokens),
+            )
+            for r, chunk in batch.prefill
+        ]
+        entries += [
+            VerifyEntry(r.request_id, r.step, r.params, r.seed, tree=trees[r.request_id])
+            for r in batch.decode
+        ]
+        verified = self.verifier.step(entries) if entries else []
+        return {
+            v.request_id: StepResult(v.request_id, v.step, v.tokens, v.num_accepted)
+            for v in verified
+        }
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        req.finish_reason = reason
-        req.error = error
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self.verifier.free(req.request_id)
-        if self.drafter is not None:
-            self.drafter.free(req.request_id)
+    def _draft(self, batch: MicroBatch) -> dict[str, TokenTree]:
+        groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
+        for rid, plan in batch.drafts.items():
+            request = self.core.requests[rid]
+            drafter = self.drafters[plan.model]
+            if plan.base_len == 0 and drafter.runner.has_request(rid):
+                drafter.free(rid)  # the core starts this drafter's copy over
+            groups.setdefault((plan.model, plan.method), []).append(
+                DraftRequest(
+                    rid,
+                    plan.new_tokens,
+                    request.params,
+                    request.seed,
+                    request.step,
+                    max_depth=plan.max_depth,
+                    max_nodes=plan.max_nodes,
+                )
+            )
+        trees: dict[str, TokenTree] = {}
+        for (model, method), requests in groups.items():
+            trees |= self.drafters[model].draft(requests, method.for_batch(len(requests)))
+            for r in requests:
+                self.core.note_drafted(r.request_id, True)
+        return trees
+
+    def _record(self, batch: MicroBatch, outputs: list[StepOutput]) -> None:
+        decoded = {r.request_id for r in batch.decode}
+        for out in outputs:
+            if out.request_id in decoded and out.error is None:
+                self.stats.record(out.num_draft_tokens, out.num_accepted)
+
+    def _release(self) -> None:
+        for release in self.core.take_releases():
+            if release.target:
+                self.verifier.free(release.request_id)
+                self._swapped.pop(release.request_id, None)
+            if release.draft is not None:
+                self.drafters[release.draft[0]].free(release.request_id)
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Request]:
+    ) -> list[RequestState]:
         """Run prompts to completion together (continuous batching); requests in prompt order."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]

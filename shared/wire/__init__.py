@@ -18,32 +18,21 @@ from shared.wire.steps import (
     VerifyRequest,
     VerifyResult,
 )
-from shared.wire.values import (
-    BeamMethod,
-    ChainMethod,
-    DraftMethod,
-    DynamicTreeMethod,
-    FinishReason,
-    StaticTreeMethod,
-)
+from shared.wire.values import DraftMethod, FinishReason
 
 __all__ = [
     "SCHEMA_VERSION",
-    "BeamMethod",
     "CandidateTrees",
     "Cancel",
-    "ChainMethod",
     "DraftJob",
     "DraftMethod",
     "DraftRequest",
     "DraftedTree",
-    "DynamicTreeMethod",
     "FinishReason",
     "Heartbeat",
     "MalformedMessageError",
     "ProtocolError",
     "RequestError",
-    "StaticTreeMethod",
     "Submit",
     "Tokens",
     "UnknownMessageTypeError",

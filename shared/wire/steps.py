@@ -55,11 +55,15 @@ class DraftRequest:
     method: DraftMethod
     sampling: SamplingParams
     seed: int  # the request's resolved seed (randomness is keyed by seed, step, stream)
+    # The scheduler's plan for this step: at most this many draft tokens (0: the method's own
+    # limit) and no deeper than `max_depth` (0: the method's depth). Sent only when set.
+    max_nodes: int = 0
+    max_depth: int = 0
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
-        if self.step < 0 or self.base_len < 0:
-            raise ValueError("step and base_len are >= 0")
+        if self.step < 0 or self.base_len < 0 or self.max_nodes < 0 or self.max_depth < 0:
+            raise ValueError("step, base_len, max_nodes and max_depth are >= 0")
         if self.base_len + len(self.new_tokens) == 0:
             raise ValueError("a draft needs at least one committed token")
 
@@ -72,7 +76,10 @@ class DraftRequest:
             "method": method_payload(self.method),
             "sampling": sampling_payload(self.sampling),
             "seed": int(self.seed),
-        }
+        } | {name: int(v) for name, v in self._limits().items() if v}
+
+    def _limits(self) -> dict[str, int]:
+        return {"max_nodes": self.max_nodes, "max_depth": self.max_depth}
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -85,6 +92,8 @@ class DraftRequest:
             method=read_method(fields.sub("method")),
             sampling=read_sampling(fields.sub("sampling")),
             seed=fields.integer("seed", minimum=0),
+            max_nodes=fields.integer("max_nodes", 0, minimum=0),
+            max_depth=fields.integer("max_depth", 0, minimum=0),
         )
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
+from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
@@ -118,82 +118,57 @@ def read_optional_tree(fields: PayloadReader, name: str) -> TokenTree | None:
 # ---- drafting methods ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Method:
-    METHOD: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            values = value if isinstance(value, tuple) else (value,)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{self.METHOD}.{name} must be positive integers, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ChainMethod(_Method):
-    """A chain of `length` drafted tokens (top-1 or sampled)."""
-
-    METHOD: ClassVar[str] = "chain"
-    length: int
-
-
-@dataclass(frozen=True)
-class StaticTreeMethod(_Method):
-    """SpecInfer's expansion-based tree: `expansion[i]` children per node at depth i."""
-
-    METHOD: ClassVar[str] = "static"
-    expansion: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BeamMethod(_Method):
-    """AdaServe's beam search of `depth` levels keeping `width` beams."""
-
-    METHOD: ClassVar[str] = "beam"
-    depth: int
-    width: int
-
-
-@dataclass(frozen=True)
-class DynamicTreeMethod(_Method):
-    """The throughput-optimal dynamic tree under size, depth and width limits."""
-
-    METHOD: ClassVar[str] = "dynamic"
-    max_nodes: int
-    max_depth: int
-    max_width: int
-
-
-DraftMethod = ChainMethod | StaticTreeMethod | BeamMethod | DynamicTreeMethod
-_METHODS: dict[str, type[_Method]] = {
-    m.METHOD: m for m in (ChainMethod, StaticTreeMethod, BeamMethod, DynamicTreeMethod)
-}
-
-
 def method_payload(method: DraftMethod) -> dict[str, Any]:
-    payload: dict[str, Any] = {"method": method.METHOD}
-    for name, value in vars(method).items():
-        payload[name] = pack_ints(value) if isinstance(value, tuple) else int(value)
+    """Only the fields of the method's kind travel (and min_path_prob when set)."""
+    payload: dict[str, Any] = {"method": method.kind}
+    match method.kind:
+        case "chain":
+            payload["length"] = method.k
+        case "static":
+            payload["expansion"] = pack_ints(method.expansion)
+        case "beam":
+            payload.update(depth=method.depth, width=method.width)
+        case "dynamic":
+            payload.update(
+                max_nodes=method.max_size, max_depth=method.max_depth, max_width=method.max_width
+            )
+    if method.min_path_prob > 0:
+        payload["min_path_prob"] = float(method.min_path_prob)
     return payload
 
 
 def read_method(fields: PayloadReader) -> DraftMethod:
+    """A dynamic tree's node limit is per request; the drafter scales its budget to the batch."""
     name = fields.text("method", max_len=32)
-    cls = _METHODS.get(name)
-    if cls is None:
-        fields.fail("method", f"unknown drafting method {name!r}")
-    if cls is StaticTreeMethod:
+    min_path_prob = fields.number("min_path_prob", default=0.0)
+    if name == "static":
         expansion = fields.tokens("expansion")
         if len(expansion) > 64:
             fields.fail("expansion", "at most 64 levels")
-        return fields.build(StaticTreeMethod, expansion)
-    if cls is ChainMethod:
-        return fields.build(ChainMethod, fields.integer("length"))
-    if cls is BeamMethod:
-        return fields.build(BeamMethod, fields.integer("depth"), fields.integer("width"))
-    return fields.build(
-        DynamicTreeMethod,
-        fields.integer("max_nodes"),
-        fields.integer("max_depth"),
-        fields.integer("max_width"),
-    )
+        return fields.build(
+            DraftMethod, "static", expansion=tuple(expansion), min_path_prob=min_path_prob
+        )
+    if name == "chain":
+        return fields.build(
+            DraftMethod, "chain", k=fields.integer("length"), min_path_prob=min_path_prob
+        )
+    if name == "beam":
+        return fields.build(
+            DraftMethod,
+            "beam",
+            depth=fields.integer("depth"),
+            width=fields.integer("width"),
+            min_path_prob=min_path_prob,
+        )
+    if name == "dynamic":
+        nodes = fields.integer("max_nodes")
+        return fields.build(
+            DraftMethod,
+            "dynamic",
+            budget=nodes,
+            max_size=nodes,
+            max_depth=fields.integer("max_depth"),
+            max_width=fields.integer("max_width"),
+            min_path_prob=min_path_prob,
+        )
+    fields.fail("method", f"unknown drafting method {name!r}")

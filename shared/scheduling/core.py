@@ -1,0 +1,635 @@
+"""The scheduler core: every decision of a step, with no I/O, no tensors and no clock of its own.
+
+Executors drive it the same way, the in-process engine (`shared.engine.spec_engine`) and the
+scheduler service (`services.scheduler`) alike; a simulator can drive it on a virtual clock:
+
+    batch = core.next_batch(now, kv)          # who runs, who is preempted, drafts to make
+    ... executor: apply preemptions, draft `batch.drafts` ...
+    trees = core.select_trees(batch, drafted, now)   # each request's tree under the budget
+    ... executor: verify prompt chunks and trees ...
+    outputs = core.observe(batch, results, now)      # commit tokens, learn, finish
+    ... executor: free what `core.take_releases()` names ...
+
+The core owns the request pool (`RequestState`s) and four policies, each chosen by a setting:
+ordering/admission/preemption (`ordering`), draft-model choice with feedback (`draft_choice`),
+replica matching (`replicas`) and tree selection (`tree_selection`); and the goodput planner
+(`speculation`) that sizes every request's speculation from the cost model, zero included.
+Several micro-batches can be in flight at once (one per executor lane): `next_batch` only takes
+requests that are not in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import TokenTree
+from shared.errors import ContextLengthError, InvalidRequestError
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
+from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
+from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
+from shared.scheduling.request import FinishReason, RequestState, append_tokens
+from shared.scheduling.speculation import (
+    CALIBRATION_CLIP,
+    DECAY,
+    FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
+    AcceptanceEstimate,
+    DepthQuery,
+    SpeculationState,
+    plan_depths,
+)
+from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSelector
+
+SpeculationPlanner = Literal["goodput", "fixed"]
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+    token_budget: int = 512  # B: tokens in one verifier forward, prompt chunks and trees
+    max_running: int = 64
+    micro_batches: int = 1  # M: micro-batches in flight; each takes 1/M of the running set
+    method: DraftMethod | None = DraftMethod()  # default drafting method; None: no speculation
+    # goodput: size each request's speculation by the cost model (zero included);
+    # fixed: always draft the method's full tree
+    planner: SpeculationPlanner = "goodput"
+
+
+class KVView(Protocol):
+    """The executor's target KV cache as the core may see it: counts of blocks, no tensors."""
+
+    can_swap: bool  # the executor can move a preempted request's KV to host memory
+
+    def num_free_blocks(self) -> int: ...
+
+    def blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
+        """Blocks a forward of `num_new_tokens` more tokens would allocate (all of them for a
+        request whose KV is not resident)."""
+        ...
+
+    def blocks_held(self, request_id: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What one request's drafter is asked for this step."""
+
+    model: str
+    replica: str
+    method: DraftMethod
+    base_len: int  # committed tokens the drafter holds ...
+    new_tokens: tuple[int, ...]  # ... and those it must append (the last is the root)
+    max_depth: int
+    max_nodes: int
+
+
+@dataclass
+class MicroBatch:
+    id: int
+    started: float
+    decode: list[RequestState] = field(default_factory=list)
+    prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # request, chunk
+    drafts: dict[str, DraftPlan] = field(default_factory=dict)  # request id -> plan
+    swap_out: list[RequestState] = field(default_factory=list)  # preempted: keep KV on host
+    drop: list[RequestState] = field(default_factory=list)  # preempted: free KV, recompute
+    swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
+    failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
+    trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
+
+    @property
+    def members(self) -> list[RequestState]:
+        return self.decode + [r for r, _ in self.prefill]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The verifier's answer for one request of a micro-batch."""
+
+    request_id: str
+    step: int
+    tokens: Sequence[int] = ()  # accepted draft tokens then the bonus (or a prefill's first)
+    num_accepted: int = 0
+    error: str | None = None  # "kind: detail"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    step: int
+    offset: int  # index of new_tokens[0] in the request's output
+    new_tokens: list[int]
+    finish_reason: FinishReason | None
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    error: str | None = None
+    error_type: str | None = None  # OpenAI error type for the client
+
+
+@dataclass(frozen=True)
+class Release:
+    """State an executor should free: the target's KV, and/or one drafter replica's."""
+
+    request_id: str
+    target: bool
+    draft: tuple[str, str] | None = None  # (model, replica)
+
+
+def root_only(request: RequestState) -> TokenTree:
+    return TokenTree.root_only(int(request.all_tokens[-1]))
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        config: CoreConfig,
+        *,
+        policy: SchedulingPolicy | None = None,
+        chooser: DraftChooser | None = None,
+        matcher: ReplicaMatcher | None = None,
+        selector: TreeSelector | None = None,
+        cost: CostModel | None = None,
+        first_batch_id: int = 1,
+    ) -> None:
+        self.config = config
+        self.policy = policy or FCFS()
+        self.chooser = chooser or FixedDraftModel()
+        self.matcher = matcher or LeastLoadedSticky()
+        self.selector = selector or Goodput()
+        self.cost = cost
+        self.requests: dict[str, RequestState] = {}
+        self.running: list[RequestState] = []  # admission order
+        self.waiting: list[RequestState] = []
+        self.drafters: dict[str, list[str]] = {}  # live draft model -> its replicas
+        self._speculation: dict[str, SpeculationState] = {}
+        self._model_estimates: dict[str, AcceptanceEstimate] = {}
+        self._releases: list[Release] = []
+        self._arrivals = itertools.count()
+        self._batch_ids = itertools.count(first_batch_id)
+        self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
+
+    # ---- the pool ------------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Refuse what no schedule can serve (raises `InvalidRequestError` subclasses)."""
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} out of range [0, {vocab})", param="prompt")
+        if len(prompt) + max_tokens > self.config.max_context:
+            raise ContextLengthError(
+                f"prompt of {len(prompt)} tokens plus max_tokens={max_tokens} exceeds the "
+                f"model's context of {self.config.max_context} tokens",
+                param="max_tokens",
+            )
+
+    def add(self, request: RequestState) -> None:
+        self.check(request.prompt, request.params.max_tokens)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", param="request_id"
+            )
+        request.arrival = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request now, or when its micro-batch comes back; False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.cancelled = True
+        if not request.in_flight:
+            self._finish(request, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def set_drafters(self, replicas: Mapping[str, Sequence[str]]) -> None:
+        """The live draft models and their replicas (the executor's view of its drafters)."""
+        self.drafters = {model: list(names) for model, names in replicas.items() if names}
+
+    def take_releases(self) -> list[Release]:
+        releases, self._releases = self._releases, []
+        return releases
+
+    # ---- 1. schedule ---------------------------------------------------------------------------
+    def next_batch(self, now: float, kv: KVView | None = None) -> MicroBatch | None:
+        """The next micro-batch from requests not in flight, or None when there is nothing."""
+        batch = MicroBatch(next(self._batch_ids), now)
+        ctx = PolicyContext(now, self.cost, self.config.max_running)
+        idle = [r for r in self.running if not r.in_flight]
+        for victim in self.policy.preempt(idle, self.waiting, ctx):
+            self._preempt(victim, batch, kv)
+        running = self.policy.order([r for r in self.running if not r.in_flight], ctx)
+        waiting = self.policy.order(self.waiting, ctx)
+        admit = not self._kv_full or not self.running
+        active = len(self.running) + (len(waiting) if admit else 0)
+        share = max(1, math.ceil(active / self.config.micro_batches))
+        budget = self.config.token_budget
+
+        free = kv.num_free_blocks() if kv is not None else 0
+        for request in [r for r in running if not r.is_prefilling][: min(share, budget)]:
+            if request not in self.running:  # preempted for an older one
+                continue
+            if kv is not None:
+                need = kv.blocks_needed(request.request_id, self._tree_capacity(request))
+                while need > free:
+                    released = self._preempt_newest(request, batch, kv)
+                    if not released:
+                        break
+                    free += released
+                if need > free:
+                    if len(self.running) == 1:  # alone in the cache and still too big
+                        message = "KV cache exhausted by a single request"
+                        batch.failed.append(self._finished_output(request, "error", message))
+                    else:  # older requests hold the memory: wait for them
+                        free += self._preempt(request, batch, kv)
+                    continue
+                free -= need
+            batch.decode.append(request)
+
+        reserve = sum(self._tree_capacity(r) for r in batch.decode)
+        pending = any(r.is_prefilling for r in running) or (admit and waiting)
+        if pending:
+            reserve = min(reserve, budget // 2)
+        room = budget - max(reserve, len(batch.decode))
+        count = len(batch.decode)
+        candidates = [r for r in running if r.is_prefilling and r in self.running]
+        candidates += waiting if admit else []
+        for request in candidates:
+            if count >= share or room <= 0:
+                break
+            is_new = request not in self.running
+            if is_new and len(self.running) >= self.config.max_running:
+                break
+            if request.kv == "swapped":
+                assert kv is not None
+                need = kv.blocks_needed(
+                    request.request_id, len(request.all_tokens) + self._tree_capacity(request)
+                )
+                if need > free:
+                    break
+                free -= need
+                request.kv = "resident"
+                batch.swap_in.append(request)
+                self._admit(request)
+                continue  # it decodes from the next micro-batch on
+            chunk = min(room, len(request.prefill_tokens) - request.num_prefilled)
+            if kv is not None:
+                need = kv.blocks_needed(request.request_id, chunk)
+                if need > free:
+                    break
+                free -= need
+            request.kv = "resident"
+            batch.prefill.append((request, chunk))
+            room -= chunk
+            count += 1
+            if is_new:
+                self._admit(request)
+
+        self._plan_drafts(batch)
+        for request in batch.members:
+            request.in_flight = True
+        if batch.is_empty and not (batch.swap_out or batch.drop or batch.swap_in or batch.failed):
+            return None
+        return batch
+
+    def _admit(self, request: RequestState) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self.running.append(request)
+
+    def _preempt_newest(self, keep: RequestState, batch: MicroBatch, kv: KVView) -> int:
+        """Preempt the most recently admitted idle request admitted after `keep`."""
+        for victim in reversed(self.running):
+            if victim is keep:
+                return 0  # only requests admitted after `keep` may be preempted for it
+            if not victim.in_flight and victim not in batch.decode and victim.kv == "resident":
+                return self._preempt(victim, batch, kv)
+        return 0
+
+    def _preempt(self, victim: RequestState, batch: MicroBatch, kv: KVView | None) -> int:
+        """Swap where the executor can (and the KV is whole), recompute otherwise; returns the
+        target blocks released. The request waits at the front of the queue."""
+        released = kv.blocks_held(victim.request_id) if kv is not None else 0
+        if kv is not None and kv.can_swap and not victim.is_prefilling:
+            victim.kv = "swapped"
+            batch.swap_out.append(victim)
+        else:
+            victim.drop_kv()
+            batch.drop.append(victim)
+        self._release_draft(victim)
+        if victim in self.running:
+            self.running.remove(victim)
+        self.waiting.insert(0, victim)
+        return released
+
+    def _tree_capacity(self, request: RequestState) -> int:
+        """Nodes (root included) the request's tree may take this step."""
+        method = self._method(request)
+        return 1 + (method.max_draft_tokens if method is not None else 0)
+
+    def _method(self, request: RequestState) -> DraftMethod | None:
+        if not request.speculate or request.tokens_left <= 1:
+            return None
+        return request.method or self.config.method
+
+    def max_depth(self, request: RequestState) -> int:
+        room = self.config.max_context - len(request.all_tokens)
+        return max(0, min(request.tokens_left - 1, room))
+
+    # ---- 2. speculation plan -------------------------------------------------------------------
+    def _plan_drafts(self, batch: MicroBatch) -> None:
+        queries: list[DepthQuery] = []
+        placed: dict[str, tuple[str, str, DraftMethod]] = {}
+        for request in batch.decode:
+            method = self._method(request)
+            if method is None or not self.drafters or self.max_depth(request) < 1:
+                continue
+            model = self._choose_model(request)
+            if model is None:
+                continue
+            state = self._state(request, model)
+            prior = self._model_estimate(model).rate()
+            placed[request.request_id] = (model, request.drafter or "", method)
+            queries.append(
+                DepthQuery(
+                    request.request_id,
+                    model,
+                    method,
+                    min(self.max_depth(request), method.num_layers),
+                    state.estimate.rate(prior),
+                    len(request.all_tokens) - request.num_seen_by_drafter,
+                )
+            )
+        if not queries:
+            return
+        if self.config.planner == "goodput" and self.cost is not None:
+            depths = plan_depths(
+                queries,
+                self.cost,
+                prefill_tokens=batch.prefill_tokens,
+                budget=self.config.token_budget,
+                context=self._context(batch.decode),
+            )
+            depths = {rid: self._probe(rid, d) for rid, d in depths.items()}
+        else:
+            depths = {q.request_id: q.max_depth for q in queries}
+        for q in queries:
+            depth = depths[q.request_id]
+            if depth < 1:
+                continue
+            request = self.requests[q.request_id]
+            model, replica, method = placed[q.request_id]
+            base = request.num_seen_by_drafter
+            tokens = request.all_tokens
+            if base >= len(tokens):  # nothing new to root a tree at: start that drafter over
+                base = 0
+            nodes = sum(method.tokens_at_depth(d) for d in range(1, depth + 1))
+            batch.drafts[q.request_id] = DraftPlan(
+                model,
+                replica,
+                method,
+                base,
+                tuple(tokens[base:]),
+                depth,
+                min(nodes, method.max_draft_tokens),
+            )
+
+    def _choose_model(self, request: RequestState) -> str | None:
+        live = sorted(self.drafters)
+        if request.requested_draft in live:
+            model: str | None = request.requested_draft
+        elif request.draft_model in live:
+            model = request.draft_model
+        else:
+            model = self.chooser.choose(request, live, self.cost)
+        if model is None:
+            return None
+        replicas = self.drafters[model]
+        if model != request.draft_model:
+            self._release_draft(request)
+        replica = self.matcher.place(request.request_id, request.drafter, replicas)
+        if replica != request.drafter:
+            if request.drafter is not None and request.draft_model == model:
+                self._releases.append(Release(request.request_id, False, (model, request.drafter)))
+            request.num_seen_by_drafter = 0  # a new replica starts from the first token
+        request.draft_model, request.drafter = model, replica
+        return model
+
+    def _release_draft(self, request: RequestState) -> None:
+        """Leave the request's current drafter (its state there is to be freed)."""
+        if request.draft_model is not None and request.drafter is not None:
+            self._releases.append(
+                Release(request.request_id, False, (request.draft_model, request.drafter))
+            )
+        self.matcher.release(request.request_id)
+        request.draft_model = request.drafter = None
+        request.num_seen_by_drafter = 0
+
+    def _state(self, request: RequestState, model: str) -> SpeculationState:
+        key = f"{request.request_id}\0{model}"
+        state = self._speculation.get(key)
+        if state is None:
+            state = self._speculation[key] = SpeculationState(AcceptanceEstimate())
+        return state
+
+    def _model_estimate(self, model: str) -> AcceptanceEstimate:
+        return self._model_estimates.setdefault(model, AcceptanceEstimate())
+
+    def _probe(self, request_id: str, depth: int) -> int:
+        """Depth 0 now and then becomes a one-level probe, at doubling intervals."""
+        request = self.requests[request_id]
+        assert request.draft_model is not None
+        state = self._state(request, request.draft_model)
+        if depth > 0:
+            state.idle_steps = 0
+            state.probe_interval = FIRST_PROBE_INTERVAL
+            return depth
+        state.idle_steps += 1
+        if state.idle_steps < state.probe_interval:
+            return 0
+        state.idle_steps = 0
+        state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
+        return 1
+
+    @staticmethod
+    def _context(requests: Sequence[RequestState]) -> int:
+        if not requests:
+            return 0
+        return sum(len(r.all_tokens) for r in requests) // len(requests)
+
+    # ---- 3. tree selection ---------------------------------------------------------------------
+    def note_drafted(self, request_id: str, ok: bool) -> None:
+        """The executor's drafter answered for this request (ok: it now holds every committed
+        token), or did not (its draft state is unknown: start it over next time)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.num_seen_by_drafter = len(request.all_tokens) if ok else 0
+
+    def select_trees(
+        self, batch: MicroBatch, drafted: Mapping[str, TokenTree], now: float
+    ) -> dict[str, TokenTree]:
+        """Each decoding request's tree to verify (root only where nothing was drafted)."""
+        trees = {r.request_id: drafted.get(r.request_id) or root_only(r) for r in batch.decode}
+        calibration = {}
+        for r in batch.decode:
+            if r.draft_model is not None:
+                calibration[r.request_id] = self._state(r, r.draft_model).calibration
+        ctx = SelectionContext(
+            requests={r.request_id: r for r in batch.decode},
+            budget=self.config.token_budget - batch.prefill_tokens,
+            prefill_tokens=batch.prefill_tokens,
+            max_depth={r.request_id: self.max_depth(r) for r in batch.decode},
+            calibration=calibration,
+            cost=self.cost,
+            context=self._context(batch.decode),
+            now=now,
+        )
+        batch.trees = self.selector.select(trees, ctx) if trees else {}
+        return batch.trees
+
+    # ---- 4. observe ----------------------------------------------------------------------------
+    def observe(
+        self, batch: MicroBatch, results: Mapping[str, StepResult], now: float
+    ) -> list[StepOutput]:
+        """Commit a verified micro-batch: tokens, stops, statistics, feedback to the policies."""
+        chunks = {r.request_id: n for r, n in batch.prefill}
+        elapsed_ms = 1000 * (now - batch.started)
+        outputs: list[StepOutput] = []
+        for request in batch.members:
+            request.in_flight = False
+            rid = request.request_id
+            if request.cancelled:
+                outputs.append(self._finished_output(request, "abort"))
+                continue
+            result = results.get(rid)
+            if result is None or result.step != request.step:
+                result = StepResult(rid, request.step, error="out_of_sync")
+            if result.error is not None:
+                output = self._failed(request, result.error)
+                if output is not None:
+                    outputs.append(output)
+                continue
+            request.step += 1
+            request.attained_service_ms += elapsed_ms
+            drafted = 0
+            if rid in chunks:
+                request.num_prefilled += chunks[rid]
+            else:
+                tree = batch.trees.get(rid)
+                drafted = tree.num_nodes - 1 if tree is not None else 0
+                if drafted:
+                    self._learn(request, tree, result.num_accepted, elapsed_ms)
+                request.record_step(drafted, result.num_accepted, request.draft_model)
+            new = append_tokens(request, result.tokens, self.config.eos_token_ids)
+            if new:
+                request.first_token_time = request.first_token_time or now
+                request.last_token_time = now
+            if new or request.is_finished:
+                outputs.append(
+                    StepOutput(
+                        rid,
+                        result.step,
+                        len(request.output) - len(new),
+                        new,
+                        request.finish_reason,
+                        drafted,
+                        result.num_accepted if drafted else 0,
+                    )
+                )
+            if request.is_finished:
+                self._finish(request, request.finish_reason or "stop")
+        return outputs
+
+    def _learn(
+        self, request: RequestState, tree: TokenTree, num_accepted: int, elapsed_ms: float
+    ) -> None:
+        assert request.draft_model is not None
+        depth = int(tree.depths().max())
+        state = self._state(request, request.draft_model)
+        state.estimate.observe(num_accepted, depth)
+        self._model_estimate(request.draft_model).observe(num_accepted, depth)
+        predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
+        if predicted > 0:
+            ratio = min(max(num_accepted / predicted, CALIBRATION_CLIP[0]), CALIBRATION_CLIP[1])
+            state.calibration = DECAY * state.calibration + (1 - DECAY) * ratio
+        self.chooser.observe(
+            DraftOutcome(
+                request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
+                elapsed_ms,
+            )
+        )  # fmt: skip
+
+    def _failed(self, request: RequestState, error: str) -> StepOutput | None:
+        """Out of KV or out of sync: recompute later. Anything else fails the request."""
+        kind = error.split(":")[0]
+        if kind == "out_of_kv_memory" and self.running == [request]:
+            message = "the request needs more KV memory than the verifier has, even alone"
+            return self._finished_output(request, "abort", message, "context_length_exceeded")
+        if kind in ("out_of_kv_memory", "out_of_sync", "verify_timeout"):
+            self._kv_full |= kind == "out_of_kv_memory"
+            request.drop_kv()
+            self._releases.append(Release(request.request_id, True))
+            if request in self.running:
+                self.running.remove(request)
+            self.waiting.insert(0, request)
+            return None
+        return self._finished_output(
+            request, "abort", f"verification failed: {kind}", "internal_error"
+        )
+
+    def _finished_output(
+        self,
+        request: RequestState,
+        reason: FinishReason,
+        error: str | None = None,
+        error_type: str | None = None,
+    ) -> StepOutput:
+        self._finish(request, reason, error)
+        return StepOutput(
+            request.request_id,
+            request.step,
+            len(request.output),
+            [],
+            reason,
+            error=error,
+            error_type=error_type,
+        )
+
+    def _finish(
+        self, request: RequestState, reason: FinishReason, error: str | None = None
+    ) -> None:
+        """Drop the request from the pool; its target and draft state are to be released."""
+        request.finish_reason = reason
+        request.error = error
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._kv_full = False
+        self._releases.append(Release(rid, True))
+        self._release_draft(request)
+        self.chooser.forget(rid)
+        for key in [k for k in self._speculation if k.startswith(rid + "\0")]:
+            del self._speculation[key]

@@ -1,0 +1,75 @@
+"""Building the scheduler core from the validated settings (the services' way in)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.engine.methods import DraftMethod
+from shared.scheduling.core import CoreConfig, SchedulerCore
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.draft_choice import make_chooser
+from shared.scheduling.ordering import make_policy
+from shared.scheduling.replicas import make_matcher
+from shared.scheduling.tree_selection import make_selector
+from shared.settings import AugurySettings, SpeculationSettings
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the scheduler knows about the target: limits, not weights."""
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def method_from_settings(spec: SpeculationSettings) -> DraftMethod | None:
+    """The default drafting method; None when speculation is off."""
+    common = {"min_path_prob": spec.min_path_prob}
+    match spec.method:
+        case "chain":
+            return DraftMethod("chain", k=spec.chain_length, **common)
+        case "static":
+            return DraftMethod("static", expansion=tuple(spec.static_expansion), **common)
+        case "beam":
+            return DraftMethod("beam", depth=spec.beam_depth, width=spec.beam_width, **common)
+        case "dynamic":
+            return DraftMethod(
+                "dynamic",
+                budget=spec.dynamic_max_nodes,
+                max_size=spec.dynamic_max_nodes,
+                max_depth=spec.dynamic_max_depth,
+                max_width=spec.dynamic_max_width,
+                **common,
+            )
+    return None
+
+
+def build_core(
+    settings: AugurySettings,
+    target: TargetInfo,
+    draft_models: Sequence[str],
+    cost: CostModel | None,
+    *,
+    first_batch_id: int = 1,
+) -> SchedulerCore:
+    config = settings.scheduler
+    return SchedulerCore(
+        CoreConfig(
+            vocab_size=target.vocab_size,
+            max_context=target.max_context,
+            eos_token_ids=target.eos_token_ids,
+            token_budget=settings.engine.max_tokens_per_step,
+            max_running=config.max_running_requests,
+            micro_batches=config.micro_batches,
+            method=method_from_settings(config.speculation),
+            planner=config.speculation.planner,
+        ),
+        policy=make_policy(config.policy),
+        chooser=make_chooser(config.draft_chooser, draft_models),
+        matcher=make_matcher(config.replica_matcher),
+        selector=make_selector(config.tree_selection),
+        cost=cost,
+        first_batch_id=first_batch_id,
+    )

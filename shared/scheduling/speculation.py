@@ -1,0 +1,216 @@
+"""Speculation that pays: how deep each request drafts, and how many drafted nodes to verify.
+
+Both decisions maximize the step's *goodput*, expected committed tokens per millisecond:
+
+    G = sum_r (1 + E_r) / (T_draft + T_verify(N))
+
+where E_r is request r's expected accepted draft tokens, N the tokens of the verifier's forward
+(prompt chunks, one root per decoding request, the draft nodes) and T_* come from the cost model
+measured on this machine. Zero draft tokens (plain decoding) is always a candidate, so a request
+whose draft keeps failing stops paying for it, and one whose draft is accurate drafts deeper.
+
+1. Before drafting (`plan_depths`), E_r(d) = sum_{j<=d} a_r^j with a_r the request's running
+   per-depth acceptance estimate (`AcceptanceEstimate`, a decayed Beta posterior whose prior is
+   the draft model's estimate over all requests). Depths grow one level at a time where the
+   marginal expected token is largest; the best configuration seen is kept (the thesis's Alg. 1
+   objective with verification cost as a term, under AdaServe's hardware budget B).
+2. After drafting (`select_by_goodput`), the drafted trees' own path probabilities f(i) (AdaServe
+   Thm. 3.1: E[accepted] = sum f(i)), calibrated per request by how the target actually agreed,
+   rank every node of the micro-batch; the verified prefix of that ranking is the one with the
+   highest goodput. Drafting is spent by then, so only T_verify counts.
+
+A request planned at depth 0 probes again (depth 1) after an interval that doubles each time the
+probe does not change the plan, so an estimate can recover without paying every step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import DETERMINISTIC, TokenTree
+from shared.scheduling.cost_model import CostModel
+
+PRIOR_RATE = 0.5  # a draft model's acceptance before anything is observed
+PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior in a request's estimate
+DECAY = 0.9  # weight of older observations per step
+CALIBRATION_CLIP = (0.25, 4.0)
+FIRST_PROBE_INTERVAL = 4
+MAX_PROBE_INTERVAL = 64
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-depth acceptance as a decayed Beta posterior: each verified level is a trial that
+    succeeds when the target accepts a token there; a step stops at its first failure."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, num_accepted: int, depth: int, decay: float = DECAY) -> None:
+        failed = 1 if num_accepted < depth else 0
+        self.successes = decay * self.successes + num_accepted
+        self.trials = decay * self.trials + num_accepted + failed
+
+    def rate(self, prior: float = PRIOR_RATE, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.successes + prior * weight) / (self.trials + weight)
+
+
+@dataclass
+class SpeculationState:
+    """What the planner remembers of one request (on one draft model)."""
+
+    estimate: AcceptanceEstimate
+    calibration: float = 1.0  # accepted / sum f(i) of what was verified, decayed
+    idle_steps: int = 0  # steps planned at depth 0 since the last draft
+    probe_interval: int = FIRST_PROBE_INTERVAL
+
+
+@dataclass(frozen=True)
+class DepthQuery:
+    """One decoding request for the planner."""
+
+    request_id: str
+    draft_model: str
+    method: DraftMethod
+    max_depth: int  # tokens left and context room allow no deeper
+    rate: float  # per-depth acceptance estimate
+    new_tokens: int  # committed tokens the drafter has not seen (its root forward)
+
+
+def expected_accepted(rate: float, depth: int) -> float:
+    """E[accepted] of a tree of `depth` levels when each level is accepted with `rate`."""
+    return sum(rate**j for j in range(1, depth + 1))
+
+
+def plan_depths(
+    queries: Sequence[DepthQuery],
+    cost: CostModel,
+    *,
+    prefill_tokens: int,
+    budget: int,
+    context: int,
+) -> dict[str, int]:
+    """The depth each request drafts to this step (0: plain decoding), by goodput."""
+    depth = {q.request_id: 0 for q in queries}
+    nodes = len(queries) + prefill_tokens  # one root per decoding request
+    # per draft model: tokens of the root forward, and of each layer's forward
+    root_tokens: dict[str, int] = {}
+    layer_tokens: dict[str, list[int]] = {}
+    tokens = float(len(queries))
+
+    def step_ms() -> float:
+        drafting = sum(
+            cost.draft_tree_ms(model, root_tokens[model], layer_tokens[model], context)
+            for model in root_tokens
+        )
+        return drafting + cost.verify_ms(nodes, context)
+
+    best = (tokens / step_ms(), dict(depth))
+    # candidates: the next level of each request, best marginal expected tokens per node first
+    heap: list[tuple[float, int, DepthQuery]] = []
+    for i, q in enumerate(queries):
+        if q.max_depth > 0 and q.rate > 0:
+            heapq.heappush(heap, (-q.rate / q.method.tokens_at_depth(1), i, q))
+    while heap:
+        _, i, q = heapq.heappop(heap)
+        d = depth[q.request_id] + 1
+        width = min(q.method.tokens_at_depth(d), q.method.max_draft_tokens)
+        if nodes + width > budget:
+            continue
+        depth[q.request_id] = d
+        nodes += width
+        tokens += q.rate**d
+        if q.draft_model not in root_tokens:
+            root_tokens[q.draft_model] = 0
+            layer_tokens[q.draft_model] = []
+        if d == 1:
+            root_tokens[q.draft_model] += q.new_tokens
+        layers = layer_tokens[q.draft_model]
+        layers.extend([0] * (d - len(layers)))
+        layers[d - 1] += width
+        goodput = tokens / step_ms()
+        if goodput > best[0]:
+            best = (goodput, dict(depth))
+        if d < q.max_depth and d < q.method.num_layers:
+            marginal = q.rate ** (d + 1) / max(q.method.tokens_at_depth(d + 1), 1)
+            heapq.heappush(heap, (-marginal, i, q))
+    return best[1]
+
+
+def node_scores(tree: TokenTree, max_depth: int) -> list[tuple[float, int, int]]:
+    """(log path probability, depth, node) of the nodes a selector may take.
+
+    A sampled node's inclusion may not depend on its own token (that would bias multi-step
+    speculative sampling), so sampled siblings are scored by their parent's path probability.
+    """
+    if tree.num_nodes == 1:
+        return []
+    lp = tree.path_logprob()
+    depth = tree.depths()
+    out = []
+    for node in range(1, tree.num_nodes):
+        if depth[node] > max_depth:
+            continue
+        sampled = tree.proposal_of[node] != DETERMINISTIC
+        score = lp[tree.parents[node]] if sampled else lp[node]
+        out.append((float(score), int(depth[node]), node))
+    return out
+
+
+def take_best_first(
+    trees: Mapping[str, TokenTree],
+    max_depth: Mapping[str, int],
+    weight: Mapping[str, float],
+    count: int | None,
+) -> dict[str, list[int]]:
+    """Nodes across all trees in order of weighted path probability, each after its parent, at
+    most `count` of them (None: all); returns the kept nodes per request, root first."""
+    heap: list[tuple[float, int, int, str]] = []
+    for rid, tree in trees.items():
+        shift = math.log(weight.get(rid, 1.0))
+        for score, depth, node in node_scores(tree, max_depth.get(rid, 1 << 30)):
+            heap.append((-(score + shift), depth, node, rid))
+    heapq.heapify(heap)
+    kept: dict[str, list[int]] = {rid: [0] for rid in trees}
+    taken: dict[str, set[int]] = {rid: {0} for rid in trees}
+    left = len(heap) if count is None else count
+    while left > 0 and heap:
+        _, _, node, rid = heapq.heappop(heap)
+        if int(trees[rid].parents[node]) in taken[rid]:
+            taken[rid].add(node)
+            kept[rid].append(node)
+            left -= 1
+    return kept
+
+
+def select_by_goodput(
+    trees: Mapping[str, TokenTree],
+    max_depth: Mapping[str, int],
+    calibration: Mapping[str, float],
+    cost: CostModel,
+    *,
+    prefill_tokens: int,
+    budget: int,
+    context: int,
+) -> int:
+    """How many draft nodes of the micro-batch to verify: the prefix of the calibrated ranking
+    with the highest expected committed tokens per millisecond of verification."""
+    probs: list[float] = []
+    for rid, tree in trees.items():
+        c = calibration.get(rid, 1.0)
+        probs += [min(1.0, c * math.exp(s)) for s, _, _ in node_scores(tree, max_depth[rid])]
+    probs.sort(reverse=True)
+    roots = len(trees) + prefill_tokens
+    room = max(0, budget - roots)
+    best_n, best = 0, len(trees) / cost.verify_ms(roots, context)
+    tokens = float(len(trees))
+    for n, p in enumerate(probs[:room], start=1):
+        tokens += p
+        goodput = tokens / cost.verify_ms(roots + n, context)
+        if goodput > best:
+            best_n, best = n, goodput
+    return best_n
