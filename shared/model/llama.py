@@ -7,13 +7,22 @@ goes through each layer together; only attention looks at request boundaries, th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from kernels.attention_metadata import AttentionMetadata
 from shared.model.config import ModelConfig
+from shared.model.linear import (
+    DEFAULT_TOKEN_COUNTS,
+    LinearPlan,
+    PlannedLinear,
+    available_kernels,
+    batch_invariant_kernels,
+    choose,
+    measure,
+)
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
@@ -84,6 +93,11 @@ class LlamaModel(nn.Module):
         # Full-vocabulary id of each output row (identity unless the output vocab is reduced).
         self.register_buffer("output_token_ids", torch.arange(num_out), persistent=False)
         self.rope: RotaryEmbedding | None = None
+        # Per-layer (qkv, o, gate_up, down) and head callables chosen by `plan_kernels`;
+        # None = the nn.Linear modules themselves (plain F.linear).
+        self.linear_plan: LinearPlan | None = None
+        self._layer_linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] | None = None
+        self._head_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.requires_grad_(False)
 
     def init_rope(self, device: torch.device) -> None:
@@ -91,6 +105,81 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
         )
+
+    # ---- kernel choice per layer shape and token count (see shared/model/linear.py) -----------
+    LAYER_ROLES = ("qkv", "o", "gate_up", "down")
+
+    def _role_linears(self) -> dict[str, list[nn.Linear]]:
+        roles: dict[str, list[nn.Linear]] = {r: [] for r in self.LAYER_ROLES}
+        for layer in self.layers:
+            for role, mod in zip(self.LAYER_ROLES, self._layer_modules(layer), strict=True):
+                roles[role].append(mod)
+        roles["lm_head"] = [self.lm_head]
+        return roles
+
+    @staticmethod
+    def _layer_modules(layer: DecoderLayer) -> tuple[nn.Linear, ...]:
+        return (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+
+    def plan_kernels(
+        self,
+        token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
+        *,
+        plan: LinearPlan | None = None,
+        rounds: int = 5,
+        copy_gain: float = 0.10,
+        uniform_tolerance: float = 0.05,
+    ) -> LinearPlan:
+        """Choose each linear layer's kernel per token-count bucket and use it from now on.
+
+        Without `plan`, measures every candidate on this model's weights (a few seconds) and
+        chooses with `linear.choose`; with `plan` (e.g. `LinearPlan.from_dict` of another
+        process's plan) applies it as is. Call after moving the model to its device and after
+        loading its weights. Returns the plan in use.
+        """
+        device = next(self.parameters()).device
+        kernels = available_kernels(device)
+        roles = self._role_linears()
+        if plan is None:
+            weights = {r: [(m.weight, m.bias) for m in mods] for r, mods in roles.items()}
+            buckets = sorted(set(token_counts))
+            timings = measure(weights, buckets, kernels, rounds=rounds)
+            plan = choose(
+                timings,
+                buckets,
+                kernels,
+                copy_gain=copy_gain,
+                invariant=batch_invariant_kernels(weights, buckets, kernels),
+                uniform_tolerance=uniform_tolerance,
+            )
+        self.set_linear_plan(plan)
+        return plan
+
+    def set_linear_plan(self, plan: LinearPlan | None) -> None:
+        """Use `plan` (None: plain F.linear everywhere, the default)."""
+        self.linear_plan = plan
+        if plan is None:
+            self._layer_linears = None
+            self._head_linear = None
+            return
+        kernels = available_kernels(next(self.parameters()).device)
+        self._layer_linears = [
+            tuple(
+                PlannedLinear(m.weight, m.bias, role, plan, kernels)
+                for role, m in zip(self.LAYER_ROLES, self._layer_modules(layer), strict=True)
+            )
+            for layer in self.layers
+        ]
+        self._head_linear = PlannedLinear(
+            self.lm_head.weight, self.lm_head.bias, "lm_head", plan, kernels
+        )
+
+    def planned_extra_bytes(self) -> int:
+        """Memory the plan's weight copies (transposed / packed layouts) take."""
+        linears = [*(lin for lins in self._layer_linears or () for lin in lins)]
+        if self._head_linear is not None:
+            linears.append(self._head_linear)
+        return sum(lin.extra_bytes() for lin in linears if isinstance(lin, PlannedLinear))
 
     def hidden_states(
         self,
@@ -110,20 +199,25 @@ class LlamaModel(nn.Module):
         if self.embed_proj is not None:
             x = self.embed_proj(x)
         cos, sin = self.rope.tables(positions, x.dtype)
+        planned = self._layer_linears
         for i, layer in enumerate(self.layers):
+            qkv_proj, o_proj, gate_up_proj, down_proj = (
+                planned[i] if planned is not None else self._layer_modules(layer)
+            )
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = layer.qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
+            q, k, v = qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
             q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
             k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache[i].flatten(0, 1)[slots] = k
             v_cache[i].flatten(0, 1)[slots] = v
             o = attention(q, k_cache[i], v_cache[i], meta, scale)
-            x = x + layer.o_proj(o.reshape(num_tokens, -1))
+            x = x + o_proj(o.reshape(num_tokens, -1))
             h = rms_norm(x, layer.post_attn_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
-            x = x + layer.down_proj(torch.nn.functional.silu(gate) * up)
+            gate, up = gate_up_proj(h).chunk(2, dim=-1)
+            x = x + down_proj(torch.nn.functional.silu(gate) * up)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, num_out]
-        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        head = self._head_linear or self.lm_head
+        return head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()

@@ -1,0 +1,121 @@
+"""Whole target forward of n tokens, plain F.linear vs the measured per-shape kernel plan.
+
+    .venv/bin/python bench/bench_linear.py [--rounds 15] [--threads 2] [--plan-json plan.json]
+
+Loads the target (SmolLM2-135M-Instruct, fp32), commits a 256-token prefix, then for each round
+and each n in (1, 2, 3, 5, 9, 17) forwards a chain of n tokens with logits for every row and
+discards it, once without a plan (`set_linear_plan(None)`, plain F.linear), once with the plan
+`model.plan_kernels()` measured at start, and once with the same timings chosen without weight
+copies (`copy_gain=inf`), rotating which goes first. Prints medians (and the
+interquartile range) of the forward latency, cost(n) / cost(1) for both, and how far the planned
+logits are from the plain ones (max |difference| and argmax flips, planned vs plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.model import load_model  # noqa: E402
+from shared.model.linear import available_kernels, choose  # noqa: E402
+from shared.model.model_set import target_dir  # noqa: E402
+from shared.model.runner import ForwardItem, ModelRunner  # noqa: E402
+
+COUNTS = (1, 2, 3, 5, 9, 17)
+PREFIX = 256
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plan-rounds", type=int, default=5)
+    ap.add_argument("--plan-json", type=Path, help="write the measured plan here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = load_model(target_dir())
+    t0 = time.perf_counter()
+    plan = model.plan_kernels(COUNTS, rounds=args.plan_rounds)
+    plan_s = time.perf_counter() - t0
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    print(
+        f"planning took {plan_s:.1f} s; weight copies {model.planned_extra_bytes() / 2**20:.0f} MiB"
+    )
+    print(plan.describe())
+    if args.plan_json:
+        args.plan_json.write_text(json.dumps(plan.to_dict(), indent=1))
+
+    runner = ModelRunner(model)
+    runner.add_request("a")
+    rng = random.Random(0)
+    runner.prefill({"a": [rng.randrange(1000, 20000) for _ in range(PREFIX)]})
+
+    def forward(n: int, tokens: list[int]) -> tuple[float, torch.Tensor]:
+        t = time.perf_counter()
+        [logits] = runner.forward([ForwardItem.chain("a", tokens, logits="all")])
+        dt = time.perf_counter() - t
+        runner.discard_tree("a")
+        return dt, logits
+
+    # The same timings chosen without weight copies (copy_gain=inf): what the copies buy.
+    kernels = available_kernels(next(model.parameters()).device)
+    in_place = choose(
+        plan.timings, plan.buckets, kernels, copy_gain=math.inf, invariant=plan.invariant
+    )
+    print("without weight copies:\n" + "\n".join(in_place.describe().splitlines()[1:6]))
+    modes = {"plain": None, "planned": plan, "no-copy": in_place}
+    times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in COUNTS}
+    max_diff = {n: 0.0 for n in COUNTS}
+    argmax_flips = {n: 0 for n in COUNTS}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for n in COUNTS:
+            tokens = [rng.randrange(1000, 20000) for _ in range(n)]
+            order = list(modes)[r % 3 :] + list(modes)[: r % 3]
+            out = {}
+            for m in order:
+                model.set_linear_plan(modes[m])
+                dt, out[m] = forward(n, tokens)
+                if r:
+                    times[(m, n)].append(dt)
+            max_diff[n] = max(max_diff[n], (out["plain"] - out["planned"]).abs().max().item())
+            argmax_flips[n] += int((out["plain"].argmax(-1) != out["planned"].argmax(-1)).sum())
+
+    def med(m: str, n: int) -> float:
+        return statistics.median(times[(m, n)])
+
+    def iqr(m: str, n: int) -> str:
+        q = statistics.quantiles(times[(m, n)], n=4)
+        return f"{q[0] * 1e3:.1f}-{q[2] * 1e3:.1f}"
+
+    print(f"\nwhole forward after a {PREFIX}-token prefix, median of {args.rounds} (IQR), ms")
+    print(
+        f"{'n':>3} {'plain':>7} {'IQR':>11} {'planned':>8} {'IQR':>11} {'no-copy':>8} "
+        f"{'plain/1':>8} {'planned/1':>10} {'no-copy/1':>10} {'speedup':>8} "
+        f"{'max|dlogit|':>12} {'flips':>6}"
+    )
+    for n in COUNTS:
+        p, q, c = med("plain", n), med("planned", n), med("no-copy", n)
+        print(
+            f"{n:>3} {p * 1e3:>7.1f} {iqr('plain', n):>11} {q * 1e3:>8.1f} "
+            f"{iqr('planned', n):>11} {c * 1e3:>8.1f} {p / med('plain', 1):>8.2f} "
+            f"{q / med('planned', 1):>10.2f} {c / med('no-copy', 1):>10.2f} {p / q:>8.2f} "
+            f"{max_diff[n]:>12.2e} {argmax_flips[n]:>6}"
+        )
+
+
+if __name__ == "__main__":
+    main()
