@@ -1,0 +1,156 @@
+"""Measure this machine's forward latencies (target and drafts) and save them as a cost profile.
+
+    python -m bench.profile --threads 2                         # CPU, fp32, the default models
+    python -m bench.profile --device cuda --dtype bfloat16 --max-tokens 512 --random-weights
+
+The profile (`shared/scheduling/cost_model.py`) goes to
+`profiles/<model>-<device>-<dtype>-t<threads>.json` unless `--out` says otherwise; the
+scheduler's `CostModel` reads it. Latency depends on shapes only, so `--random-weights` builds
+each model from its checkpoint's config.json with random weights (a GPU machine without the
+target's weights can still be profiled). The table at the end gives, per model and context, each
+forward's latency and its ratio to a forward of 1 token: the ratio is what decides how many
+tokens a speculative step can verify almost for free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from shared.model import LlamaModel, load_model
+from shared.model.loader import read_config
+from shared.model.model_set import DRAFT_NAMES, draft_dirs, target_dir
+from shared.model.profiling import measure_profile, profile_key
+from shared.model.runner import ModelRunner
+from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
+
+
+def random_model(path: Path, dtype: torch.dtype, device: str) -> LlamaModel:
+    """A model with the checkpoint's architecture and random weights (no target needed)."""
+    torch.manual_seed(0)
+    model = LlamaModel(read_config(path)).to(device=device, dtype=dtype)
+    model.output_token_ids = model.output_token_ids.long()
+    model.init_rope(torch.device(device))
+    return model.eval()
+
+
+def kv_bytes_for(model: LlamaModel, dtype: torch.dtype, contexts, max_tokens, requests) -> int:
+    """KV room for `requests` requests at every context plus their tokens, with slack."""
+    cfg = model.cfg
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    tokens = requests * sum(c + max_tokens + 32 for c in contexts)
+    return max(16 << 20, int(per_token * tokens * 1.1))
+
+
+def table(profile: CostProfile) -> str:
+    """Per model: tokens x context, ms and the ratio to n = 1 at the same context."""
+    lines = []
+    models = [(profile.target.key.model + " (target)", profile.target)]
+    models += list(profile.drafts.items())
+    for name, mp in models:
+        c = mp.curve
+        lines.append(f"\n{name}: ms per forward (ratio to n=1)")
+        head = f"{'tokens':>7} " + " ".join(f"{'ctx ' + str(x):>19}" for x in c.contexts)
+        lines.append(head)
+        lines.append("-" * len(head))
+        for i, n in enumerate(c.tokens):
+            cells = [
+                f"{c.ms_grid[i][j]:9.2f} ({c.ms_grid[i][j] / c.ms_grid[0][j]:5.2f}x)"
+                for j in range(len(c.contexts))
+            ]
+            lines.append(f"{n:7d} " + " ".join(f"{cell:>19}" for cell in cells))
+        if c.rel_spread is not None:
+            worst = max(v for row in c.rel_spread for v in row)
+            median = sorted(v for row in c.rel_spread for v in row)[
+                len(c.contexts) * len(c.tokens) // 2
+            ]
+            lines.append(f"relative spread (IQR / median): median {median:.2f}, worst {worst:.2f}")
+    cost = CostModel(profile)
+    lines.append(
+        f"\nknee (largest n with verify_ms(n) <= 1.1 x verify_ms(1), context 256): "
+        f"{cost.knee_tokens(0.1)} tokens; 1.5x: {cost.knee_tokens(0.5)} tokens"
+    )
+    for name in cost.draft_models:
+        ratio = cost.draft_cost_per_token_ms(name) / cost.verify_ms(1, 256)
+        lines.append(
+            f"{name}: {cost.draft_cost_per_token_ms(name):.2f} ms per 1-token forward at context "
+            f"256 = {ratio:.3f} x the target's"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, help="target checkpoint (default: SmolLM2-135M)")
+    ap.add_argument("--drafts", nargs="*", default=list(DRAFT_NAMES), help="names or directories")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--max-tokens", type=int, help="largest forward (default 64 CPU, 512 CUDA)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[0, 256, 1024])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-requests", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="the services' quick grid instead")
+    ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--notes", default="", help="free text stored in the profile")
+    ap.add_argument("--out", type=Path, help="default: profiles/<model>-<device>-<dtype>-t<n>")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device visible to torch")
+    dtype = getattr(torch, args.dtype)
+    max_tokens = args.max_tokens or (512 if args.device == "cuda" else 64)
+
+    tdir = args.target or target_dir()
+    named = draft_dirs() if any(d in DRAFT_NAMES for d in args.drafts) else {}
+    ddirs = {Path(d).name: named.get(d, Path(d)) for d in args.drafts}
+
+    def build(path: Path) -> ModelRunner:
+        if args.random_weights:
+            model = random_model(path, dtype, args.device)
+        else:
+            model = load_model(path, dtype=dtype, device=args.device, target_path=tdir)
+        kv = kv_bytes_for(model, dtype, args.contexts, max_tokens, args.max_requests)
+        return ModelRunner(model, kv_memory_bytes=kv)
+
+    target = build(tdir)
+    drafts = {name: build(path) for name, path in ddirs.items()}
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    notes = "; ".join(
+        filter(
+            None,
+            [
+                f"measured {when} on {platform.node()} by python -m bench.profile",
+                f"torch {torch.__version__}",
+                "random weights" if args.random_weights else "",
+                args.notes,
+            ],
+        )
+    )
+    profile = measure_profile(
+        target,
+        drafts,
+        target_name=tdir.name,
+        max_tokens=max_tokens,
+        quick=args.quick,
+        contexts=args.contexts if not args.quick else None,
+        repeats=args.repeats if not args.quick else None,
+        max_requests=args.max_requests,
+        progress=True,
+        notes=notes,
+    )
+    out = args.out or DEFAULT_PROFILES_DIR / f"{profile_key(target, tdir.name).file_stem}.json"
+    profile.save(out)
+    print(table(profile))
+    print(f"\nsaved {out}")
+    print(json.dumps(profile.target.key.model_dump()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Measure what a `ModelRunner`'s forwards cost on this machine: the numbers behind `CostModel`.
+
+Layout of a measured forward of n tokens at context c (the way a verify step looks):
+  - r = min(n, max_requests) requests (default 8), each with a committed prefix of c tokens;
+  - the n new tokens are split as evenly as possible over them, each request's share a chain
+    (a tree of the same size costs the same: the same rows through every matmul and the same
+    tree-region attention), with logits for every new token (`logits="all"`, as the verifier and
+    a drafter's tree layers ask);
+  - after each timed forward the uncommitted tree region is discarded (`discard_tree`), so every
+    repeat sees the same cache.
+
+The committed prefixes are written by `swap_in` of zero KV instead of a prefill forward: a
+forward's latency depends on shapes, not on KV values, and a prefill of 8 x 1024 tokens would
+take most of a minute on a CPU. After a warm-up sweep, every repeat sweeps the whole grid (so
+drift in background load hits all points alike) and each point keeps the median of its
+`repeats` timings; on CUDA each forward is bracketed by `torch.cuda.synchronize`.
+
+`measure_profile` is what a service calls at start (quick mode: a few seconds on a CPU);
+`python -m bench.profile` runs the full grid and saves the profile under `profiles/`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from shared.errors import OutOfKVMemoryError
+from shared.model.config import ModelConfig
+from shared.model.kv_cache import SwappedKV
+from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.cost_model import (
+    CostProfile,
+    ForwardCurve,
+    ModelProfile,
+    ProfileKey,
+    architecture_fingerprint,
+    cpu_name,
+)
+
+MAX_REQUESTS = 8
+# Quick mode (services at start): few points, few repeats.
+QUICK_CONTEXTS = (0, 512)
+QUICK_REPEATS = 3
+# Full mode (python -m bench.profile).
+FULL_CONTEXTS = (0, 256, 1024)
+FULL_REPEATS = 7
+_PREFIX = "__profile_"
+
+
+def fingerprint_of(cfg: ModelConfig) -> str:
+    """The architecture fingerprint of a model config (see `cost_model.ARCHITECTURE_FIELDS`)."""
+    return architecture_fingerprint(cfg)
+
+
+def device_name(device: torch.device | str) -> str:
+    """ "cpu: AMD EPYC" or "cuda: NVIDIA H100 80GB HBM3"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "cuda: " + torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return cpu_name()
+    return device.type
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
+    """The key a profile of `runner`'s model on this machine has (threads: torch's CPU threads,
+    0 on CUDA). Services build it to look a profile up before measuring one."""
+    return ProfileKey(
+        model=model,
+        fingerprint=fingerprint_of(runner.cfg),
+        device=device_name(runner.device),
+        dtype=dtype_name(runner.dtype),
+        threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
+    )
+
+
+def token_grid(max_tokens: int, quick: bool) -> list[int]:
+    """Token counts to measure, 1..max_tokens: powers of two (and their 1.5x midpoints in full
+    mode), always including max_tokens."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    grid = {1, max_tokens}
+    p = 2 if not quick else 4
+    while p < max_tokens:
+        grid.add(p)
+        if not quick and p >= 8 and p * 3 // 2 < max_tokens:
+            grid.add(p * 3 // 2)
+        p *= 2 if not quick else 4
+    return sorted(grid)
+
+
+def _split(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _check_room(runner: ModelRunner, contexts: Sequence[int], tokens: Sequence[int], r: int):
+    """All contexts' requests live at once: r requests per context, each with its prefix and
+    the largest share of new tokens it gets."""
+    cache = runner.cache
+    num_requests = min(r, max(tokens))
+    share = max(max(_split(n, min(n, r))) for n in tokens)
+    need = num_requests * sum(cache.num_blocks_for(c + share) for c in contexts)
+    if need > cache.allocator.num_free:
+        raise OutOfKVMemoryError(
+            f"profiling needs {need} free KV blocks ({num_requests} requests at each context "
+            f"{list(contexts)}, plus up to {share} new tokens each), the cache has "
+            f"{cache.allocator.num_free} free of {cache.num_blocks}: give the runner more "
+            f"kv_memory_bytes or measure fewer or smaller contexts"
+        )
+
+
+def measure_curve(
+    runner: ModelRunner,
+    tokens: Sequence[int],
+    contexts: Sequence[int],
+    *,
+    repeats: int = FULL_REPEATS,
+    warmup: int = 1,
+    max_requests: int = MAX_REQUESTS,
+    progress: Callable[[int], None] | None = None,
+) -> ForwardCurve:
+    """Time `runner`'s forward over the grid `tokens` x `contexts` (layout: the module's
+    docstring). `progress(k)` is called after every k timed forwards. The runner's own requests
+    are left alone; it needs free KV room for min(max(tokens), max_requests) requests at each
+    context, all at once (else `OutOfKVMemoryError` before anything runs)."""
+    tokens, contexts = sorted(set(tokens)), sorted(set(contexts))
+    if tokens[-1] + contexts[-1] >= runner.max_context:
+        raise ValueError(
+            f"context {contexts[-1]} plus {tokens[-1]} tokens is past the model's context of "
+            f"{runner.max_context}"
+        )
+    _check_room(runner, contexts, tokens, max_requests)
+    cfg, cuda = runner.cfg, runner.device.type == "cuda"
+    num_requests = min(tokens[-1], max_requests)
+    rids = [[f"{_PREFIX}{j}_{i}" for i in range(num_requests)] for j in range(len(contexts))]
+    vocab = cfg.vocab_size
+    rng = np.random.default_rng(0)
+    times = np.zeros((len(tokens), len(contexts), repeats))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+
+    def once(j: int, n: int) -> float:
+        r = min(n, max_requests)
+        items = [
+            ForwardItem(rid, rng.integers(0, vocab, k).tolist(), list(range(-1, k - 1)), "all")
+            for rid, k in zip(rids[j][:r], _split(n, r), strict=True)
+        ]
+        sync()
+        start = time.perf_counter()
+        runner.forward(items)
+        sync()
+        elapsed = time.perf_counter() - start
+        for item in items:
+            runner.discard_tree(item.request_id)
+        return elapsed * 1e3
+
+    try:
+        for j, c in enumerate(contexts):
+            for rid in rids[j]:
+                if c == 0:
+                    runner.add_request(rid)
+                else:
+                    shape = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+                    zeros = torch.zeros(shape, dtype=runner.dtype)
+                    runner.swap_in(rid, SwappedKV(k=zeros, v=zeros))
+        for _ in range(warmup):
+            for j in range(len(contexts)):
+                for n in tokens:
+                    once(j, n)
+        # Every repeat sweeps the whole grid: a burst of background load spreads over all points
+        # instead of spoiling one context's column.
+        for rep in range(repeats):
+            for j in range(len(contexts)):
+                for i, n in enumerate(tokens):
+                    times[i, j, rep] = once(j, n)
+                if progress is not None:
+                    progress(len(tokens))
+    finally:
+        for rid in (rid for group in rids for rid in group):
+            runner.free_request(rid)
+    median = np.median(times, axis=-1)
+    p25, p75 = np.percentile(times, [25, 75], axis=-1)
+    return ForwardCurve(
+        tokens=list(tokens),
+        contexts=list(contexts),
+        ms_grid=np.round(median, 4).tolist(),
+        rel_spread=np.round((p75 - p25) / median, 4).tolist(),
+        repeats=repeats,
+    )
+
+
+def measure_profile(
+    target: ModelRunner,
+    drafts: Mapping[str, ModelRunner],
+    *,
+    target_name: str,
+    max_tokens: int,
+    quick: bool = True,
+    contexts: Sequence[int] | None = None,
+    tokens: Sequence[int] | None = None,
+    repeats: int | None = None,
+    max_requests: int = MAX_REQUESTS,
+    progress: bool = False,
+    notes: str = "",
+) -> CostProfile:
+    """Measure the target's and each draft's forward on this machine and return their profile.
+
+    - `target`, `drafts` (name -> runner): loaded models with free KV room (see `measure_curve`);
+      the keys (`profile_key`) are built from them: `target_name` and the draft names label them.
+    - `max_tokens`: the largest forward measured (the step's token budget); `tokens` overrides
+      the grid (`token_grid(max_tokens, quick)`).
+    - `quick=True` (services at start; a few seconds on a 2-core CPU for SmolLM2-135M and the
+      three drafts at max_tokens=64): token counts 1, 4, 16, ..., max_tokens, contexts (0, 512),
+      3 repeats. `quick=False` (`python -m bench.profile`): 1, 2, 4, 8, 12, 16, 24, ...,
+      contexts (0, 256, 1024), 7 repeats. `contexts` and `repeats` override either.
+    - `progress`: a tqdm bar on stderr.
+
+    Nothing is saved: `CostProfile.save` does that. Look one up first with
+    `cost_model.find_profile(directory, profile_key(target, name), ...)`.
+    """
+    tokens = sorted(set(tokens)) if tokens else token_grid(max_tokens, quick)
+    contexts = (
+        sorted(set(contexts)) if contexts else list(QUICK_CONTEXTS if quick else FULL_CONTEXTS)
+    )
+    repeats = repeats or (QUICK_REPEATS if quick else FULL_REPEATS)
+    runners = {target_name: target, **drafts}
+    if len(runners) != 1 + len(drafts):
+        raise ValueError(f"a draft is named like the target, {target_name!r}")
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = len(runners) * len(contexts) * repeats * len(tokens)
+        bar = tqdm(total=total, desc="profiling forwards", unit="fwd")
+
+    def measure(runner: ModelRunner, name: str) -> ModelProfile:
+        if bar is not None:
+            bar.set_postfix_str(name)
+        curve = measure_curve(
+            runner,
+            tokens,
+            contexts,
+            repeats=repeats,
+            max_requests=max_requests,
+            progress=bar.update if bar is not None else None,
+        )
+        return ModelProfile(key=profile_key(runner, name), curve=curve)
+
+    try:
+        target_profile = measure(target, target_name)
+        draft_profiles = {name: measure(runner, name) for name, runner in drafts.items()}
+    finally:
+        if bar is not None:
+            bar.close()
+    method = (
+        f"n tokens as chains over min(n, {max_requests}) requests, each with a committed prefix "
+        f"of `context` tokens (zero KV); logits for all new tokens; median of {repeats} after a "
+        f"warm-up; {'quick' if quick else 'full'} grid"
+    )
+    return CostProfile(target=target_profile, drafts=draft_profiles, method=method, notes=notes)

@@ -1,0 +1,1 @@
+"""Scheduling without tensors: the measured cost model and the policies that use it."""

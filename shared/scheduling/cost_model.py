@@ -1,0 +1,417 @@
+"""What this machine's forwards cost, measured, so that the scheduler speculates only when it pays.
+
+A `CostProfile` holds, for the verifier (target) and for each draft model, a `ForwardCurve`: the
+latency in ms of one packed forward of n tokens (all requests of a step together) at a
+per-request context length, measured on a grid by `shared/model/profiling.py` (or
+`python -m bench.profile`) and saved as JSON under `profiles/`. `CostModel` answers the
+scheduler's questions from it by piecewise-linear interpolation.
+
+A profile is valid only for the machine and the architecture it was measured on: `ProfileKey`
+names the model's architecture fingerprint (shapes that decide cost, never the weights), the
+device, the dtype and the CPU threads, and `load_matching` / `find_profile` refuse a profile whose
+key differs (`ProfileMismatchError` names the field).
+
+This module is pure Python (numpy at most): the scheduler core imports it and never touches
+tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+# Where `python -m bench.profile` saves profiles and where services look for one first.
+DEFAULT_PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+# The per-request context at which the convenience numbers (per-token draft cost, knee) are read.
+TYPICAL_CONTEXT = 256
+
+# ModelConfig fields that decide a forward's cost. `num_output_tokens` (a draft's reduced output
+# vocabulary) and `embedding_rank` (a factorized input embedding) change the cost too; None means
+# "full vocabulary" / "no factorization".
+ARCHITECTURE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "num_output_tokens",
+    "embedding_rank",
+    "has_qkv_bias",
+)
+
+
+# ---- keys ----------------------------------------------------------------------------------------
+def architecture_fingerprint(cfg: Any) -> str:
+    """A 12-hex-digit hash of the architecture fields that decide cost (`ARCHITECTURE_FIELDS`).
+
+    `cfg` is anything with those attributes (a `shared.model.config.ModelConfig`) or a mapping of
+    them; weights, context length, tokens ids and names do not enter it.
+    """
+
+    def get(name: str) -> Any:
+        return cfg[name] if isinstance(cfg, Mapping) else getattr(cfg, name)
+
+    fields = {name: get(name) for name in ARCHITECTURE_FIELDS}
+    if fields["num_output_tokens"] in (None, fields["vocab_size"]):
+        fields["num_output_tokens"] = fields["vocab_size"]
+    fields["has_qkv_bias"] = bool(fields["has_qkv_bias"])
+    blob = json.dumps(fields, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def fingerprint_of_checkpoint(path: str | Path) -> str:
+    """`architecture_fingerprint` of a Hugging Face checkpoint directory, read from its
+    `config.json` without torch (the same defaults as `ModelConfig.from_hf`)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    num_heads = cfg["num_attention_heads"]
+    archs = set(cfg.get("architectures") or [])
+    return architecture_fingerprint(
+        {
+            "hidden_size": cfg["hidden_size"],
+            "intermediate_size": cfg["intermediate_size"],
+            "num_layers": cfg["num_hidden_layers"],
+            "num_heads": num_heads,
+            "num_kv_heads": cfg.get("num_key_value_heads") or num_heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            "vocab_size": cfg["vocab_size"],
+            "num_output_tokens": cfg.get("augury_num_output_tokens"),
+            "embedding_rank": cfg.get("augury_embedding_rank"),
+            "has_qkv_bias": bool(cfg.get("attention_bias", False)) or "Qwen2ForCausalLM" in archs,
+        }
+    )
+
+
+def cpu_name() -> str:
+    """ "cpu: <model name>" from /proc/cpuinfo (the platform's processor name elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
+
+
+def slug(text: str) -> str:
+    """ "cpu: AMD EPYC" -> "cpu-amd-epyc" (for file names)."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+class ProfileKey(BaseModel):
+    """What a measurement is valid for. `model` is a label; the fingerprint is what is checked."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    fingerprint: str
+    device: str  # "cpu: AMD EPYC", "cuda: NVIDIA H100 80GB HBM3"
+    dtype: str  # "float32", "bfloat16", ...
+    threads: int = Field(ge=0)  # torch threads on CPU; 0 on CUDA
+
+    # Fields compared by `mismatch`, in the order they are reported.
+    CHECKED: ClassVar[tuple[str, ...]] = ("fingerprint", "device", "dtype", "threads")
+
+    def mismatch(self, asked: ProfileKey) -> str | None:
+        """The first checked field whose value differs from `asked`, or None."""
+        for name in ProfileKey.CHECKED:
+            if getattr(self, name) != getattr(asked, name):
+                return name
+        return None
+
+    @property
+    def file_stem(self) -> str:
+        """`<model>-<device-slug>-<dtype>-t<threads>`: the default profile file name."""
+        return f"{self.model}-{slug(self.device)}-{self.dtype}-t{self.threads}"
+
+
+class ProfileMismatchError(ValueError):
+    """A profile measured for another architecture, device, dtype or thread count (or lacking a
+    draft the caller needs). `field` names what differs ("fingerprint", "device", "dtype",
+    "threads", "drafts", "schema_version")."""
+
+    def __init__(self, message: str, *, field: str, path: str | Path | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.path = path
+
+
+# ---- curves --------------------------------------------------------------------------------------
+def _bracket(grid: Sequence[int], x: float) -> tuple[int, float]:
+    """Index i and weight w with x ~ grid[i] * (1 - w) + grid[i + 1] * w; w is outside [0, 1]
+    past the ends (linear extrapolation). Needs len(grid) >= 2."""
+    i = bisect.bisect_right(grid, x) - 1
+    i = min(max(i, 0), len(grid) - 2)
+    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
+
+
+class ForwardCurve(BaseModel):
+    """Latency of one forward of `tokens[i]` tokens at per-request context `contexts[j]`:
+    `ms_grid[i][j]` milliseconds (the median of `repeats` timings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int]
+    contexts: list[int]
+    ms_grid: list[list[float]]
+    # Relative spread of the timings of each grid point ((p75 - p25) / median); a measure of noise.
+    rel_spread: list[list[float]] | None = None
+    repeats: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ForwardCurve:
+        if not self.tokens or not self.contexts:
+            raise ValueError("a curve needs at least one token count and one context")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
+            raise ValueError(f"tokens must increase strictly: {self.tokens}")
+        if any(b <= a for a, b in zip(self.contexts, self.contexts[1:], strict=False)):
+            raise ValueError(f"contexts must increase strictly: {self.contexts}")
+        if self.tokens[0] < 1 or self.contexts[0] < 0:
+            raise ValueError("tokens start at 1 or more, contexts at 0 or more")
+        for grid, name in ((self.ms_grid, "ms_grid"), (self.rel_spread, "rel_spread")):
+            if grid is None:
+                continue
+            if len(grid) != len(self.tokens) or any(len(r) != len(self.contexts) for r in grid):
+                raise ValueError(
+                    f"{name} must be [{len(self.tokens)} tokens][{len(self.contexts)} contexts]"
+                )
+        if any(not (0.0 < v < float("inf")) for row in self.ms_grid for v in row):
+            raise ValueError("latencies must be positive and finite")
+        return self
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1]
+
+    def monotone(self) -> ForwardCurve:
+        """The same curve with each context's column made non-decreasing in tokens (a running
+        maximum): a forward of more tokens never costs less, whatever the timing noise said."""
+        grid = [list(row) for row in self.ms_grid]
+        for i in range(1, len(grid)):
+            grid[i] = [max(a, b) for a, b in zip(grid[i - 1], grid[i], strict=True)]
+        return self.model_copy(update={"ms_grid": grid})
+
+    def _at_context(self, i: int, context: float) -> float:
+        """Row i interpolated in context, clamped to the grid's ends."""
+        row = self.ms_grid[i]
+        if len(self.contexts) == 1 or context <= self.contexts[0]:
+            return row[0]
+        if context >= self.contexts[-1]:
+            return row[-1]
+        j, w = _bracket(self.contexts, context)
+        return row[j] * (1.0 - w) + row[j + 1] * w
+
+    def ms(self, num_tokens: float, context: float) -> float:
+        """Latency of a forward of `num_tokens` tokens at per-request context `context`.
+
+        Piecewise linear on the grid. In tokens: below the first grid point the first point's
+        value (a forward of fewer tokens is not cheaper in practice), past the last point
+        extrapolated along the last segment (its slope floored at 0); 0 tokens cost 0. In
+        context: clamped to the grid's ends.
+        """
+        if num_tokens <= 0:
+            return 0.0
+        tokens = self.tokens
+        if len(tokens) == 1:
+            return self._at_context(0, context) * max(1.0, num_tokens / tokens[0])
+        if num_tokens <= tokens[0]:
+            return self._at_context(0, context)
+        i, w = _bracket(tokens, num_tokens)
+        lo, hi = self._at_context(i, context), self._at_context(i + 1, context)
+        if w > 1.0:  # past the last point: never decreasing
+            return hi + max(0.0, hi - lo) * (w - 1.0)
+        return lo * (1.0 - w) + hi * w
+
+
+class ModelProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: ProfileKey
+    curve: ForwardCurve
+
+
+class CostProfile(BaseModel):
+    """The measured costs of one machine: the verifier's (target's) forward and each draft's.
+
+    A draft's curve is one drafter forward over n tokens (all requests of a draft step): drafting
+    a tree costs its root chain forward plus one forward per tree layer (`CostModel.draft_tree_ms`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    target: ModelProfile
+    drafts: dict[str, ModelProfile] = Field(default_factory=dict)
+    # How the forwards were laid out and timed, e.g. "n tokens as chains over min(n, 8) requests".
+    method: str = ""
+    notes: str = ""
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CostProfile:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        return cls.from_json(Path(path).read_text())
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check(
+        self,
+        key: ProfileKey,
+        drafts: Mapping[str, ProfileKey] | Iterable[ProfileKey] = (),
+        *,
+        path: str | Path | None = None,
+    ) -> None:
+        """Raise `ProfileMismatchError` unless the target's key and the key of every draft asked
+        for match (fingerprint, device, dtype, threads; model names are labels, not checked)."""
+        where = f"profile {path}" if path else "profile"
+        if (field := self.target.key.mismatch(key)) is not None:
+            raise ProfileMismatchError(
+                f"{where} was measured for target {field} {getattr(self.target.key, field)!r}, "
+                f"not {getattr(key, field)!r}",
+                field=field,
+                path=path,
+            )
+        asked = drafts.items() if isinstance(drafts, Mapping) else ((k.model, k) for k in drafts)
+        for name, draft_key in asked:
+            have = self.drafts.get(name)
+            if have is None:
+                raise ProfileMismatchError(
+                    f"{where} has no draft {name!r} (it has {sorted(self.drafts)})",
+                    field="drafts",
+                    path=path,
+                )
+            if (field := have.key.mismatch(draft_key)) is not None:
+                raise ProfileMismatchError(
+                    f"{where} was measured for draft {name!r} with {field} "
+                    f"{getattr(have.key, field)!r}, not {getattr(draft_key, field)!r}",
+                    field=field,
+                    path=path,
+                )
+
+
+def load_matching(
+    path: str | Path,
+    key: ProfileKey,
+    drafts: Mapping[str, ProfileKey] | Iterable[ProfileKey] = (),
+) -> CostProfile:
+    """Load the profile at `path`; raise `ProfileMismatchError` (naming the differing field) if it
+    was measured for another target or draft fingerprint, device, dtype or thread count, or lacks
+    one of `drafts` (by name; an iterable of keys is taken by their `model`)."""
+    profile = CostProfile.load(path)
+    profile.check(key, drafts, path=path)
+    return profile
+
+
+def find_profile(
+    directory: str | Path,
+    key: ProfileKey,
+    drafts: Mapping[str, ProfileKey] | Iterable[ProfileKey] = (),
+) -> CostProfile | None:
+    """The newest (by `created`) profile in `directory/*.json` that `load_matching` accepts, or
+    None. Files that are not profiles, or that were measured elsewhere, are skipped (logged)."""
+    drafts = dict(drafts) if isinstance(drafts, Mapping) else {k.model: k for k in drafts}
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found: list[CostProfile] = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            found.append(load_matching(path, key, drafts))
+        except ProfileMismatchError as e:
+            log.debug("skipping %s", e)
+        except (OSError, ValueError) as e:  # not a profile (pydantic errors are ValueErrors)
+            log.info("skipping %s: not a cost profile (%s)", path, str(e).splitlines()[0])
+    return max(found, key=lambda p: p.created, default=None)
+
+
+# ---- the scheduler's view ------------------------------------------------------------------------
+class CostModel:
+    """Forward latencies for the scheduler, from a `CostProfile`.
+
+    Curves are made monotone in tokens (`ForwardCurve.monotone`) so that timing noise never
+    makes a larger forward look cheaper. All answers are milliseconds.
+    """
+
+    def __init__(self, profile: CostProfile) -> None:
+        self.profile = profile
+        self._verify = profile.target.curve.monotone()
+        self._drafts = {name: p.curve.monotone() for name, p in profile.drafts.items()}
+
+    @property
+    def draft_models(self) -> list[str]:
+        return list(self._drafts)
+
+    def has_draft(self, model: str) -> bool:
+        return model in self._drafts
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest forward the target was measured at (past it, costs are extrapolated)."""
+        return self._verify.max_tokens
+
+    def verify_ms(self, num_tokens: int, context: int) -> float:
+        """One target forward of `num_tokens` tokens (all requests of a step together) at a
+        typical per-request context `context`."""
+        return self._verify.ms(num_tokens, context)
+
+    def draft_forward_ms(self, model: str, num_tokens: int, context: int) -> float:
+        """One forward of draft `model` over `num_tokens` tokens (all requests of a draft step)."""
+        try:
+            curve = self._drafts[model]
+        except KeyError:
+            raise KeyError(
+                f"no cost profile for draft {model!r} (have {self.draft_models})"
+            ) from None
+        return curve.ms(num_tokens, context)
+
+    def draft_tree_ms(
+        self, model: str, root_tokens: int, layer_tokens: Sequence[int], context: int
+    ) -> float:
+        """Drafting trees: the root chain forward (`root_tokens`: the committed deltas of all
+        requests) plus one forward per tree layer (`layer_tokens[d]`: nodes drafted at depth d,
+        all requests together); the last layer needs no forward of its own."""
+        forwards = [root_tokens, *layer_tokens[:-1]]
+        return sum(self.draft_forward_ms(model, n, context) for n in forwards if n > 0)
+
+    def draft_cost_per_token_ms(self, model: str, context: int = TYPICAL_CONTEXT) -> float:
+        """A draft forward of one token at context `context` (default 256)."""
+        return self.draft_forward_ms(model, 1, context)
+
+    def knee_tokens(self, tolerance: float = 0.1, context: int = TYPICAL_CONTEXT) -> int:
+        """AdaServe's hardware budget: the largest n (up to the measured maximum) where
+        verify_ms(n) <= (1 + tolerance) * verify_ms(1), at per-request context `context`."""
+        limit = (1.0 + tolerance) * self.verify_ms(1, context)
+        knee = 1
+        for n in range(1, self.max_tokens + 1):
+            if self.verify_ms(n, context) <= limit:
+                knee = n
+            else:
+                break  # the curve is monotone
+        return knee
