@@ -22,6 +22,9 @@ from services.runtime import ModelPaths, load_runner, max_context, read_model_co
 from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
+from shared.bus.profiles import TARGET, draft_role, publish_profile
+from shared.model.cost_profiles import QUICK_MAX_TOKENS, model_profile
+from shared.model.runner import ModelRunner
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
 
@@ -84,12 +87,31 @@ async def bounded(what: str, stopping: Awaitable[object]) -> None:
                 log.error("  %s", task)
 
 
+async def publish_own_profile(
+    stack: Stack, bus: Bus, runner: ModelRunner, name: str, role: str, is_draft: bool
+) -> None:
+    """Load (or measure, bounded) this model's cost profile and publish it for the scheduler."""
+    engine = stack.settings.engine
+    profile = await asyncio.to_thread(
+        model_profile,
+        runner,
+        name,
+        is_draft=is_draft,
+        directory=engine.profile_dir,
+        measure=engine.measure_profile,
+        max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
+    )
+    if profile is not None:
+        await publish_profile(bus, stack.settings.service.cell, role, profile)
+
+
 async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:
     settings = stack.settings
     runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
     service = VerifierService(
         stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
     )
+    await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET, False)
     await service.start()
     stack.verifier = service
     return service
@@ -106,6 +128,7 @@ async def start_drafter(
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
+    await publish_own_profile(stack, service.bus, runner, name, draft_role(name), True)
     await service.start()
     stack.drafters.append(service)
     return service

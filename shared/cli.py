@@ -9,16 +9,18 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
-from shared.engine.spec_engine import SpecEngine
+from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
+from shared.model.cost_profiles import load_or_measure
 from shared.model.runner import ModelRunner
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
@@ -66,6 +68,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    gen.add_argument(
+        "--planner",
+        choices=["goodput", "fixed"],
+        default="goodput",
+        help="goodput: size speculation each step by this machine's cost profile (plain decoding "
+        "when drafts do not pay); fixed: always draft the whole tree",
+    )
     return parser.parse_args(argv)
 
 
@@ -89,15 +98,28 @@ def generate(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target = load_model(target_path)
     drafter = (
-        Drafter(ModelRunner(load_model(draft_path, target_path=target_path)))
+        Drafter(
+            ModelRunner(load_model(draft_path, target_path=target_path)),
+            name=Path(draft_path).name,
+        )
         if draft_path
         else None
     )
+    verifier = Verifier(ModelRunner(target))
+    cost = None
+    if drafter is not None and args.planner == "goodput":
+        cost = load_or_measure(
+            verifier.runner,
+            {drafter.name: drafter.runner},
+            target_name=Path(target_path).name,
+        )
     engine = SpecEngine(
-        Verifier(ModelRunner(target)),
+        verifier,
         drafter,
         build_method(args) if drafter else None,
+        EngineConfig(planner=args.planner),
         eos_token_ids=target.cfg.eos_token_ids,
+        cost=cost,
     )
     if args.raw:
         prompt = tokenizer.encode(args.prompt)

@@ -8,6 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -78,7 +80,9 @@ async def test_openai_client_streams_a_chat_completion(
     settings = make_settings(
         server.url,
         "openai",
-        engine={"block_size": 16, "kv_memory_bytes": 64 << 20},
+        # the defaults users get: a cost profile loaded or measured at start, goodput planner
+        engine={"block_size": 16, "kv_memory_bytes": 64 << 20, "measure_profile": True},
+        scheduler={"speculation": {"planner": "goodput"}},
         gateway={"port": port},
         models={"target_dir": smollm2_models.target},
     )
@@ -117,6 +121,34 @@ async def test_openai_client_streams_a_chat_completion(
         assert "".join(pieces) == decode(smollm2_models.target, expected)
         assert len(pieces) > 1  # streamed as it was generated
         assert stack.scheduler is not None and stack.scheduler.stats.acceptance.num_drafts > 0
+
+        # per-request options reach the core: plain decoding, or a named draft model
+        for extension in ({"speculate": False}, {"draft_model": "draft-l"}):
+            drafts_before = stack.scheduler.stats.acceptance.num_drafts
+            answer = await client.chat.completions.create(
+                model=settings.gateway.model_name,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_completion_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"augury": extension},
+            )
+            assert answer.choices[0].message.content == decode(smollm2_models.target, expected)
+            drafted = stack.scheduler.stats.acceptance.num_drafts - drafts_before
+            assert drafted == 0 if extension.get("speculate") is False else drafted >= 0
+        with pytest.raises(openai.BadRequestError, match="unknown draft model"):
+            await client.chat.completions.create(
+                model=settings.gateway.model_name,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_completion_tokens=4,
+                extra_body={"augury": {"draft_model": "no-such-draft"}},
+            )
+
+        # the cost profile the services measured (or loaded) is exported
+        url = f"http://127.0.0.1:{port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            metrics = await response.text()
+        assert 'augury_cost_forward_ms{context="0",role="target",tokens="1"}' in metrics
+        assert f'role="draft:{next(iter(smollm2_models.drafts))}"' in metrics
     finally:
         await client.close()
         await stack.stop()

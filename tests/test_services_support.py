@@ -29,14 +29,20 @@ from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, deco
 from shared.wire.streams import output_stream, requests_stream
 
 FAST_REDIS = {"block_ms": 100, "claim_idle_ms": 2000, "heartbeat_ttl_ms": 1500}
-TINY_ENGINE = {"block_size": 4, "kv_memory_bytes": 4 << 20}
+# Mechanics tests: no cost profile to measure, and every tree drafted whole (planner "fixed"),
+# so that a test can count accepted tokens; tests of the default pass their own groups.
+TINY_ENGINE = {"block_size": 4, "kv_memory_bytes": 4 << 20, "measure_profile": False}
+FIXED_SPECULATION = {"planner": "fixed"}
 
 
 def make_settings(url: str, cell: str, **groups: Any) -> AugurySettings:
     engine = {**TINY_ENGINE, **groups.pop("engine", {})}
+    scheduler = dict(groups.pop("scheduler", {}))
+    scheduler["speculation"] = {**FIXED_SPECULATION, **scheduler.get("speculation", {})}
     return AugurySettings(
         redis=RedisSettings(url=url, **FAST_REDIS),
         engine=engine,
+        scheduler=scheduler,
         service={"cell": cell, "replica": cell},
         **groups,
     )

@@ -20,10 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, follow
 from shared.bus import Bus
+from shared.bus.profiles import read_profiles
 from shared.settings import AugurySettings
 from shared.wire import Cancel, FinishReason, Submit
 from shared.wire.streams import requests_stream
@@ -118,6 +119,12 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        try:
+            profiles = await read_profiles(self.bus, self.settings.service.cell)
+        except (RedisError, OSError, ValueError) as error:
+            log.warning("could not read the cost profiles: %s", error)
+        else:
+            export_profiles(self.metrics, profiles)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

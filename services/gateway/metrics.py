@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.scheduling.cost_model import ModelProfile
+
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -30,6 +32,13 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.cost_forward_ms = Gauge(
+            "augury_cost_forward_ms",
+            "Measured forward latency of a model service (its cost profile): role is target or "
+            "draft:<model>, tokens the forward's token count, context the per-request context.",
+            ["role", "tokens", "context"],
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "augury_time_to_first_token_seconds",
             "Time to first token.",
@@ -78,3 +87,14 @@ class GatewayMetrics:
             ["position"],
             registry=r,
         )
+
+
+def export_profiles(metrics: GatewayMetrics, profiles: dict[str, ModelProfile]) -> None:
+    """Set the cost gauges from the published profiles (one sample per measured grid point)."""
+    metrics.cost_forward_ms.clear()
+    for role, profile in profiles.items():
+        curve = profile.curve
+        for i, tokens in enumerate(curve.tokens):
+            for j, context in enumerate(curve.contexts):
+                gauge = metrics.cost_forward_ms.labels(role, str(tokens), str(context))
+                gauge.set(curve.ms_grid[i][j])

@@ -1,5 +1,6 @@
-"""Which drafter replicas are alive: read from their heartbeat keys in the background and handed
-to the scheduler core (`SchedulerCore.set_drafters`), which chooses models and replicas."""
+"""Which drafter replicas are alive, and what the models cost: read in the background from the
+replicas' heartbeat keys and the model services' published cost profiles, and handed to the
+scheduler core (`SchedulerCore.set_drafters`, `SchedulerCore.cost`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections import defaultdict
 from redis.exceptions import RedisError
 
 from shared.bus import Bus, live_replicas
+from shared.bus.profiles import assemble, read_profiles
 from shared.scheduling.core import SchedulerCore
+from shared.scheduling.cost_model import CostModel
 from shared.wire.streams import DRAFTER
 
 log = logging.getLogger(__name__)
@@ -23,6 +26,7 @@ class DrafterDirectory:
         self.cell = cell
         self.core = core
         self._task: asyncio.Task[None] | None = None
+        self._profiles: dict[str, str] = {}  # role -> the JSON the cost model was built from
 
     @property
     def replicas(self) -> dict[str, list[str]]:
@@ -40,6 +44,19 @@ class DrafterDirectory:
             if beat.model:
                 replicas[beat.model].append(beat.replica)
         self.core.set_drafters(replicas)
+        await self.refresh_cost()
+
+    async def refresh_cost(self) -> None:
+        """Rebuild the core's cost model when the published profiles changed."""
+        profiles = await read_profiles(self.bus, self.cell)
+        raw = {role: p.model_dump_json() for role, p in profiles.items()}
+        if raw == self._profiles:
+            return
+        self._profiles = raw
+        assembled = assemble(profiles)
+        if assembled is not None:
+            self.core.cost = CostModel(assembled)
+            log.info("cost model: target and drafts %s", sorted(assembled.drafts))
 
     async def _loop(self) -> None:
         while True:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
+from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
@@ -102,6 +102,7 @@ class MicroBatch:
     drop: list[RequestState] = field(default_factory=list)  # preempted: free KV, recompute
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
+    probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
 
     @property
@@ -390,7 +391,10 @@ class SchedulerCore:
                 budget=self.config.token_budget,
                 context=self._context(batch.decode),
             )
-            depths = {rid: self._probe(rid, d) for rid, d in depths.items()}
+            for rid, d in depths.items():
+                depths[rid] = self._probe(rid, d)
+                if d == 0 and depths[rid] > 0:
+                    batch.probes.add(rid)
         else:
             depths = {q.request_id: q.max_depth for q in queries}
         for q in queries:
@@ -505,6 +509,14 @@ class SchedulerCore:
             now=now,
         )
         batch.trees = self.selector.select(trees, ctx) if trees else {}
+        for rid in batch.probes:  # a probe is verified, or it would teach nothing
+            drafted_tree = trees[rid]
+            if batch.trees[rid].num_nodes == 1 and drafted_tree.num_nodes > 1:
+                kids = drafted_tree.children()[0]
+                # sampled siblings go in draw order: choosing by token would bias sampling
+                sampled = drafted_tree.proposal_of[kids[0]] != DETERMINISTIC
+                best = kids[0] if sampled else max(kids, key=lambda n: drafted_tree.logq[n])
+                batch.trees[rid] = drafted_tree.subtree([0, best])
         return batch.trees
 
     # ---- 4. observe ----------------------------------------------------------------------------

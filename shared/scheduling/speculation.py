@@ -106,6 +106,7 @@ def plan_depths(
         drafting = sum(
             cost.draft_tree_ms(model, root_tokens[model], layer_tokens[model], context)
             for model in root_tokens
+            if cost.has_draft(model)  # a draft without a profile is taken as free
         )
         return drafting + cost.verify_ms(nodes, context)
 

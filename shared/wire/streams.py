@@ -64,3 +64,12 @@ def heartbeat_key(cell: str, service: str, replica: str) -> str:
 def heartbeat_pattern(cell: str, service: str) -> str:
     """SCAN MATCH pattern of a service's heartbeat keys (cell and service are key-safe names)."""
     return f"{PREFIX}:{cell}:hb:{service}:*"
+
+
+def profile_key(cell: str, role: str) -> str:
+    """A model service's cost profile (JSON): role `target`, or `draft:<model>`."""
+    return f"{PREFIX}:{cell}:profile:{role}"
+
+
+def profile_pattern(cell: str) -> str:
+    return f"{PREFIX}:{cell}:profile:*"

@@ -1,0 +1,48 @@
+"""Cost profiles through Redis: each model service publishes the profile of the model it runs
+(measured on its own machine), the scheduler assembles them into its cost model, and the gateway
+exports them under /metrics. Keys live as long as the deployment (no TTL): a profile describes
+hardware, not a process."""
+
+from __future__ import annotations
+
+from shared.bus.client import Bus
+from shared.scheduling.cost_model import CostProfile, ModelProfile
+from shared.wire.streams import PREFIX, profile_key, profile_pattern
+
+TARGET = "target"
+
+
+def draft_role(model: str) -> str:
+    return f"draft:{model}"
+
+
+async def publish_profile(bus: Bus, cell: str, role: str, profile: ModelProfile) -> None:
+    await bus.redis.set(profile_key(cell, role), profile.model_dump_json())
+
+
+async def read_profiles(bus: Bus, cell: str) -> dict[str, ModelProfile]:
+    """Published profiles by role (`target`, `draft:<model>`)."""
+    keys = [key async for key in bus.redis.scan_iter(profile_pattern(cell), 100)]
+    if not keys:
+        return {}
+    values = await bus.redis.mget(keys)
+    prefix = f"{PREFIX}:{cell}:profile:"
+    out = {}
+    for key, value in zip(keys, values, strict=True):
+        if value is None:
+            continue
+        name = key.decode() if isinstance(key, bytes) else key
+        out[name.removeprefix(prefix)] = ModelProfile.model_validate_json(value)
+    return out
+
+
+def assemble(profiles: dict[str, ModelProfile], note: str = "") -> CostProfile | None:
+    """One cost profile from the target's and the drafts' published ones (None: no target)."""
+    target = profiles.get(TARGET)
+    if target is None:
+        return None
+    drafts = {
+        role.removeprefix("draft:"): p for role, p in profiles.items() if role.startswith("draft:")
+    }
+    method = "published by the model services"
+    return CostProfile(target=target, drafts=drafts, method=method, notes=note)

@@ -1,0 +1,112 @@
+"""Finding the cost profile of the models this process runs: a matching one from the profile
+directory (`python -m bench.profile` writes them), else (when allowed) a quick measurement,
+bounded to seconds and logged."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from shared.errors import OutOfKVMemoryError
+from shared.model.profiling import QUICK_CONTEXTS, measure_profile, profile_key
+from shared.model.runner import ModelRunner
+from shared.scheduling.cost_model import (
+    DEFAULT_PROFILES_DIR,
+    CostModel,
+    CostProfile,
+    ModelProfile,
+    ProfileKey,
+)
+
+log = logging.getLogger(__name__)
+QUICK_MAX_TOKENS = 64
+
+
+def _stored(directory: Path, key: ProfileKey, draft: str | None) -> ModelProfile | None:
+    """The newest stored profile of this model (the target's, or draft `draft`'s) whose key
+    matches: same architecture, device, dtype and threads."""
+    found: list[tuple[str, ModelProfile]] = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            profile = CostProfile.load(path)
+        except (OSError, ValueError):
+            continue
+        model = profile.target if draft is None else profile.drafts.get(draft)
+        if model is not None and model.key.mismatch(key) is None:
+            found.append((profile.created, model))
+    return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def model_profile(
+    runner: ModelRunner,
+    name: str,
+    *,
+    is_draft: bool,
+    directory: Path | None = None,
+    measure: bool = True,
+    max_tokens: int = QUICK_MAX_TOKENS,
+) -> ModelProfile | None:
+    """One model's profile on this machine: stored, else measured quickly (None: neither)."""
+    directory = directory or DEFAULT_PROFILES_DIR
+    key = profile_key(runner, name)
+    stored = _stored(directory, key, name if is_draft else None)
+    if stored is not None:
+        log.info("cost profile of %s: loaded from %s", name, directory)
+        return stored
+    if not measure:
+        log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
+        return None
+    started = time.perf_counter()
+    max_tokens = min(max_tokens, runner.max_context // 2)
+    contexts = tuple(c for c in QUICK_CONTEXTS if c + max_tokens < runner.max_context)
+    measured = None
+    # the largest layout that fits the free KV (a small cache measures fewer requests at once)
+    for max_requests, ctxs in ((8, contexts), (2, contexts), (1, contexts[:1])):
+        try:
+            measured = measure_profile(
+                runner,
+                {},
+                target_name=name,
+                max_tokens=max_tokens,
+                quick=True,
+                contexts=ctxs,
+                max_requests=max_requests,
+            )
+            break
+        except OutOfKVMemoryError:
+            continue
+    if measured is None:
+        log.warning("cost profile of %s: too little free KV to measure one", name)
+        return None
+    log.info(
+        "cost profile of %s: none in %s matches; measured a quick one in %.1f s "
+        "(python -m bench.profile measures the full one)",
+        name,
+        directory,
+        time.perf_counter() - started,
+    )
+    return measured.target
+
+
+def load_or_measure(
+    target: ModelRunner,
+    drafts: Mapping[str, ModelRunner],
+    *,
+    target_name: str,
+    directory: Path | None = None,
+    measure: bool = True,
+) -> CostModel | None:
+    """The cost model of `target` and `drafts` on this machine, or None when the target has no
+    profile and measuring is not allowed (a draft without one is dropped, with a warning)."""
+    kwargs = {"directory": directory, "measure": measure}
+    target_profile = model_profile(target, target_name, is_draft=False, **kwargs)
+    if target_profile is None:
+        return None
+    draft_profiles = {}
+    for name, runner in drafts.items():
+        found = model_profile(runner, name, is_draft=True, **kwargs)
+        if found is not None:
+            draft_profiles[name] = found
+    return CostModel(CostProfile(target=target_profile, drafts=draft_profiles))
