@@ -97,6 +97,12 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="the services' quick grid instead")
     ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument(
+        "--no-kernel-plan",
+        action="store_true",
+        help="on a CPU, measure plain F.linear instead of the measured per-shape kernel plan "
+        "(the plan is stored in the profile and applied by whoever loads it)",
+    )
     ap.add_argument("--notes", default="", help="free text stored in the profile")
     ap.add_argument("--out", type=Path, help="default: profiles/<model>-<device>-<dtype>-t<n>")
     args = ap.parse_args()
@@ -116,6 +122,8 @@ def main() -> None:
             model = random_model(path, dtype, args.device)
         else:
             model = load_model(path, dtype=dtype, device=args.device, target_path=tdir)
+        if args.device == "cpu" and not args.no_kernel_plan:
+            model.plan_kernels()
         kv = kv_bytes_for(model, dtype, args.contexts, max_tokens, args.max_requests)
         return ModelRunner(model, kv_memory_bytes=kv)
 

@@ -99,6 +99,7 @@ async def publish_own_profile(
         is_draft=is_draft,
         directory=engine.profile_dir,
         measure=engine.measure_profile,
+        plan_kernels=engine.plan_kernels,
         max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
     )
     if profile is not None:

@@ -104,6 +104,9 @@ class EngineSettings(_Group):
     # (None: the repository's profiles/); without one, a quick one is measured if allowed.
     profile_dir: Path | None = None
     measure_profile: bool = True
+    # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
+    # to measure; a stored profile brings the plan it was measured with).
+    plan_kernels: bool = True
 
 
 class SpeculationSettings(_Group):

@@ -185,3 +185,36 @@ def test_quick_measurement_on_a_tiny_model(tiny_runner, tiny_draft_dir: Path, tm
     assert found == CostProfile.load(path)
     cost = CostModel(found)
     assert cost.verify_ms(8, 32) > 0 and 1 <= cost.knee_tokens() <= 32
+
+
+def test_model_profile_plans_kernels_and_a_stored_profile_brings_its_plan(
+    tiny_target_dir: Path, tmp_path: Path
+):
+    """What is measured is what runs: a measured profile carries the kernel plan it was measured
+    with, and loading that profile applies the same plan to a freshly loaded model."""
+    from shared.model import load_model
+    from shared.model.cost_profiles import model_profile
+    from shared.model.runner import ModelRunner
+    from shared.scheduling.cost_model import CostProfile
+
+    def runner() -> ModelRunner:
+        return ModelRunner(load_model(tiny_target_dir), block_size=4, kv_memory_bytes=4 << 20)
+
+    first = runner()
+    measured = model_profile(first, "tiny", is_draft=False, directory=tmp_path, max_tokens=8)
+    assert measured is not None and measured.kernels is not None
+    assert first.model.linear_plan is not None
+    CostProfile(target=measured).save(tmp_path / "tiny.json")
+
+    second = runner()
+    loaded = model_profile(second, "tiny", is_draft=False, directory=tmp_path, measure=False)
+    assert loaded == measured
+    assert second.model.linear_plan is not None
+    assert second.model.linear_plan.to_dict() == measured.kernels
+
+    plain = runner()  # nothing stored, nothing measured: no profile, the model left as it is
+    assert (
+        model_profile(plain, "tiny", is_draft=False, directory=tmp_path / "none", measure=False)
+        is None
+    )
+    assert plain.model.linear_plan is None

@@ -81,7 +81,13 @@ async def test_openai_client_streams_a_chat_completion(
         server.url,
         "openai",
         # the defaults users get: a cost profile loaded or measured at start, goodput planner
-        engine={"block_size": 16, "kv_memory_bytes": 64 << 20, "measure_profile": True},
+        # (kernel planning is left out: it takes tens of seconds; tests/test_cost_model.py has it)
+        engine={
+            "block_size": 16,
+            "kv_memory_bytes": 64 << 20,
+            "measure_profile": True,
+            "plan_kernels": False,
+        },
         scheduler={"speculation": {"planner": "goodput"}},
         gateway={"port": port},
         models={"target_dir": smollm2_models.target},

@@ -1,6 +1,11 @@
 """Finding the cost profile of the models this process runs: a matching one from the profile
 directory (`python -m bench.profile` writes them), else (when allowed) a quick measurement,
-bounded to seconds and logged."""
+bounded to seconds and logged.
+
+A profile describes what runs: on a CPU the linear layers' kernel plan (`shared.model.linear`)
+travels with it. A stored profile's plan is applied to the model as it is loaded; without one,
+the kernels are planned (measured) first and the profile measured with the plan in place.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from shared.errors import OutOfKVMemoryError
+from shared.model.linear import LinearPlan
 from shared.model.profiling import QUICK_CONTEXTS, measure_profile, profile_key
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import (
@@ -46,19 +52,25 @@ def model_profile(
     is_draft: bool,
     directory: Path | None = None,
     measure: bool = True,
+    plan_kernels: bool = True,
     max_tokens: int = QUICK_MAX_TOKENS,
 ) -> ModelProfile | None:
-    """One model's profile on this machine: stored, else measured quickly (None: neither)."""
+    """One model's profile on this machine: stored (its kernel plan applied), else measured
+    quickly, after planning the kernels if asked (None: neither)."""
     directory = directory or DEFAULT_PROFILES_DIR
     key = profile_key(runner, name)
     stored = _stored(directory, key, name if is_draft else None)
     if stored is not None:
+        if stored.kernels is not None:
+            runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
         log.info("cost profile of %s: loaded from %s", name, directory)
         return stored
     if not measure:
         log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
         return None
     started = time.perf_counter()
+    if plan_kernels and runner.device.type == "cpu":
+        runner.model.plan_kernels()
     max_tokens = min(max_tokens, runner.max_context // 2)
     contexts = tuple(c for c in QUICK_CONTEXTS if c + max_tokens < runner.max_context)
     measured = None
@@ -97,10 +109,11 @@ def load_or_measure(
     target_name: str,
     directory: Path | None = None,
     measure: bool = True,
+    plan_kernels: bool = True,
 ) -> CostModel | None:
     """The cost model of `target` and `drafts` on this machine, or None when the target has no
     profile and measuring is not allowed (a draft without one is dropped, with a warning)."""
-    kwargs = {"directory": directory, "measure": measure}
+    kwargs = {"directory": directory, "measure": measure, "plan_kernels": plan_kernels}
     target_profile = model_profile(target, target_name, is_draft=False, **kwargs)
     if target_profile is None:
         return None

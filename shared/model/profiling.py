@@ -255,7 +255,9 @@ def measure_profile(
             max_requests=max_requests,
             progress=bar.update if bar is not None else None,
         )
-        return ModelProfile(key=profile_key(runner, name), curve=curve)
+        plan = runner.model.linear_plan
+        kernels = plan.to_dict() if plan is not None else None
+        return ModelProfile(key=profile_key(runner, name), curve=curve, kernels=kernels)
 
     try:
         target_profile = measure(target, target_name)

@@ -243,6 +243,9 @@ class ModelProfile(BaseModel):
 
     key: ProfileKey
     curve: ForwardCurve
+    # The linear-kernel plan the curve was measured with (`shared.model.linear.LinearPlan`
+    # as a dict; None: plain F.linear). Whoever uses the curve must run the same plan.
+    kernels: dict[str, Any] | None = None
 
 
 class CostProfile(BaseModel):
