@@ -1,0 +1,205 @@
+"""The goodput planner and selector with synthetic cost models: speculation where it pays, plain
+decoding where it does not, and learning from what the target accepted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import TokenTree
+from shared.scheduling.core import CoreConfig, SchedulerCore
+from shared.scheduling.speculation import (
+    FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
+    PRIOR_RATE,
+    AcceptanceEstimate,
+    DepthQuery,
+    plan_depths,
+    select_by_goodput,
+)
+from tests.test_scheduler_core import VOCAB, FakeKV, cost_model, executor, make_request
+
+CHAIN = DraftMethod("chain", k=4)
+# GPU-like: a forward of 64 tokens costs 63% more than one of 1 (0.1 ms a token on 10 ms)
+FLAT = [(1, 10.0), (64, 16.3)]
+# every token costs as much as the first: verification never pays
+STEEP = [(1, 10.0), (64, 640.0)]
+# CPU-like: 5 tokens cost 1.7x one token
+CPU = [(1, 10.0), (5, 17.0), (64, 120.25)]
+CHEAP_DRAFT = [(1, 0.5), (64, 0.6)]
+
+
+def query(rid: str, rate: float, method: DraftMethod = CHAIN, max_depth: int = 4) -> DepthQuery:
+    return DepthQuery(rid, "d", method, max_depth, rate, new_tokens=1)
+
+
+def plan(queries, curve, *, budget: int = 512, prefill: int = 0) -> dict[str, int]:
+    cost = cost_model(curve, CHEAP_DRAFT)
+    return plan_depths(queries, cost, prefill_tokens=prefill, budget=budget, context=100)
+
+
+def test_cost_curves_are_what_they_claim() -> None:
+    cpu = cost_model(CPU)
+    assert cpu.verify_ms(5, 0) == pytest.approx(1.7 * cpu.verify_ms(1, 0))
+    steep = cost_model(STEEP)
+    assert all(steep.verify_ms(n, 0) == pytest.approx(n * 10.0) for n in (1, 2, 7, 64))
+    flat = cost_model(FLAT)
+    assert flat.verify_ms(32, 0) < 1.35 * flat.verify_ms(1, 0)
+
+
+def test_flat_curve_and_high_acceptance_draft_the_full_depth() -> None:
+    depths = plan([query(f"r{i}", 0.9) for i in range(4)], FLAT)
+    assert depths == {f"r{i}": 4 for i in range(4)}
+    # limited by the request (tokens left) and by the method's layers
+    depths = plan([query("short", 0.9, max_depth=2), query("tree", 0.9, DraftMethod("beam"))], FLAT)
+    assert depths == {"short": 2, "tree": 4}
+
+
+def test_steep_curve_means_plain_decoding_for_everyone() -> None:
+    queries = [query(f"r{i}", rate) for i, rate in enumerate([0.2, 0.6, 0.9, 0.99])]
+    assert plan(queries, STEEP) == {f"r{i}": 0 for i in range(4)}
+    many = [query(f"m{i}", 0.95) for i in range(12)]
+    assert set(plan(many, STEEP).values()) == {0}
+
+
+def test_cpu_curve_drafts_deeper_for_the_better_draft() -> None:
+    depths = plan([query("good", 0.9), query("bad", 0.2)], CPU)
+    assert depths["good"] > depths["bad"]
+    assert depths["good"] >= 2 and depths["bad"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12),
+    budget=st.integers(1, 80),
+    prefill=st.integers(0, 40),
+    method=st.sampled_from(
+        [
+            CHAIN,
+            DraftMethod("static", expansion=(3, 2, 1)),
+            DraftMethod("beam", depth=3, width=3),
+            DraftMethod("dynamic", max_size=8, budget=8, max_depth=5, max_width=3),
+        ]
+    ),
+    curve=st.sampled_from([FLAT, CPU, STEEP]),
+)
+def test_the_plan_never_exceeds_the_budget(rates, budget, prefill, method, curve) -> None:
+    queries = [query(f"r{i}", r, method, max_depth=5) for i, r in enumerate(rates)]
+    depths = plan(queries, curve, budget=budget, prefill=prefill)
+    assert set(depths) == {q.request_id for q in queries}
+    nodes = len(queries) + prefill
+    for q in queries:
+        d = depths[q.request_id]
+        assert 0 <= d <= min(q.max_depth, method.num_layers)
+        widths = [min(method.tokens_at_depth(j), method.max_draft_tokens) for j in range(1, d + 1)]
+        nodes += sum(widths)
+        if q.rate == 0:
+            assert d == 0
+    if any(depths.values()):
+        assert nodes <= budget
+
+
+def chain(rid_prob: float, depth: int = 4) -> TokenTree:
+    return TokenTree.chain(1, list(range(2, 2 + depth)), [math.log(rid_prob)] * depth)
+
+
+def select(trees, curve, calibration=None, budget=512) -> int:
+    return select_by_goodput(
+        trees,
+        {rid: 8 for rid in trees},
+        calibration or {},
+        cost_model(curve),
+        prefill_tokens=0,
+        budget=budget,
+        context=100,
+    )
+
+
+def test_select_by_goodput_keeps_what_pays() -> None:
+    unlikely = {"a": chain(1e-3), "b": chain(1e-3)}
+    certain = {"a": chain(0.99), "b": chain(0.99)}
+    assert select(unlikely, FLAT) == 0
+    assert select(certain, FLAT) == 8
+    assert select(certain, STEEP) == 0
+    assert select(certain, FLAT, budget=5) == 3  # two roots, then the budget
+    # calibration: a request whose draft was over-confident is trusted less
+    assert select({"a": chain(0.5)}, CPU) > select({"a": chain(0.5)}, CPU, {"a": 0.25})
+
+
+def test_acceptance_estimate_moves_toward_observed_rates() -> None:
+    est = AcceptanceEstimate()
+    assert est.rate() == PRIOR_RATE
+    rates = []
+    for _ in range(30):
+        est.observe(4, 4)  # everything accepted
+        rates.append(est.rate())
+    assert rates == sorted(rates) and rates[-1] > 0.9
+    for _ in range(60):
+        est.observe(0, 4)  # nothing accepted
+    assert est.rate() < 0.2
+    mixed = AcceptanceEstimate()
+    for _ in range(60):
+        mixed.observe(3, 4)  # three levels accepted, the fourth refused: 3 of 4 trials
+    assert mixed.rate() == pytest.approx(0.75, abs=0.03)
+    assert AcceptanceEstimate().rate(prior=0.8) == 0.8  # the prior stands in before anything
+
+
+# ---- through the core ----------------------------------------------------------------------------
+def run_core(agree: dict[str, float], curve, steps: int, max_tokens: int = 2000):
+    core = SchedulerCore(
+        CoreConfig(vocab_size=VOCAB, max_context=8192, method=CHAIN, token_budget=64),
+        cost=cost_model(curve, CHEAP_DRAFT),
+    )
+    ex = executor(core, FakeKV())
+    ex.drafters.agree = agree
+    for rid in agree:
+        core.add(make_request(rid, 4, max_tokens=max_tokens))
+    for _ in range(steps):
+        assert ex.step()
+    depth = {
+        rid: [plans[rid].max_depth if rid in plans else 0 for plans in ex.plans] for rid in agree
+    }
+    return core, ex, depth
+
+
+def test_a_draft_that_is_always_wrong_stops_but_probes_at_doubling_intervals() -> None:
+    core, ex, depth = run_core({"wrong": 0.0}, CPU, steps=160)
+    wrong = depth["wrong"][1:]  # the first step prefills
+    assert wrong[0] > 0  # the prior says try
+    stopped = wrong.index(0)
+    assert stopped <= 5, wrong[:10]
+    probes = [i for i in range(stopped, len(wrong)) if wrong[i] > 0]
+    assert all(wrong[i] == 1 for i in probes)  # a probe is one level
+    gaps = np.diff([stopped - 1, *probes]).tolist()
+    expected = [FIRST_PROBE_INTERVAL]
+    while len(expected) < len(gaps):
+        expected.append(min(2 * expected[-1], MAX_PROBE_INTERVAL))
+    assert gaps == expected, wrong
+    assert len(probes) >= 4
+    # every probe was verified: it is what keeps the estimate honest
+    request = core.requests["wrong"]
+    assert request.stats.num_draft_tokens == sum(wrong)
+    assert len(request.output) == 160  # one token a step: nothing accepted, the bonus each time
+
+
+def test_a_draft_that_is_always_right_keeps_the_full_depth() -> None:
+    _, ex, depth = run_core({"right": 1.0}, CPU, steps=40)
+    right = depth["right"][1:]  # the first step prefills
+    warm = right.index(4)
+    assert warm <= 4 and right[:warm] == sorted(right[:warm])  # up from the prior
+    assert right[warm:] == [4] * (len(right) - warm)
+
+
+def test_right_and_wrong_drafts_in_one_batch() -> None:
+    core, ex, depth = run_core({"right": 1.0, "wrong": 0.0}, CPU, steps=80)
+    assert depth["right"][10:] == [4] * 70
+    late = depth["wrong"][40:]
+    assert sum(d > 0 for d in late) <= 3 and max(late) <= 1  # only probes
+    right, wrong = core.requests["right"], core.requests["wrong"]
+    assert right.stats.acceptance_rate == 1.0 and wrong.stats.num_accepted == 0
+    assert len(right.output) > 3 * len(wrong.output)
