@@ -288,8 +288,9 @@ class SchedulerService:
                 log.exception("micro-batch %d failed; its requests retry", batch.id)
                 await asyncio.sleep(0.1)
             finally:
-                for request in batch.members:
-                    request.in_flight = False
+                # not `in_flight = False` for its members: once observed, a member may already
+                # be in flight in another lane's micro-batch
+                self.core.abandon(batch)
                 self._notify()
 
     async def _iterate(self, batch: MicroBatch) -> None:

@@ -104,6 +104,7 @@ class MicroBatch:
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
+    is_observed: bool = False
 
     @property
     def members(self) -> list[RequestState]:
@@ -527,6 +528,7 @@ class SchedulerCore:
         chunks = {r.request_id: n for r, n in batch.prefill}
         elapsed_ms = 1000 * (now - batch.started)
         outputs: list[StepOutput] = []
+        batch.is_observed = True
         for request in batch.members:
             request.in_flight = False
             rid = request.request_id
@@ -571,6 +573,15 @@ class SchedulerCore:
             if request.is_finished:
                 self._finish(request, request.finish_reason or "stop")
         return outputs
+
+    def abandon(self, batch: MicroBatch) -> None:
+        """The executor could not finish this micro-batch: its requests are free to be scheduled
+        again as they are (nothing was committed). After `observe` this does nothing: by then
+        its requests may already be in flight in another micro-batch."""
+        if not batch.is_observed:
+            batch.is_observed = True
+            for request in batch.members:
+                request.in_flight = False
 
     def _learn(
         self, request: RequestState, tree: TokenTree, num_accepted: int, elapsed_ms: float
