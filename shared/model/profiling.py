@@ -1,6 +1,10 @@
 """Measure what a `ModelRunner`'s forwards cost on this machine: the numbers behind `CostModel`.
 
-Layout of a measured forward of n tokens at context c (the way a verify step looks):
+Each model gets two curves: n tokens spread over up to 8 requests (a batch's step), and n tokens
+as one request's chain (a lone request's tree: its attention and per-request work paid once);
+the cost model interpolates between them by the number of requests in a step.
+
+Layout of a measured forward of n tokens at context c in the spread curve:
   - r = min(n, max_requests) requests (default 8), each with a committed prefix of c tokens;
   - the n new tokens are split as evenly as possible over them, each request's share a chain
     (a tree of the same size costs the same: the same rows through every matmul and the same
@@ -241,23 +245,31 @@ def measure_profile(
     if progress:
         from tqdm import tqdm
 
-        total = len(runners) * len(contexts) * repeats * len(tokens)
+        total = 2 * len(runners) * len(contexts) * repeats * len(tokens)
         bar = tqdm(total=total, desc="profiling forwards", unit="fwd")
 
     def measure(runner: ModelRunner, name: str) -> ModelProfile:
         if bar is not None:
             bar.set_postfix_str(name)
-        curve = measure_curve(
-            runner,
-            tokens,
-            contexts,
-            repeats=repeats,
-            max_requests=max_requests,
-            progress=bar.update if bar is not None else None,
-        )
+        curves = [
+            measure_curve(
+                runner,
+                tokens,
+                contexts,
+                repeats=repeats,
+                max_requests=layout,
+                progress=bar.update if bar is not None else None,
+            )
+            for layout in (max_requests, 1)  # spread over requests, then one request's chain
+        ]
         plan = runner.model.linear_plan
-        kernels = plan.to_dict() if plan is not None else None
-        return ModelProfile(key=profile_key(runner, name), curve=curve, kernels=kernels)
+        return ModelProfile(
+            key=profile_key(runner, name),
+            curve=curves[0],
+            single=curves[1],
+            max_requests=max_requests,
+            kernels=plan.to_dict() if plan is not None else None,
+        )
 
     try:
         target_profile = measure(target, target_name)
@@ -266,7 +278,8 @@ def measure_profile(
         if bar is not None:
             bar.close()
     method = (
-        f"n tokens as chains over min(n, {max_requests}) requests, each with a committed prefix "
+        f"curve: n tokens as chains over min(n, {max_requests}) requests; single: one request's "
+        f"chain of n; each request with a committed prefix "
         f"of `context` tokens (zero KV); logits for all new tokens; median of {repeats} after a "
         f"warm-up; {'quick' if quick else 'full'} grid"
     )

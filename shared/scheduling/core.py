@@ -391,6 +391,7 @@ class SchedulerCore:
                 prefill_tokens=batch.prefill_tokens,
                 budget=self.config.token_budget,
                 context=self._context(batch.decode),
+                num_requests=len(batch.decode) + len(batch.prefill),
             )
             for rid, d in depths.items():
                 depths[rid] = self._probe(rid, d)
@@ -507,6 +508,7 @@ class SchedulerCore:
             calibration=calibration,
             cost=self.cost,
             context=self._context(batch.decode),
+            num_requests=len(batch.decode) + len(batch.prefill),
             now=now,
         )
         batch.trees = self.selector.select(trees, ctx) if trees else {}

@@ -242,7 +242,11 @@ class ModelProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     key: ProfileKey
-    curve: ForwardCurve
+    curve: ForwardCurve  # n tokens spread over min(n, max_requests) requests
+    # n tokens as one request's chain: what a lone request's tree costs (attention and
+    # per-request work once, not n times). None in profiles measured before it existed.
+    single: ForwardCurve | None = None
+    max_requests: int = 8  # the spread layout of `curve`
     # The linear-kernel plan the curve was measured with (`shared.model.linear.LinearPlan`
     # as a dict; None: plain F.linear). Whoever uses the curve must run the same plan.
     kernels: dict[str, Any] | None = None
@@ -364,8 +368,8 @@ class CostModel:
 
     def __init__(self, profile: CostProfile) -> None:
         self.profile = profile
-        self._verify = profile.target.curve.monotone()
-        self._drafts = {name: p.curve.monotone() for name, p in profile.drafts.items()}
+        self._verify = _Curves(profile.target)
+        self._drafts = {name: _Curves(p) for name, p in profile.drafts.items()}
 
     @property
     def draft_models(self) -> list[str]:
@@ -379,29 +383,39 @@ class CostModel:
         """The largest forward the target was measured at (past it, costs are extrapolated)."""
         return self._verify.max_tokens
 
-    def verify_ms(self, num_tokens: int, context: int) -> float:
+    def verify_ms(self, num_tokens: int, context: int, num_requests: int | None = None) -> float:
         """One target forward of `num_tokens` tokens (all requests of a step together) at a
-        typical per-request context `context`."""
-        return self._verify.ms(num_tokens, context)
+        typical per-request context `context`, over `num_requests` requests (None: as many as
+        the profile's spread layout puts them in)."""
+        return self._verify.ms(num_tokens, context, num_requests)
 
-    def draft_forward_ms(self, model: str, num_tokens: int, context: int) -> float:
+    def draft_forward_ms(
+        self, model: str, num_tokens: int, context: int, num_requests: int | None = None
+    ) -> float:
         """One forward of draft `model` over `num_tokens` tokens (all requests of a draft step)."""
         try:
-            curve = self._drafts[model]
+            curves = self._drafts[model]
         except KeyError:
             raise KeyError(
                 f"no cost profile for draft {model!r} (have {self.draft_models})"
             ) from None
-        return curve.ms(num_tokens, context)
+        return curves.ms(num_tokens, context, num_requests)
 
     def draft_tree_ms(
-        self, model: str, root_tokens: int, layer_tokens: Sequence[int], context: int
+        self,
+        model: str,
+        root_tokens: int,
+        layer_tokens: Sequence[int],
+        context: int,
+        num_requests: int | None = None,
     ) -> float:
         """Drafting trees: the root chain forward (`root_tokens`: the committed deltas of all
         requests) plus one forward per tree layer (`layer_tokens[d]`: nodes drafted at depth d,
         all requests together); the last layer needs no forward of its own."""
         forwards = [root_tokens, *layer_tokens[:-1]]
-        return sum(self.draft_forward_ms(model, n, context) for n in forwards if n > 0)
+        return sum(
+            self.draft_forward_ms(model, n, context, num_requests) for n in forwards if n > 0
+        )
 
     def draft_cost_per_token_ms(self, model: str, context: int = TYPICAL_CONTEXT) -> float:
         """A draft forward of one token at context `context` (default 256)."""
@@ -418,3 +432,31 @@ class CostModel:
             else:
                 break  # the curve is monotone
         return knee
+
+
+class _Curves:
+    """A model's monotone curves: spread over requests, and (when measured) one request's.
+
+    For r requests between 1 and the spread layout's count, the cost is interpolated linearly
+    between the two: per-request work (attention over each prefix, bookkeeping) grows with r.
+    """
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.spread = profile.curve.monotone()
+        self.single = profile.single.monotone() if profile.single is not None else None
+        self.max_requests = profile.max_requests
+
+    @property
+    def max_tokens(self) -> int:
+        return self.spread.max_tokens
+
+    def ms(self, num_tokens: float, context: float, num_requests: int | None = None) -> float:
+        spread = self.spread.ms(num_tokens, context)
+        if self.single is None or num_requests is None:
+            return spread
+        single = self.single.ms(num_tokens, context)
+        layout = min(max(int(num_tokens), 1), self.max_requests)  # requests in the spread layout
+        if layout <= 1:
+            return single
+        share = (min(max(num_requests, 1), layout) - 1) / (layout - 1)
+        return single + share * (spread - single)

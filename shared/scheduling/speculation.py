@@ -93,22 +93,28 @@ def plan_depths(
     prefill_tokens: int,
     budget: int,
     context: int,
+    num_requests: int | None = None,
 ) -> dict[str, int]:
-    """The depth each request drafts to this step (0: plain decoding), by goodput."""
+    """The depth each request drafts to this step (0: plain decoding), by goodput.
+    `num_requests`: requests in the verifier's forward, decoding and prefilling (None: the
+    profile's spread layout)."""
     depth = {q.request_id: 0 for q in queries}
     nodes = len(queries) + prefill_tokens  # one root per decoding request
     # per draft model: tokens of the root forward, and of each layer's forward
     root_tokens: dict[str, int] = {}
     layer_tokens: dict[str, list[int]] = {}
+    drafting_requests: dict[str, int] = {}
     tokens = float(len(queries))
 
     def step_ms() -> float:
         drafting = sum(
-            cost.draft_tree_ms(model, root_tokens[model], layer_tokens[model], context)
+            cost.draft_tree_ms(
+                model, root_tokens[model], layer_tokens[model], context, drafting_requests[model]
+            )
             for model in root_tokens
             if cost.has_draft(model)  # a draft without a profile is taken as free
         )
-        return drafting + cost.verify_ms(nodes, context)
+        return drafting + cost.verify_ms(nodes, context, num_requests)
 
     best = (tokens / step_ms(), dict(depth))
     # candidates: the next level of each request, best marginal expected tokens per node first
@@ -128,8 +134,10 @@ def plan_depths(
         if q.draft_model not in root_tokens:
             root_tokens[q.draft_model] = 0
             layer_tokens[q.draft_model] = []
+            drafting_requests[q.draft_model] = 0
         if d == 1:
             root_tokens[q.draft_model] += q.new_tokens
+            drafting_requests[q.draft_model] += 1
         layers = layer_tokens[q.draft_model]
         layers.extend([0] * (d - len(layers)))
         layers[d - 1] += width
@@ -197,6 +205,7 @@ def select_by_goodput(
     prefill_tokens: int,
     budget: int,
     context: int,
+    num_requests: int | None = None,
 ) -> int:
     """How many draft nodes of the micro-batch to verify: the prefix of the calibrated ranking
     with the highest expected committed tokens per millisecond of verification."""
@@ -207,11 +216,11 @@ def select_by_goodput(
     probs.sort(reverse=True)
     roots = len(trees) + prefill_tokens
     room = max(0, budget - roots)
-    best_n, best = 0, len(trees) / cost.verify_ms(roots, context)
+    best_n, best = 0, len(trees) / cost.verify_ms(roots, context, num_requests)
     tokens = float(len(trees))
     for n, p in enumerate(probs[:room], start=1):
         tokens += p
-        goodput = tokens / cost.verify_ms(roots + n, context)
+        goodput = tokens / cost.verify_ms(roots + n, context, num_requests)
         if goodput > best:
             best_n, best = n, goodput
     return best_n

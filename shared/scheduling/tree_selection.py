@@ -30,6 +30,7 @@ class SelectionContext:
     cost: CostModel | None
     context: int  # typical per-request context length
     now: float
+    num_requests: int | None = None  # requests in the verifier's forward (None: unknown)
 
 
 class TreeSelector(Protocol):
@@ -71,6 +72,7 @@ class Goodput:
             prefill_tokens=ctx.prefill_tokens,
             budget=ctx.prefill_tokens + ctx.budget,
             context=ctx.context,
+            num_requests=ctx.num_requests,
         )
         kept = take_best_first(trees, ctx.max_depth, ctx.calibration, count)
         return _subtrees(trees, kept)
