@@ -123,7 +123,10 @@ class ServicesRunner:
         self.client = client
         self._ids = itertools.count()
 
-    async def run(self, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> Run:
+    async def run(
+        self, prompts: list[list[int]], params: SamplingParams, concurrency: int, **extra: object
+    ) -> Run:
+        """`extra`: Submit fields for every request (e.g. speculate=False)."""
         client = self.client
         scheduler = self.stack.scheduler
         assert scheduler is not None
@@ -137,7 +140,7 @@ class ServicesRunner:
             while todo and len(active) < concurrency:
                 i, prompt = todo.popleft()
                 rid = f"s{next(self._ids)}"
-                await client.submit(rid, prompt, params)
+                await client.submit(rid, prompt, params, **extra)
                 active[rid] = i
             await client.poll(block_ms=20)
             for rid in [r for r in active if client.outcomes[r].done]:

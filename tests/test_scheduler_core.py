@@ -994,12 +994,6 @@ def core_prompt(rid: str, n: int) -> list[int]:
     return make_request(rid, n).prompt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: with several micro-batches, partial prefills of different requests can "
-    "take every free block; none can take its next chunk, none is preempted, nothing is in "
-    "flight, and next_batch returns None forever",
-)
 def test_partial_prefills_do_not_deadlock_the_cache() -> None:
     core = make_core(token_budget=8, micro_batches=2, method=None)
     kv = FakeKV(num_blocks=8, block_size=4)  # 32 tokens: each request fits alone

@@ -297,6 +297,13 @@ class SchedulerCore:
             chunk = min(room, len(request.prefill_tokens) - request.num_prefilled)
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, chunk)
+                # an admitted request's next chunk may preempt later admissions (else partial
+                # prefills could hold every block and none could finish); a new one only waits
+                while need > free and not is_new:
+                    released = self._preempt_newest(request, batch, kv)
+                    if not released:
+                        break
+                    free += released
                 if need > free:
                     break
                 free -= need
@@ -324,7 +331,8 @@ class SchedulerCore:
         for victim in reversed(self.running):
             if victim is keep:
                 return 0  # only requests admitted after `keep` may be preempted for it
-            if not victim.in_flight and victim not in batch.decode and victim.kv == "resident":
+            in_batch = victim in batch.decode or any(victim is r for r, _ in batch.prefill)
+            if not victim.in_flight and not in_batch and victim.kv == "resident":
                 return self._preempt(victim, batch, kv)
         return 0
 

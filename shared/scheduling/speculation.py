@@ -13,7 +13,9 @@ whose draft keeps failing stops paying for it, and one whose draft is accurate d
    per-depth acceptance estimate (`AcceptanceEstimate`, a decayed Beta posterior whose prior is
    the draft model's estimate over all requests). Depths grow one level at a time where the
    marginal expected token is largest; the best configuration seen is kept (the thesis's Alg. 1
-   objective with verification cost as a term, under AdaServe's hardware budget B).
+   objective with verification cost as a term, under AdaServe's hardware budget B). A level
+   costs the drafter a forward over its whole width, and the verifier about one node: the
+   selection after drafting keeps only the nodes that pay.
 2. After drafting (`select_by_goodput`), the drafted trees' own path probabilities f(i) (AdaServe
    Thm. 3.1: E[accepted] = sum f(i)), calibrated per request by how the target actually agreed,
    rank every node of the micro-batch; the verified prefix of that ranking is the one with the
@@ -121,15 +123,15 @@ def plan_depths(
     heap: list[tuple[float, int, DepthQuery]] = []
     for i, q in enumerate(queries):
         if q.max_depth > 0 and q.rate > 0:
-            heapq.heappush(heap, (-q.rate / q.method.tokens_at_depth(1), i, q))
+            heapq.heappush(heap, (-q.rate, i, q))
     while heap:
         _, i, q = heapq.heappop(heap)
         d = depth[q.request_id] + 1
         width = min(q.method.tokens_at_depth(d), q.method.max_draft_tokens)
-        if nodes + width > budget:
+        if nodes + 1 > budget:
             continue
         depth[q.request_id] = d
-        nodes += width
+        nodes += 1  # the selector after drafting verifies what pays: about a node per level
         tokens += q.rate**d
         if q.draft_model not in root_tokens:
             root_tokens[q.draft_model] = 0
@@ -145,8 +147,7 @@ def plan_depths(
         if goodput > best[0]:
             best = (goodput, dict(depth))
         if d < q.max_depth and d < q.method.num_layers:
-            marginal = q.rate ** (d + 1) / max(q.method.tokens_at_depth(d + 1), 1)
-            heapq.heappush(heap, (-marginal, i, q))
+            heapq.heappush(heap, (-(q.rate ** (d + 1)), i, q))
     return best[1]
 
 

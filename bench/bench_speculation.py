@@ -1,0 +1,281 @@
+"""Speculation with the defaults against plain decoding of the same engine, per prompt kind.
+
+    python -m bench.bench_speculation --per-kind 4 --max-tokens 128
+    python -m bench.bench_speculation --services --concurrency 1 16 --per-kind 4
+
+Engine mode: one target (its kernel plan and cost profile loaded as the CLI loads them) serves
+both configurations; for every prompt, plain and speculative decoding run one after the other,
+alternating which goes first, so drift in background load hits both alike. Reported per kind
+(chat, code, math, everyday) and on the mix: tokens/s of each, their ratio (total tokens over
+total time), the worst single prompt, the mean accepted length, and whether the outputs are
+equal token for token.
+
+Services mode: all services in this process over Redis (embedded), the default settings; at
+concurrency c, rounds of c requests alternate between speculative and plain decoding
+(`augury.speculate = false`, the same stack) and the ratio of their tokens/s is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.everyday import EVERYDAY_QUESTIONS
+from shared.datasets import eval_prompts
+from shared.engine.drafting import Drafter
+from shared.engine.presets import DEFAULT_DRAFT, DEFAULT_METHOD
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.cost_profiles import load_or_measure
+from shared.model.model_set import draft_dirs, target_dir
+from shared.model.runner import ModelRunner
+from shared.scheduling.request import AcceptanceStats
+
+KINDS = ("chat", "code", "math", "everyday")
+KV_BYTES = 256 << 20
+
+
+def prompts_by_kind(per_kind: int) -> dict[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    out: dict[str, list[list[int]]] = {}
+    for kind in KINDS:
+        texts = (
+            list(EVERYDAY_QUESTIONS[:per_kind])
+            if kind == "everyday"
+            else eval_prompts(kind, per_kind)
+        )
+        out[kind] = [
+            list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )[-768:]
+            for text in texts
+        ]
+    return out
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class KindResult:
+    plain: Tally = field(default_factory=Tally)
+    spec: Tally = field(default_factory=Tally)
+    worst: float = float("inf")  # lowest per-prompt ratio
+    equal: int = 0
+    prompts: int = 0
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+
+    @property
+    def ratio(self) -> float:
+        return self.spec.tokens_per_s / self.plain.tokens_per_s
+
+
+def build_engines(draft: str, threads: int) -> tuple[SpecEngine, SpecEngine]:
+    """Plain and speculative engines over one target runner (one kernel plan, one profile)."""
+    tdir = target_dir()
+    target = ModelRunner(load_model(tdir), kv_memory_bytes=KV_BYTES)
+    ddir = draft_dirs()[draft]
+    drafter = Drafter(
+        ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=KV_BYTES), name=draft
+    )
+    started = time.perf_counter()
+    cost = load_or_measure(target, {draft: drafter.runner}, target_name=tdir.name)
+    print(f"cost profile ready in {time.perf_counter() - started:.1f} s", flush=True)
+    eos = target.cfg.eos_token_ids
+    verifier = Verifier(target)
+    plain = SpecEngine(verifier, eos_token_ids=eos)
+    spec = SpecEngine(verifier, drafter, DEFAULT_METHOD, eos_token_ids=eos, cost=cost)
+    return plain, spec
+
+
+def run_one(
+    engine: SpecEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    [request] = engine.generate([prompt], params)
+    return request.output, time.perf_counter() - started
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
+    plain, spec = build_engines(args.draft, args.threads)
+    prompts = prompts_by_kind(args.per_kind)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    for engine in (plain, spec):  # warm-up
+        run_one(engine, prompts["chat"][0][:16], SamplingParams(max_tokens=8))
+    results = {kind: KindResult() for kind in KINDS}
+    turn = 0
+    for kind in KINDS:
+        for prompt in prompts[kind]:
+            res = results[kind]
+            before = AcceptanceStats()
+            before.merge(spec.stats)
+            order = [("plain", plain), ("spec", spec)]
+            if turn % 2:
+                order.reverse()
+            turn += 1
+            outputs, seconds = {}, {}
+            for name, engine in order:
+                outputs[name], seconds[name] = run_one(engine, prompt, params)
+            n = len(outputs["plain"])
+            res.plain.tokens += n
+            res.plain.seconds += seconds["plain"]
+            res.spec.tokens += len(outputs["spec"])
+            res.spec.seconds += seconds["spec"]
+            ratio = (len(outputs["spec"]) / seconds["spec"]) / (n / seconds["plain"])
+            res.worst = min(res.worst, ratio)
+            res.equal += outputs["plain"] == outputs["spec"]
+            res.prompts += 1
+            step = spec.stats
+            delta = AcceptanceStats(
+                step.num_drafts - before.num_drafts,
+                step.num_draft_tokens - before.num_draft_tokens,
+                step.num_accepted - before.num_accepted,
+                [],
+                step.num_target_forwards - before.num_target_forwards,
+            )
+            res.stats.merge(delta)
+            print(
+                f"{kind:9s} {n:4d} tokens  plain {n / seconds['plain']:6.1f} tok/s  spec "
+                f"{len(outputs['spec']) / seconds['spec']:6.1f} tok/s  x{ratio:.2f}  "
+                f"acc.len {delta.mean_accepted_length:.2f}",
+                flush=True,
+            )
+    return results
+
+
+def report(results: dict[str, KindResult], args: argparse.Namespace) -> str:
+    lines = [
+        f"draft {args.draft}, method {DEFAULT_METHOD.kind} (goodput planner), "
+        f"{torch.get_num_threads()} threads, {args.per_kind} prompts per kind, "
+        f"max {args.max_tokens} tokens",
+        "",
+        "| kind | plain tok/s | speculative tok/s | ratio | worst prompt | acc.len | =plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mix = KindResult()
+    for kind, r in results.items():
+        lines.append(
+            f"| {kind} | {r.plain.tokens_per_s:.1f} | {r.spec.tokens_per_s:.1f} | "
+            f"{r.ratio:.2f}x | {r.worst:.2f}x | {r.stats.mean_accepted_length:.2f} | "
+            f"{r.equal}/{r.prompts} |"
+        )
+        mix.plain.tokens += r.plain.tokens
+        mix.plain.seconds += r.plain.seconds
+        mix.spec.tokens += r.spec.tokens
+        mix.spec.seconds += r.spec.seconds
+        mix.worst = min(mix.worst, r.worst)
+        mix.equal += r.equal
+        mix.prompts += r.prompts
+        mix.stats.merge(r.stats)
+    lines.append(
+        f"| **mix** | {mix.plain.tokens_per_s:.1f} | {mix.spec.tokens_per_s:.1f} | "
+        f"**{mix.ratio:.2f}x** | {mix.worst:.2f}x | {mix.stats.mean_accepted_length:.2f} | "
+        f"{mix.equal}/{mix.prompts} |"
+    )
+    return "\n".join(lines)
+
+
+async def bench_services(args: argparse.Namespace) -> str:
+    from bench.bench_services import ServicesRunner
+    from services.run import start_stack
+    from services.runtime import ModelPaths
+    from shared.bus import redis_url
+    from shared.settings import AugurySettings, RedisSettings
+    from tests.test_services_support import Client
+
+    prompts = [p for ps in prompts_by_kind(args.per_kind).values() for p in ps]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    with redis_url(None) as url:
+        settings = AugurySettings(
+            redis=RedisSettings(url=url),
+            engine={"kv_memory_bytes": KV_BYTES},
+            service={"cell": "bench", "replica": "bench"},
+        )
+        models = ModelPaths(target_dir(), {args.draft: draft_dirs()[args.draft]})
+        stack = await start_stack(settings, url, models, gateway=False)
+        client = Client(url, settings, "bench-client")
+        runner = ServicesRunner(stack, client)
+        lines = [
+            f"services, default settings (draft {args.draft}), {len(prompts)} prompts x "
+            f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
+            "",
+            "| concurrency | plain tok/s | speculative tok/s | ratio (median of rounds) |",
+            "|---|---|---|---|",
+        ]
+        try:
+            await runner.run(prompts[:2], SamplingParams(max_tokens=4), 2)  # warm-up
+            for c in args.concurrency:
+                ratios, plain_tps, spec_tps = [], [], []
+                for r in range(args.rounds):
+                    order = [False, True] if r % 2 else [True, False]
+                    tps = {}
+                    for speculate in order:
+                        run = await runner.run(prompts, params, c, speculate=speculate)
+                        tps[speculate] = run.tokens_per_s
+                    ratios.append(tps[True] / tps[False])
+                    plain_tps.append(tps[False])
+                    spec_tps.append(tps[True])
+                    print(f"c={c} round {r}: x{ratios[-1]:.2f}", flush=True)
+                ratios.sort()
+                lines.append(
+                    f"| {c} | {sum(plain_tps) / len(plain_tps):.1f} | "
+                    f"{sum(spec_tps) / len(spec_tps):.1f} | {ratios[len(ratios) // 2]:.2f}x |"
+                )
+        finally:
+            await client.close()
+            await stack.stop()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-kind", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--services", action="store_true")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.services:
+        print(asyncio.run(bench_services(args)))
+        return
+    results = bench_engine(args)
+    print()
+    print(report(results, args))
+    if args.json:
+        rows = {
+            k: {"plain_tps": r.plain.tokens_per_s, "spec_tps": r.spec.tokens_per_s,
+                "ratio": r.ratio, "worst": r.worst, "equal": r.equal, "prompts": r.prompts}
+            for k, r in results.items()
+        }  # fmt: skip
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
