@@ -88,7 +88,7 @@ async def bounded(what: str, stopping: Awaitable[object]) -> None:
 
 
 async def publish_own_profile(
-    stack: Stack, bus: Bus, runner: ModelRunner, name: str, role: str, is_draft: bool
+    stack: Stack, bus: Bus, runner: ModelRunner, name: str, role: str
 ) -> None:
     """Load (or measure, bounded) this model's cost profile and publish it for the scheduler."""
     engine = stack.settings.engine
@@ -96,7 +96,6 @@ async def publish_own_profile(
         model_profile,
         runner,
         name,
-        is_draft=is_draft,
         directory=engine.profile_dir,
         measure=engine.measure_profile,
         plan_kernels=engine.plan_kernels,
@@ -112,7 +111,7 @@ async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> Veri
     service = VerifierService(
         stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
     )
-    await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET, False)
+    await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
     await service.start()
     stack.verifier = service
     return service
@@ -129,7 +128,7 @@ async def start_drafter(
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
-    await publish_own_profile(stack, service.bus, runner, name, draft_role(name), True)
+    await publish_own_profile(stack, service.bus, runner, name, draft_role(name))
     await service.start()
     stack.drafters.append(service)
     return service

@@ -195,26 +195,24 @@ def test_model_profile_plans_kernels_and_a_stored_profile_brings_its_plan(
     from shared.model import load_model
     from shared.model.cost_profiles import model_profile
     from shared.model.runner import ModelRunner
-    from shared.scheduling.cost_model import CostProfile
 
     def runner() -> ModelRunner:
         return ModelRunner(load_model(tiny_target_dir), block_size=4, kv_memory_bytes=4 << 20)
 
     first = runner()
-    measured = model_profile(first, "tiny", is_draft=False, directory=tmp_path, max_tokens=8)
+    cache = tmp_path / "cache"
+    measured = model_profile(first, "tiny", directory=tmp_path, max_tokens=8, cache_dir=cache)
     assert measured is not None and measured.kernels is not None
     assert first.model.linear_plan is not None
-    CostProfile(target=measured).save(tmp_path / "tiny.json")
+    assert [p.name for p in cache.iterdir()] == [f"{measured.key.file_stem}.json"]  # kept
 
-    second = runner()
-    loaded = model_profile(second, "tiny", is_draft=False, directory=tmp_path, measure=False)
+    second = runner()  # found in the cache: no second measurement
+    loaded = model_profile(second, "tiny", directory=tmp_path, measure=False, cache_dir=cache)
     assert loaded == measured
     assert second.model.linear_plan is not None
     assert second.model.linear_plan.to_dict() == measured.kernels
 
     plain = runner()  # nothing stored, nothing measured: no profile, the model left as it is
-    assert (
-        model_profile(plain, "tiny", is_draft=False, directory=tmp_path / "none", measure=False)
-        is None
-    )
+    nowhere = tmp_path / "none"
+    assert model_profile(plain, "t", directory=nowhere, measure=False, cache_dir=nowhere) is None
     assert plain.model.linear_plan is None

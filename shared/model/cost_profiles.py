@@ -28,20 +28,24 @@ from shared.scheduling.cost_model import (
 
 log = logging.getLogger(__name__)
 QUICK_MAX_TOKENS = 64
+# Quick profiles measured at start are kept here, so that the next start loads them.
+CACHE_DIR = Path.home() / ".cache" / "augury" / "profiles"
 
 
-def _stored(directory: Path, key: ProfileKey, draft: str | None) -> ModelProfile | None:
-    """The newest stored profile of this model (the target's, or draft `draft`'s) whose key
-    matches: same architecture, device, dtype and threads."""
+def _stored(directories: list[Path], key: ProfileKey) -> ModelProfile | None:
+    """The newest stored profile whose key matches: same architecture (the fingerprint: costs
+    depend on shapes, not on names or weights), device, dtype and threads. Any model of any
+    profile file counts, the target's or a draft's."""
     found: list[tuple[str, ModelProfile]] = []
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        try:
-            profile = CostProfile.load(path)
-        except (OSError, ValueError):
-            continue
-        model = profile.target if draft is None else profile.drafts.get(draft)
-        if model is not None and model.key.mismatch(key) is None:
-            found.append((profile.created, model))
+    for directory in directories:
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+            try:
+                profile = CostProfile.load(path)
+            except (OSError, ValueError):
+                continue
+            for model in (profile.target, *profile.drafts.values()):
+                if model.key.mismatch(key) is None:
+                    found.append((profile.created, model))
     return max(found, key=lambda item: item[0])[1] if found else None
 
 
@@ -49,22 +53,24 @@ def model_profile(
     runner: ModelRunner,
     name: str,
     *,
-    is_draft: bool,
     directory: Path | None = None,
     measure: bool = True,
     plan_kernels: bool = True,
     max_tokens: int = QUICK_MAX_TOKENS,
+    cache_dir: Path = CACHE_DIR,
 ) -> ModelProfile | None:
     """One model's profile on this machine: stored (its kernel plan applied), else measured
-    quickly, after planning the kernels if asked (None: neither)."""
+    quickly, after planning the kernels if asked, and kept in `cache_dir` (None: neither).
+    A profile matches by its key (architecture, device, dtype, threads), whichever model of a
+    stored profile it belongs to."""
     directory = directory or DEFAULT_PROFILES_DIR
     key = profile_key(runner, name)
-    stored = _stored(directory, key, name if is_draft else None)
+    stored = _stored([directory, cache_dir], key)
     if stored is not None:
         if stored.kernels is not None:
             runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
-        log.info("cost profile of %s: loaded from %s", name, directory)
-        return stored
+        log.info("cost profile of %s: loaded (%s)", name, stored.key.file_stem)
+        return stored.model_copy(update={"key": key})
     if not measure:
         log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
         return None
@@ -92,12 +98,14 @@ def model_profile(
     if measured is None:
         log.warning("cost profile of %s: too little free KV to measure one", name)
         return None
+    saved = measured.save(cache_dir / f"{key.file_stem}.json")
     log.info(
-        "cost profile of %s: none in %s matches; measured a quick one in %.1f s "
+        "cost profile of %s: none in %s matches; measured a quick one in %.1f s, kept in %s "
         "(python -m bench.profile measures the full one)",
         name,
         directory,
         time.perf_counter() - started,
+        saved,
     )
     return measured.target
 
@@ -114,12 +122,12 @@ def load_or_measure(
     """The cost model of `target` and `drafts` on this machine, or None when the target has no
     profile and measuring is not allowed (a draft without one is dropped, with a warning)."""
     kwargs = {"directory": directory, "measure": measure, "plan_kernels": plan_kernels}
-    target_profile = model_profile(target, target_name, is_draft=False, **kwargs)
+    target_profile = model_profile(target, target_name, **kwargs)
     if target_profile is None:
         return None
     draft_profiles = {}
     for name, runner in drafts.items():
-        found = model_profile(runner, name, is_draft=True, **kwargs)
+        found = model_profile(runner, name, **kwargs)
         if found is not None:
             draft_profiles[name] = found
     return CostModel(CostProfile(target=target_profile, drafts=draft_profiles))
