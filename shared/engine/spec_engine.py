@@ -183,8 +183,6 @@ class SpecEngine:
         runner = self.verifier.runner
         for request in batch.swap_out:
             self._swapped[request.request_id] = runner.swap_out(request.request_id)
-        for request in batch.drop:
-            self.verifier.free(request.request_id)
         for request in batch.swap_in:
             runner.swap_in(request.request_id, self._swapped.pop(request.request_id))
         self._release()  # drafts left behind by preemption or a change of draft model

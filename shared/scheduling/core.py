@@ -99,7 +99,7 @@ class MicroBatch:
     prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # request, chunk
     drafts: dict[str, DraftPlan] = field(default_factory=dict)  # request id -> plan
     swap_out: list[RequestState] = field(default_factory=list)  # preempted: keep KV on host
-    drop: list[RequestState] = field(default_factory=list)  # preempted: free KV, recompute
+    drop: list[RequestState] = field(default_factory=list)  # preempted: KV released, recompute
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
@@ -346,6 +346,7 @@ class SchedulerCore:
         else:
             victim.drop_kv()
             batch.drop.append(victim)
+            self._releases.append(Release(victim.request_id, True))
         self._release_draft(victim)
         if victim in self.running:
             self.running.remove(victim)
