@@ -521,9 +521,12 @@ class SchedulerCore:
             now=now,
         )
         batch.trees = self.selector.select(trees, ctx) if trees else {}
-        for rid in batch.probes:  # a probe is verified, or it would teach nothing
+        # room left in the verifier's forward: a probe may not push it past the budget B
+        room = ctx.budget - sum(t.num_nodes for t in batch.trees.values())
+        for rid in sorted(batch.probes):  # a probe is verified, or it would teach nothing
             drafted_tree = trees[rid]
-            if batch.trees[rid].num_nodes == 1 and drafted_tree.num_nodes > 1:
+            if room > 0 and batch.trees[rid].num_nodes == 1 and drafted_tree.num_nodes > 1:
+                room -= 1
                 kids = drafted_tree.children()[0]
                 # sampled siblings go in draw order: choosing by token would bias sampling
                 sampled = drafted_tree.proposal_of[kids[0]] != DETERMINISTIC
