@@ -1008,3 +1008,42 @@ def test_partial_prefills_do_not_deadlock_the_cache() -> None:
     ex.run()
     assert ex.streamed["a"] == greedy(core_prompt("a", 24), 4)
     assert ex.streamed["b"] == greedy(core_prompt("b", 24), 4)
+
+
+def test_probes_stay_within_the_token_budget() -> None:
+    """A probe forced into the verified trees used to push the forward past the budget."""
+
+    def spec(rid: str, prompt: list[int], max_tokens: int, speculate: bool) -> dict:
+        return dict(
+            rid=rid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            arrival=0,
+            priority=0,
+            speculate=speculate,
+            stop=(),
+        )
+
+    check_run(
+        dict(
+            requests=[
+                spec("r0", [0], 1, False),
+                spec("r1", [0], 9, True),
+                spec("r2", [0], 6, True),
+                spec("r3", [0], 6, True),
+                spec("r4", [0] * 15, 1, False),
+            ],
+            cancels=[],
+            micro_batches=1,
+            budget=8,
+            max_running=4,
+            method=DraftMethod("chain", k=4),
+            agree=0.9,
+            blocks=None,
+            can_swap=False,
+            draft_failure=0.0,
+            goodput=True,
+            replica_change=0,
+            seed=0,
+        )
+    )
