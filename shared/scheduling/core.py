@@ -279,6 +279,8 @@ class SchedulerCore:
         for request in candidates:
             if count >= share or room <= 0:
                 break
+            if any(request is r for r in batch.drop + batch.swap_out):
+                continue  # preempted for an older request's chunk in this very batch
             is_new = request not in self.running
             if is_new and len(self.running) >= self.config.max_running:
                 break
