@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.engine.methods import DraftMethod, tree_capacity
@@ -484,8 +484,8 @@ def expected_output(prompt: Sequence[int], max_tokens: int, stop: Sequence[int])
     return out
 
 
-class PrefillDeadlock(Exception):
-    """The known stall: see
+class PrefillDeadlock(AssertionError):
+    """Nothing scheduled while every running request holds a partial prefill: see
     test_partial_prefills_do_not_deadlock_when_policy_and_admission_orders_differ."""
 
 
@@ -553,11 +553,7 @@ def simulate(w: dict) -> tuple[FakeExecutor, dict[str, RequestState]]:
 
 
 def check_run(w: dict) -> tuple[FakeExecutor, dict[str, RequestState]]:
-    try:
-        ex, states = simulate(w)
-    except PrefillDeadlock:
-        assume(False)  # a known core bug (the strict xfail below); remove once it is fixed
-        raise
+    ex, states = simulate(w)
     cancelled = {w["requests"][i]["rid"] for i, _ in w["cancels"]}
     for spec in w["requests"]:
         rid = spec["rid"]
@@ -1091,12 +1087,6 @@ def test_a_request_preempted_for_an_older_chunk_is_not_readmitted_at_once() -> N
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: a prompt chunk may only preempt requests admitted after its own, but the "
-    "policy's first request can be the newest admitted (a higher priority, or readmitted after "
-    "a drop); it cannot preempt, the loop stops at it, and partial prefills hold every block",
-)
 def test_partial_prefills_do_not_deadlock_when_policy_and_admission_orders_differ() -> None:
     core = make_core(token_budget=8, micro_batches=2, method=None)
     kv = FakeKV(num_blocks=8, block_size=4)  # 32 tokens: each request fits alone

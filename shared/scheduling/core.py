@@ -254,7 +254,7 @@ class SchedulerCore:
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, self._tree_capacity(request))
                 while need > free:
-                    released = self._preempt_newest(request, batch, kv)
+                    released = self._preempt_after(request, batch, kv, ctx)
                     if not released:
                         break
                     free += released
@@ -302,7 +302,7 @@ class SchedulerCore:
                 # an admitted request's next chunk may preempt later admissions (else partial
                 # prefills could hold every block and none could finish); a new one only waits
                 while need > free and not is_new:
-                    released = self._preempt_newest(request, batch, kv)
+                    released = self._preempt_after(request, batch, kv, ctx)
                     if not released:
                         break
                     free += released
@@ -328,11 +328,14 @@ class SchedulerCore:
             self.waiting.remove(request)
             self.running.append(request)
 
-    def _preempt_newest(self, keep: RequestState, batch: MicroBatch, kv: KVView) -> int:
-        """Preempt the most recently admitted idle request admitted after `keep`."""
-        for victim in reversed(self.running):
+    def _preempt_after(
+        self, keep: RequestState, batch: MicroBatch, kv: KVView, ctx: PolicyContext
+    ) -> int:
+        """Preempt the last idle request that the policy orders after `keep` (for FCFS: the
+        most recent arrival); returns the blocks released, 0 when there is none."""
+        for victim in reversed(self.policy.order(self.running, ctx)):
             if victim is keep:
-                return 0  # only requests admitted after `keep` may be preempted for it
+                return 0  # only requests the policy puts after `keep` may be preempted for it
             in_batch = victim in batch.decode or any(victim is r for r, _ in batch.prefill)
             if not victim.in_flight and not in_batch and victim.kv == "resident":
                 return self._preempt(victim, batch, kv)
