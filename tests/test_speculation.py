@@ -67,6 +67,15 @@ def test_steep_curve_means_plain_decoding_for_everyone() -> None:
     assert set(plan(many, STEEP).values()) == {0}
 
 
+def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap() -> None:
+    """Prompt chunks are paid for whatever is speculated: with a steep curve a step that also
+    prefills still decodes plainly, and with a flat one it still drafts the full depth."""
+    queries = [query(f"r{i}", 0.9) for i in range(3)]
+    for prefill in (0, 5, 40):
+        assert set(plan(queries, STEEP, prefill=prefill).values()) == {0}
+        assert set(plan(queries, FLAT, prefill=prefill).values()) == {4}
+
+
 def test_cpu_curve_drafts_deeper_for_the_better_draft() -> None:
     depths = plan([query("good", 0.9), query("bad", 0.2)], CPU)
     assert depths["good"] > depths["bad"]

@@ -83,6 +83,16 @@ class DepthQuery:
     new_tokens: int  # committed tokens the drafter has not seen (its root forward)
 
 
+def verify_share(
+    cost: CostModel, prefill_tokens: int, tokens: int, context: int, num_requests: int | None
+) -> float:
+    """What the decoding part of a verifier forward of `tokens` tokens (`prefill_tokens` of them
+    prompt chunks) is worth charging: the forward it would be without the prompt chunks. They
+    are paid for whatever is speculated; charging them to speculation would make extra draft
+    tokens look cheap next to a large step (or, on a flat curve, the difference they make look free)."""
+    return cost.verify_ms(max(tokens - prefill_tokens, 1), context, num_requests)
+
+
 def expected_accepted(rate: float, depth: int) -> float:
     """E[accepted] of a tree of `depth` levels when each level is accepted with `rate`."""
     return sum(rate**j for j in range(1, depth + 1))
@@ -116,7 +126,7 @@ def plan_depths(
             for model in root_tokens
             if cost.has_draft(model)  # a draft without a profile is taken as free
         )
-        return drafting + cost.verify_ms(nodes, context, num_requests)
+        return drafting + verify_share(cost, prefill_tokens, nodes, context, num_requests)
 
     best = (tokens / step_ms(), dict(depth))
     # candidates: the next level of each request, best marginal expected tokens per node first
@@ -217,11 +227,12 @@ def select_by_goodput(
     probs.sort(reverse=True)
     roots = len(trees) + prefill_tokens
     room = max(0, budget - roots)
-    best_n, best = 0, len(trees) / cost.verify_ms(roots, context, num_requests)
+    best_n = 0
+    best = len(trees) / verify_share(cost, prefill_tokens, roots, context, num_requests)
     tokens = float(len(trees))
     for n, p in enumerate(probs[:room], start=1):
         tokens += p
-        goodput = tokens / cost.verify_ms(roots + n, context, num_requests)
+        goodput = tokens / verify_share(cost, prefill_tokens, roots + n, context, num_requests)
         if goodput > best:
             best_n, best = n, goodput
     return best_n
