@@ -89,7 +89,7 @@ def verify_share(
     """What the decoding part of a verifier forward of `tokens` tokens (`prefill_tokens` of them
     prompt chunks) is worth charging: the forward it would be without the prompt chunks. They
     are paid for whatever is speculated; charging them to speculation would make extra draft
-    tokens look cheap next to a large step (or, on a flat curve, the difference they make look free)."""
+    tokens look cheap next to a large step (or, on a flat curve, free)."""
     return cost.verify_ms(max(tokens - prefill_tokens, 1), context, num_requests)
 
 
