@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from services.model_service import ModelService
 from shared.bus import Bus
 from shared.engine.drafting import Drafter
-from shared.engine.drafting import DraftRequest as EngineDraftRequest
 from shared.engine.methods import DraftMethod, tree_capacity
 from shared.model.runner import ModelRunner
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
@@ -143,26 +142,13 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
         for i, entry in todo.items():
             groups[entry.method].append(i)
         answers: dict[int, DraftedTree] = {}
-        room = self.runner.max_context
         for method, indices in groups.items():
             indices = self._fit_in_memory(todo, indices, method, answers)
             if not indices:
                 continue
             entries = [todo[i] for i in indices]
-            requests = [
-                EngineDraftRequest(
-                    e.request_id,
-                    e.new_tokens,
-                    e.sampling,
-                    e.seed,
-                    e.step,
-                    max_depth=_capped(room - e.base_len - len(e.new_tokens), e.max_depth),
-                    max_nodes=e.max_nodes or None,
-                )
-                for e in entries
-            ]
             try:
-                trees = self.drafter.draft(requests, method.for_batch(len(entries)))
+                trees = self.drafter.draft(entries, method.for_batch(len(entries)))
             except Exception as error:  # e.g. out of draft KV: these requests restart from 0
                 log.warning(
                     "drafter %s failed on %d requests: %r", self.replica, len(entries), error
@@ -174,9 +160,3 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
             for i, e in zip(indices, entries, strict=True):
                 answers[i] = DraftedTree(e.request_id, e.step, trees[e.request_id])
         return answers
-
-
-def _capped(room: int, planned: int) -> int:
-    """No deeper than the context allows, nor than the scheduler planned (0: no plan)."""
-    room = max(0, room)
-    return min(room, planned) if planned > 0 else room

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.engine.verifier import Verifier, VerifyEntry
-from shared.engine.verifier import VerifyResult as EngineResult
+from shared.engine.verifier import Verifier
 from shared.model.runner import ModelRunner
-from shared.wire import FinishReason, VerifiedRequest, VerifyJob, VerifyRequest, VerifyResult
+from shared.wire import VerifiedRequest, VerifyJob, VerifyRequest, VerifyResult
 from shared.wire.streams import VERIFIER, results_stream, verify_stream
 
 log = logging.getLogger(__name__)
@@ -39,21 +38,6 @@ class VerifierStats:
     replayed: int = 0
     errors: int = 0
     verify_ms: float = 0.0
-
-
-def to_wire(entry: VerifyRequest, result: EngineResult) -> VerifiedRequest:
-    """Engine result -> wire answer, cut to what the request may still emit."""
-    emitted = result.tokens[: entry.max_new_tokens]
-    accepted = emitted[: result.num_accepted]
-    bonus = emitted[result.num_accepted] if len(emitted) > result.num_accepted else None
-    reached = bool(emitted) and len(emitted) >= entry.max_new_tokens
-    return VerifiedRequest(
-        entry.request_id,
-        entry.step,
-        accepted=tuple(accepted),
-        bonus=bonus,
-        finish=FinishReason.LENGTH if reached else None,
-    )
 
 
 class VerifierService(ModelService[VerifyJob, VerifyResult]):
@@ -154,18 +138,7 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
     def _run(self, todo: dict[int, VerifyRequest]) -> dict[int, VerifiedRequest]:
         if not todo:
             return {}
-        entries = [
-            VerifyEntry(
-                e.request_id,
-                e.step,
-                e.sampling,
-                e.seed,
-                prompt_chunk=e.chunk,
-                is_final_chunk=e.chunk_is_last,
-                tree=e.tree,
-            )
-            for e in todo.values()
-        ]
+        entries = list(todo.values())
         try:
             results = self.verifier.step(entries)
         except Exception as error:
@@ -173,4 +146,4 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
             for e in todo.values():
                 self.verifier.free(e.request_id)
             return {i: self._error(e, f"{VERIFY_FAILED}: {error!r}") for i, e in todo.items()}
-        return {i: to_wire(e, r) for (i, e), r in zip(todo.items(), results, strict=True)}
+        return dict(zip(todo, results, strict=True))

@@ -23,20 +23,10 @@ import numpy as np
 import torch
 
 from shared.engine.methods import DraftMethod
-from shared.engine.sampling import DRAFT_STREAM, SamplingParams, processed_probs, sample, step_rng
+from shared.engine.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
 from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree
 from shared.model.runner import ForwardItem, ModelRunner
-
-
-@dataclass
-class DraftRequest:
-    request_id: str
-    new_tokens: Sequence[int]  # committed since this drafter last saw the request; last = root
-    params: SamplingParams
-    seed: int
-    step: int
-    max_depth: int  # no deeper than this (tokens left to generate, room in the context)
-    max_nodes: int | None = None  # no more draft tokens than this (the scheduler's plan)
+from shared.wire.steps import DraftRequest
 
 
 @dataclass
@@ -44,6 +34,7 @@ class _Growing:
     """One request's tree while it grows; `region` maps forwarded nodes to tree-region slots."""
 
     req: DraftRequest
+    max_depth: int  # no deeper: the plan's depth, the method's, and the room in the context
     rng: np.random.Generator
     tokens: list[int]
     parents: list[int] = field(default_factory=lambda: [-1])
@@ -73,7 +64,7 @@ class _Growing:
     def room(self, method: DraftMethod) -> int:
         """Draft tokens this tree may still add (the method's and the request's limits)."""
         cap = method.max_draft_tokens
-        if self.req.max_nodes is not None:
+        if self.req.max_nodes:
             cap = min(cap, self.req.max_nodes)
         return cap - self.num_draft_tokens
 
@@ -110,13 +101,18 @@ class Drafter:
         )
         self.runner.commit({r.request_id: range(len(r.new_tokens)) for r in requests})
         trees = [
-            _Growing(r, step_rng(r.seed, r.step, DRAFT_STREAM), [int(r.new_tokens[-1])])
+            _Growing(
+                r,
+                self._max_depth(r, method),
+                step_rng(r.seed, r.step, DRAFT_STREAM),
+                [int(r.new_tokens[-1])],
+            )
             for r in requests
         ]
         for tree, logits in zip(trees, root_logits, strict=True):
             tree.frontier_logits = logits
         for layer in range(1, method.num_layers + 1):
-            active = [t for t in trees if t.frontier and layer <= t.req.max_depth]
+            active = [t for t in trees if t.frontier and layer <= t.max_depth]
             if method.kind == "dynamic":
                 added = self._grow_dynamic(trees, active, method)
             else:
@@ -125,10 +121,17 @@ class Drafter:
                 t.frontier = [n for n in added.get(id(t), []) if n not in t.pruned]
             if layer == method.num_layers:
                 break
-            self._forward_frontier([t for t in trees if t.frontier and layer < t.req.max_depth])
+            self._forward_frontier([t for t in trees if t.frontier and layer < t.max_depth])
         for req in requests:
             self.runner.discard_tree(req.request_id)
         return {t.req.request_id: t.result() for t in trees}
+
+    def _max_depth(self, req: DraftRequest, method: DraftMethod) -> int:
+        """The plan's depth (0: none), the method's, and what the context leaves after the
+        committed tokens (the root included, whose KV this drafter now holds)."""
+        room = self.runner.max_context - self.runner.num_cached(req.request_id)
+        depth = min(method.num_layers, max(room, 0))
+        return min(depth, req.max_depth) if req.max_depth else depth
 
     def _forward_frontier(self, trees: list[_Growing]) -> None:
         if not trees:
@@ -146,11 +149,11 @@ class Drafter:
     def _log_q(self, t: _Growing) -> torch.Tensor:
         """[len(frontier), num_out] log-probabilities used as acceptance estimates."""
         assert t.frontier_logits is not None
-        temperature = t.req.params.temperature or 1.0
+        temperature = t.req.sampling.temperature or 1.0
         return torch.log_softmax(t.frontier_logits.double() / temperature, dim=-1)
 
     def _is_sampled(self, t: _Growing, method: DraftMethod) -> bool:
-        return not t.req.params.is_greedy and method.kind in ("chain", "static")
+        return not t.req.sampling.is_greedy and method.kind in ("chain", "static")
 
     def _grow_layer(self, t: _Growing, method: DraftMethod, layer: int) -> list[int]:
         """Chain, static expansion and beam: every kept node of the last layer gets children."""
@@ -189,7 +192,7 @@ class Drafter:
     def _sample_children(self, t: _Growing, per_node: int, method: DraftMethod) -> list[int]:
         """Draw children i.i.d. from a renormalized top-k of the processed draft distribution."""
         assert t.frontier_logits is not None
-        probs = processed_probs(t.frontier_logits, t.req.params)  # [F, num_out]
+        probs = processed_probs(t.frontier_logits, t.req.sampling)  # [F, num_out]
         k = min(method.proposal_top_k, probs.shape[1])
         top = probs.topk(k, dim=-1)
         added = []

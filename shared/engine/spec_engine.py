@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.engine.drafting import Drafter, DraftRequest
+from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.tree import TokenTree
-from shared.engine.verifier import Verifier, VerifyEntry
+from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.model.kv_cache import SwappedKV
 from shared.scheduling.core import (
@@ -35,6 +35,7 @@ from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.tree_selection import make_selector
+from shared.wire.steps import DraftRequest, VerifyRequest
 
 
 class EngineConfig(BaseModel):
@@ -188,23 +189,27 @@ class SpecEngine:
         self._release()  # drafts left behind by preemption or a change of draft model
         trees = self.core.select_trees(batch, self._draft(batch), self.clock())
         entries = [
-            VerifyEntry(
+            VerifyRequest(
                 r.request_id,
                 r.step,
                 r.params,
                 r.seed,
-                prompt_chunk=r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk],
-                is_final_chunk=r.num_prefilled + chunk == len(r.prefill_tokens),
+                r.tokens_left,
+                chunk=tuple(r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk]),
+                chunk_start=r.num_prefilled,
+                chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
             )
             for r, chunk in batch.prefill
         ]
         entries += [
-            VerifyEntry(r.request_id, r.step, r.params, r.seed, tree=trees[r.request_id])
+            VerifyRequest(
+                r.request_id, r.step, r.params, r.seed, r.tokens_left, tree=trees[r.request_id]
+            )
             for r in batch.decode
         ]
         verified = self.verifier.step(entries) if entries else []
         return {
-            v.request_id: StepResult(v.request_id, v.step, v.tokens, v.num_accepted)
+            v.request_id: StepResult(v.request_id, v.step, v.new_tokens, len(v.accepted))
             for v in verified
         }
 
@@ -217,13 +222,15 @@ class SpecEngine:
                 drafter.free(rid)  # the core starts this drafter's copy over
             groups.setdefault((plan.model, plan.method), []).append(
                 DraftRequest(
-                    rid,
-                    plan.new_tokens,
-                    request.params,
-                    request.seed,
-                    request.step,
-                    max_depth=plan.max_depth,
+                    request_id=rid,
+                    step=request.step,
+                    base_len=plan.base_len,
+                    new_tokens=plan.new_tokens,
+                    method=plan.method,
+                    sampling=request.params,
+                    seed=request.seed,
                     max_nodes=plan.max_nodes,
+                    max_depth=plan.max_depth,
                 )
             )
         trees: dict[str, TokenTree] = {}
