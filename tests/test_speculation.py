@@ -195,6 +195,14 @@ def test_a_draft_that_is_always_wrong_stops_but_probes_at_doubling_intervals() -
     assert len(request.output) == 160  # one token a step: nothing accepted, the bonus each time
 
 
+def test_no_probe_where_even_a_good_draft_would_not_pay() -> None:
+    """On a curve where every verified token costs a whole forward, a probe could only cost:
+    a wrong draft stops and is never probed again."""
+    _, _, depth = run_core({"wrong": 0.0}, STEEP, steps=120)
+    wrong = depth["wrong"][1:]
+    assert set(wrong) == {0}, wrong
+
+
 def test_a_draft_that_is_always_right_keeps_the_full_depth() -> None:
     _, ex, depth = run_core({"right": 1.0}, CPU, steps=40)
     right = depth["right"][1:]  # the first step prefills

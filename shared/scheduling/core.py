@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from shared.engine.methods import DraftMethod
@@ -39,6 +39,7 @@ from shared.scheduling.speculation import (
     DECAY,
     FIRST_PROBE_INTERVAL,
     MAX_PROBE_INTERVAL,
+    OPTIMISTIC_RATE,
     AcceptanceEstimate,
     DepthQuery,
     SpeculationState,
@@ -399,18 +400,21 @@ class SchedulerCore:
         if not queries:
             return
         if self.config.planner == "goodput" and self.cost is not None:
-            depths = plan_depths(
-                queries,
-                self.cost,
-                prefill_tokens=batch.prefill_tokens,
-                budget=self.config.token_budget,
-                context=self._context(batch.decode),
-                num_requests=len(batch.decode) + len(batch.prefill),
-            )
-            for rid, d in depths.items():
-                depths[rid] = self._probe(rid, d)
-                if d == 0 and depths[rid] > 0:
-                    batch.probes.add(rid)
+            step = {
+                "prefill_tokens": batch.prefill_tokens,
+                "budget": self.config.token_budget,
+                "context": self._context(batch.decode),
+                "num_requests": len(batch.decode) + len(batch.prefill),
+            }
+            depths = plan_depths(queries, self.cost, **step)
+            due = [q for q in queries if self._probe_due(q.request_id, depths[q.request_id])]
+            if due:  # probe only where a good draft would pay: a step of many requests may not
+                hopeful = [replace(q, rate=max(q.rate, OPTIMISTIC_RATE)) for q in queries]
+                would = plan_depths(hopeful, self.cost, **step)
+                for q in due:
+                    if would[q.request_id] > 0:
+                        depths[q.request_id] = 1
+                        batch.probes.add(q.request_id)
         else:
             depths = {q.request_id: q.max_depth for q in queries}
         for q in queries:
@@ -475,21 +479,22 @@ class SchedulerCore:
     def _model_estimate(self, model: str) -> AcceptanceEstimate:
         return self._model_estimates.setdefault(model, AcceptanceEstimate())
 
-    def _probe(self, request_id: str, depth: int) -> int:
-        """Depth 0 now and then becomes a one-level probe, at doubling intervals."""
+    def _probe_due(self, request_id: str, depth: int) -> bool:
+        """Whether a request planned at `depth` is due a one-level probe: after planned depth 0
+        for an interval of steps that doubles with every probe (reset when it drafts again)."""
         request = self.requests[request_id]
         assert request.draft_model is not None
         state = self._state(request, request.draft_model)
         if depth > 0:
             state.idle_steps = 0
             state.probe_interval = FIRST_PROBE_INTERVAL
-            return depth
+            return False
         state.idle_steps += 1
         if state.idle_steps < state.probe_interval:
-            return 0
+            return False
         state.idle_steps = 0
         state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
-        return 1
+        return True
 
     @staticmethod
     def _context(requests: Sequence[RequestState]) -> int:

@@ -22,7 +22,9 @@ whose draft keeps failing stops paying for it, and one whose draft is accurate d
    highest goodput. Drafting is spent by then, so only T_verify counts.
 
 A request planned at depth 0 probes again (depth 1) after an interval that doubles each time the
-probe does not change the plan, so an estimate can recover without paying every step.
+probe does not change the plan, so an estimate can recover without paying every step; and only
+where a good draft (acceptance `OPTIMISTIC_RATE`) would pay in that step: in a step of many
+requests on a steep cost curve no draft pays, and probing would only cost.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ DECAY = 0.9  # weight of older observations per step
 CALIBRATION_CLIP = (0.25, 4.0)
 FIRST_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 64
+OPTIMISTIC_RATE = 0.9  # a probe is worth it only if a draft this good would pay in the step
 
 
 @dataclass
