@@ -106,20 +106,19 @@ def generate(args: argparse.Namespace) -> int:
         else None
     )
     verifier = Verifier(ModelRunner(target))
-    cost = None
-    if drafter is not None and args.planner == "goodput":
-        cost = load_or_measure(
-            verifier.runner,
-            {drafter.name: drafter.runner},
-            target_name=Path(target_path).name,
-        )
+    # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
+    cost = load_or_measure(
+        verifier.runner,
+        {drafter.name: drafter.runner} if drafter is not None else {},
+        target_name=Path(target_path).name,
+    )
     engine = SpecEngine(
         verifier,
         drafter,
         build_method(args) if drafter else None,
         EngineConfig(planner=args.planner),
         eos_token_ids=target.cfg.eos_token_ids,
-        cost=cost,
+        cost=cost if args.planner == "goodput" else None,
     )
     if args.raw:
         prompt = tokenizer.encode(args.prompt)
