@@ -269,7 +269,13 @@ class SchedulerCore:
                 free -= need
             batch.decode.append(request)
 
-        reserve = sum(self._tree_capacity(r) for r in batch.decode)
+        # speculation is planned before prompt chunks take the rest of the budget: a request
+        # reserves its root and about a node per planned level (what the planner charges)
+        self._plan_drafts(batch)
+        reserve = sum(
+            1 + (batch.drafts[r.request_id].max_depth if r.request_id in batch.drafts else 0)
+            for r in batch.decode
+        )
         pending = any(r.is_prefilling for r in running) or (admit and waiting)
         if pending:
             reserve = min(reserve, budget // 2)
@@ -317,7 +323,6 @@ class SchedulerCore:
             if is_new:
                 self._admit(request)
 
-        self._plan_drafts(batch)
         for request in batch.members:
             request.in_flight = True
         if batch.is_empty and not (batch.swap_out or batch.drop or batch.swap_in or batch.failed):
@@ -401,10 +406,10 @@ class SchedulerCore:
             return
         if self.config.planner == "goodput" and self.cost is not None:
             step = {
-                "prefill_tokens": batch.prefill_tokens,
+                "prefill_tokens": 0,  # planned before prompt chunks (they do not weigh on it)
                 "budget": self.config.token_budget,
                 "context": self._context(batch.decode),
-                "num_requests": len(batch.decode) + len(batch.prefill),
+                "num_requests": len(batch.decode),
             }
             depths = plan_depths(queries, self.cost, **step)
             due = [q for q in queries if self._probe_due(q.request_id, depths[q.request_id])]

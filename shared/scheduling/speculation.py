@@ -131,13 +131,20 @@ def plan_depths(
         )
         return drafting + verify_share(cost, prefill_tokens, nodes, context, num_requests)
 
-    best = (tokens / step_ms(), dict(depth))
+    current_ms = step_ms()
+    best = (tokens / current_ms, dict(depth))
     # candidates: the next level of each request, best marginal expected tokens per node first
     heap: list[tuple[float, int, DepthQuery]] = []
+    # what every level not yet taken could still add: an upper bound on the tokens to come
+    left = 0.0
     for i, q in enumerate(queries):
-        if q.max_depth > 0 and q.rate > 0:
+        levels = min(q.max_depth, q.method.num_layers)
+        if levels > 0 and q.rate > 0:
             heapq.heappush(heap, (-q.rate, i, q))
+            left += expected_accepted(q.rate, levels)
     while heap:
+        if (tokens + left) / current_ms <= best[0]:
+            break  # time only grows from here: no plan ahead can beat the best one
         _, i, q = heapq.heappop(heap)
         d = depth[q.request_id] + 1
         width = min(q.method.tokens_at_depth(d), q.method.max_draft_tokens)
@@ -146,6 +153,7 @@ def plan_depths(
         depth[q.request_id] = d
         nodes += 1  # the selector after drafting verifies what pays: about a node per level
         tokens += q.rate**d
+        left -= q.rate**d
         if q.draft_model not in root_tokens:
             root_tokens[q.draft_model] = 0
             layer_tokens[q.draft_model] = []
@@ -156,7 +164,8 @@ def plan_depths(
         layers = layer_tokens[q.draft_model]
         layers.extend([0] * (d - len(layers)))
         layers[d - 1] += width
-        goodput = tokens / step_ms()
+        current_ms = step_ms()
+        goodput = tokens / current_ms
         if goodput > best[0]:
             best = (goodput, dict(depth))
         if d < q.max_depth and d < q.method.num_layers:
