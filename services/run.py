@@ -23,7 +23,7 @@ from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
 from shared.bus.profiles import TARGET, draft_role, publish_profile
-from shared.model.cost_profiles import QUICK_MAX_TOKENS, model_profile
+from shared.model.cost_profiles import CACHE_DIR, QUICK_MAX_TOKENS, model_profile
 from shared.model.runner import ModelRunner
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
@@ -99,6 +99,7 @@ async def publish_own_profile(
         directory=engine.profile_dir,
         measure=engine.measure_profile,
         plan_kernels=engine.plan_kernels,
+        cache_dir=engine.profile_cache_dir or CACHE_DIR,
         max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
     )
     if profile is not None:

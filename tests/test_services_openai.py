@@ -74,7 +74,7 @@ def decode(target: Path, ids: list[int]) -> str:
 
 
 async def test_openai_client_streams_a_chat_completion(
-    server: EmbeddedRedis, smollm2_models: ModelPaths
+    server: EmbeddedRedis, smollm2_models: ModelPaths, tmp_path: Path
 ) -> None:
     port = free_port()
     settings = make_settings(
@@ -87,6 +87,8 @@ async def test_openai_client_streams_a_chat_completion(
             "kv_memory_bytes": 64 << 20,
             "measure_profile": True,
             "plan_kernels": False,
+            "profile_dir": tmp_path,  # nothing stored: measured at start, as on a new machine
+            "profile_cache_dir": tmp_path,
         },
         scheduler={"speculation": {"planner": "goodput"}},
         gateway={"port": port},

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ def service_env(target: Path, draft: Path, cell: str, **extra: str) -> dict[str,
             "AUGURY_REDIS__BLOCK_MS": "100",
             "AUGURY_REDIS__HEARTBEAT_TTL_MS": "1500",
             "AUGURY_SCHEDULER__MICRO_BATCHES": "2",
+            # the default path (a quick profile measured at start), kept out of the user's cache
+            "AUGURY_ENGINE__PROFILE_CACHE_DIR": str(Path(tempfile.mkdtemp(prefix="augury-"))),
             **extra,
         }
     )

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +30,17 @@ from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, deco
 from shared.wire.streams import output_stream, requests_stream
 
 FAST_REDIS = {"block_ms": 100, "claim_idle_ms": 2000, "heartbeat_ttl_ms": 1500}
-# Mechanics tests: no cost profile to measure, and every tree drafted whole (planner "fixed"),
-# so that a test can count accepted tokens; tests of the default pass their own groups.
-TINY_ENGINE = {"block_size": 4, "kv_memory_bytes": 4 << 20, "measure_profile": False}
+# Mechanics tests: no cost profile (none stored where they look, none measured) and every tree
+# drafted whole (planner "fixed"), so that a test can count accepted tokens; tests of the
+# default pass their own groups.
+NO_PROFILES = Path(tempfile.gettempdir()) / "augury-tests-no-profiles"
+TINY_ENGINE = {
+    "block_size": 4,
+    "kv_memory_bytes": 4 << 20,
+    "measure_profile": False,
+    "profile_dir": NO_PROFILES,
+    "profile_cache_dir": NO_PROFILES,
+}
 FIXED_SPECULATION = {"planner": "fixed"}
 
 

@@ -1,1 +1,1 @@
-"""The scheduler service: the request pool and the iteration loop of DESIGN §2."""
+"""The scheduler service: the request pool and its lanes, an executor of the scheduler core."""

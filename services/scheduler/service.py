@@ -36,7 +36,7 @@ from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsum
 from shared.engine.sampling import SEED_BITS
 from shared.engine.tree import TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.scheduling.core import MicroBatch, Release, StepOutput, StepResult
+from shared.scheduling.core import MicroBatch, Release, StepOutput, StepResult, draft_request
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
@@ -327,19 +327,7 @@ class SchedulerService:
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
         for rid, plan in batch.drafts.items():
             request = self.core.requests[rid]
-            jobs.setdefault((plan.model, plan.replica), []).append(
-                DraftRequest(
-                    request_id=rid,
-                    step=request.step,
-                    base_len=plan.base_len,
-                    new_tokens=plan.new_tokens,
-                    method=plan.method,
-                    sampling=request.params,
-                    seed=request.seed,
-                    max_nodes=plan.max_nodes,
-                    max_depth=plan.max_depth,
-                )
-            )
+            jobs.setdefault((plan.model, plan.replica), []).append(draft_request(request, plan))
         if not jobs:
             return {}, 0.0
         waits = [self._candidates.expect((batch.id, replica)) for _, replica in jobs]

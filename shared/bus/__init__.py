@@ -1,4 +1,4 @@
-"""Redis-streams bus (DESIGN §4): publish, consume in groups with acks after the next hop's
+"""Redis-streams bus: publish, consume in groups with acks after the next hop's
 write, XAUTOCLAIM sweeping, dead letters, heartbeats, and an embedded Redis for one machine.
 """
 

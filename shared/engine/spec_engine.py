@@ -29,6 +29,7 @@ from shared.scheduling.core import (
     SpeculationPlanner,
     StepOutput,
     StepResult,
+    draft_request,
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
@@ -220,19 +221,7 @@ class SpecEngine:
             drafter = self.drafters[plan.model]
             if plan.base_len == 0 and drafter.runner.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(
-                DraftRequest(
-                    request_id=rid,
-                    step=request.step,
-                    base_len=plan.base_len,
-                    new_tokens=plan.new_tokens,
-                    method=plan.method,
-                    sampling=request.params,
-                    seed=request.seed,
-                    max_nodes=plan.max_nodes,
-                    max_depth=plan.max_depth,
-                )
-            )
+            groups.setdefault((plan.model, plan.method), []).append(draft_request(request, plan))
         trees: dict[str, TokenTree] = {}
         for (model, method), requests in groups.items():
             trees |= self.drafters[model].draft(requests, method.for_batch(len(requests)))

@@ -1,4 +1,4 @@
-"""The token tree (DESIGN §3): flat arrays in topological order, node 0 the root.
+"""The token tree: flat arrays in topological order, node 0 the root.
 
 The root is the request's last committed token (its target KV is not computed yet). Every other
 node is a drafted token; `logq[i]` is the draft's log-probability of it given the path to its

@@ -46,6 +46,7 @@ from shared.scheduling.speculation import (
     plan_depths,
 )
 from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSelector
+from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]
 
@@ -151,6 +152,21 @@ class Release:
     request_id: str
     target: bool
     draft: tuple[str, str] | None = None  # (model, replica)
+
+
+def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
+    """The drafter's job for one request (in process, or on the wire)."""
+    return DraftRequest(
+        request_id=request.request_id,
+        step=request.step,
+        base_len=plan.base_len,
+        new_tokens=plan.new_tokens,
+        method=plan.method,
+        sampling=request.params,
+        seed=request.seed,
+        max_nodes=plan.max_nodes,
+        max_depth=plan.max_depth,
+    )
 
 
 def root_only(request: RequestState) -> TokenTree:

@@ -1,4 +1,4 @@
-"""The wire protocol: versioned msgpack messages in Redis stream entries (DESIGN §4).
+"""The wire protocol: versioned msgpack messages in Redis stream entries.
 
 Every entry has the fields `v` (schema version), `t` (message type) and `b` (msgpack map of
 named fields). `message.to_entry()` builds the fields, `decode_entry(fields)` (or
