@@ -91,7 +91,7 @@ def measure(configs: list[Config], prompts: list[list[int]]) -> None:
     for c in configs:  # warm-up, then count only the measured prompts
         c.run(prompts[0][:16])
         if c.engine is not None:
-            c.engine.stats = AcceptanceStats()
+            c.engine.core.stats = AcceptanceStats()
     for p in tqdm(prompts, desc="prompts"):
         for c in configs:
             start = time.perf_counter()

@@ -125,7 +125,7 @@ class SchedulerService:
         self.draft_timeout_s = draft_timeout_s
         self.verify_timeout_s = verify_timeout_s
         self.reply_to: dict[str, str] = {}  # request id -> its output stream
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(acceptance=self.core.stats)
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._candidates: Replies[CandidateTrees] = Replies()
@@ -311,7 +311,7 @@ class SchedulerService:
                 for e in result.entries
             }
             outputs = self.core.observe(batch, results, time.time())
-            self._record(batch, outputs)
+            self._count_requeued(batch)
             await self._publish(self._outputs(outputs) + self._releases())
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
@@ -408,11 +408,8 @@ class SchedulerService:
         return VerifyResult(job.micro_batch_id, 0.0, failed)
 
     # ---- committing ------------------------------------------------------------------------------
-    def _record(self, batch: MicroBatch, outputs: list[StepOutput]) -> None:
-        decoded = {r.request_id for r in batch.decode}
-        for out in outputs:
-            if out.request_id in decoded and out.error is None:
-                self.stats.acceptance.record(out.num_draft_tokens, out.num_accepted)
+    def _count_requeued(self, batch: MicroBatch) -> None:
+        """Requests the verifier refused (out of KV or out of sync): recomputed later."""
         requeued = [r for r in batch.members if r.kv == "dropped" and not r.is_finished]
         self.stats.preempted += len(requeued)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
+from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.tree import TokenTree
 from shared.engine.verifier import Verifier
@@ -107,9 +107,13 @@ class SpecEngine:
         self.core.set_drafters({name: ["local"] for name in self.drafters})
         self.kv = RunnerKV(verifier)
         self.requests: dict[str, RequestState] = {}  # every request given, until popped
-        self.stats = AcceptanceStats()
         self._swapped: dict[str, SwappedKV] = {}
         self._ids = 0
+
+    @property
+    def stats(self) -> AcceptanceStats:
+        """Speculation counters of every verified decode step so far."""
+        return self.core.stats
 
     @property
     def drafter(self) -> Drafter | None:
@@ -132,7 +136,7 @@ class SpecEngine:
         """Queue a request; bad input raises an `AuguryError` naming the limit."""
         self.core.check(prompt, params.max_tokens)
         runner = self.verifier.runner
-        capacity = 1 + (self.core.config.method.max_draft_tokens if self.core.config.method else 0)
+        capacity = tree_capacity(self.core.config.method)
         need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
         if need > runner.cache.num_blocks:
             raise OutOfKVMemoryError(
@@ -177,7 +181,6 @@ class SpecEngine:
             return []
         results = self._run(batch)
         outputs = batch.failed + self.core.observe(batch, results, self.clock())
-        self._record(batch, outputs)
         self._release()
         return outputs
 
@@ -228,12 +231,6 @@ class SpecEngine:
             for r in requests:
                 self.core.note_drafted(r.request_id, True)
         return trees
-
-    def _record(self, batch: MicroBatch, outputs: list[StepOutput]) -> None:
-        decoded = {r.request_id for r in batch.decode}
-        for out in outputs:
-            if out.request_id in decoded and out.error is None:
-                self.stats.record(out.num_draft_tokens, out.num_accepted)
 
     def _release(self) -> None:
         for release in self.core.take_releases():

@@ -26,14 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from shared.engine.methods import DraftMethod
+from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
 from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
 from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
-from shared.scheduling.request import FinishReason, RequestState, append_tokens
+from shared.scheduling.request import AcceptanceStats, FinishReason, RequestState, append_tokens
 from shared.scheduling.speculation import (
     CALIBRATION_CLIP,
     DECAY,
@@ -195,9 +195,11 @@ class SchedulerCore:
         self.running: list[RequestState] = []  # admission order
         self.waiting: list[RequestState] = []
         self.drafters: dict[str, list[str]] = {}  # live draft model -> its replicas
-        self._speculation: dict[str, SpeculationState] = {}
+        # what the planner remembers, per request and draft model
+        self._speculation: dict[str, dict[str, SpeculationState]] = {}
         self._model_estimates: dict[str, AcceptanceEstimate] = {}
         self._releases: list[Release] = []
+        self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
@@ -382,8 +384,7 @@ class SchedulerCore:
 
     def _tree_capacity(self, request: RequestState) -> int:
         """Nodes (root included) the request's tree may take this step."""
-        method = self._method(request)
-        return 1 + (method.max_draft_tokens if method is not None else 0)
+        return tree_capacity(self._method(request))
 
     def _method(self, request: RequestState) -> DraftMethod | None:
         if not request.speculate or request.tokens_left <= 1:
@@ -491,10 +492,10 @@ class SchedulerCore:
         request.num_seen_by_drafter = 0
 
     def _state(self, request: RequestState, model: str) -> SpeculationState:
-        key = f"{request.request_id}\0{model}"
-        state = self._speculation.get(key)
+        per_model = self._speculation.setdefault(request.request_id, {})
+        state = per_model.get(model)
         if state is None:
-            state = self._speculation[key] = SpeculationState(AcceptanceEstimate())
+            state = per_model[model] = SpeculationState(AcceptanceEstimate())
         return state
 
     def _model_estimate(self, model: str) -> AcceptanceEstimate:
@@ -599,6 +600,7 @@ class SchedulerCore:
                 if drafted:
                     self._learn(request, tree, result.num_accepted, elapsed_ms)
                 request.record_step(drafted, result.num_accepted, request.draft_model)
+                self.stats.record(drafted, result.num_accepted)
             new = append_tokens(request, result.tokens, self.config.eos_token_ids)
             if new:
                 request.first_token_time = request.first_token_time or now
@@ -699,5 +701,4 @@ class SchedulerCore:
         self._releases.append(Release(rid, True))
         self._release_draft(request)
         self.chooser.forget(rid)
-        for key in [k for k in self._speculation if k.startswith(rid + "\0")]:
-            del self._speculation[key]
+        self._speculation.pop(rid, None)
