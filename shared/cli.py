@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
+from shared.engine.presets import DEFAULT_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
@@ -24,6 +25,7 @@ from shared.model.cost_profiles import load_or_measure
 from shared.model.runner import ModelRunner
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
+M = DEFAULT_METHOD  # the CLI's defaults are the presets'
 
 
 def build_method(args: argparse.Namespace) -> DraftMethod:
@@ -47,18 +49,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--draft", default="draft-s", help="draft name from the model set, or a dir")
+    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft of the model set, or a dir")
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
-    gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default="dynamic")
-    gen.add_argument("--k", type=int, default=4, help="chain length")
-    gen.add_argument("--expansion", type=int, nargs="+", default=[2, 2, 1, 1])
-    gen.add_argument("--depth", type=int, default=6, help="beam/dynamic depth")
-    gen.add_argument("--width", type=int, default=4, help="beam/dynamic width")
-    gen.add_argument("--budget", type=int, default=16, help="dynamic tree: draft tokens")
+    gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
+    gen.add_argument("--k", type=int, default=M.k, help="chain length")
+    gen.add_argument("--expansion", type=int, nargs="+", default=list(M.expansion))
+    gen.add_argument("--depth", type=int, default=M.max_depth, help="beam/dynamic depth")
+    gen.add_argument("--width", type=int, default=M.max_width, help="beam/dynamic width")
+    gen.add_argument("--budget", type=int, default=M.max_size, help="dynamic tree: draft tokens")
     gen.add_argument(
         "--min-path-prob",
         type=float,
-        default=0.2,
+        default=M.min_path_prob,
         help="draft no node the draft expects the target to accept with less probability",
     )
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -79,12 +81,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from shared.model.model_set import draft_dirs, target_dir
+    from shared.model.model_set import DRAFT_NAMES, draft_dirs, target_dir
 
     target = args.target or str(target_dir())
     if args.no_spec:
         return target, None
-    if args.draft in ("draft-s", "draft-m", "draft-l"):
+    if args.draft in DRAFT_NAMES:
         return target, str(draft_dirs()[args.draft])
     return target, args.draft
 
