@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from bench.hf_draft import hf_llama_from_draft
+from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
@@ -66,14 +67,7 @@ class Row:
 def chat_prompts(tokenizer, per_kind: int) -> list[list[int]]:
     prompts = []
     for kind in KINDS:
-        for text in eval_prompts(kind, per_kind):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            prompts.append(list(ids)[-768:])  # keep long chats within a CPU-friendly prefill
+        prompts += [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
     return prompts
 
 

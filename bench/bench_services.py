@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.prompts import chat_ids
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
@@ -65,13 +66,7 @@ def load_prompts(n: int) -> list[list[int]]:
     prompts = []
     for i in range(n):
         text = texts[KINDS[i % len(KINDS)]][i // len(KINDS)]
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        prompts.append(list(ids)[-384:])
+        prompts.append(chat_ids(tokenizer, text, keep=384))
     return prompts
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.everyday import EVERYDAY_QUESTIONS
+from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_DRAFT, DEFAULT_METHOD
@@ -54,17 +55,7 @@ def prompts_by_kind(per_kind: int) -> dict[str, list[list[int]]]:
             if kind == "everyday"
             else eval_prompts(kind, per_kind)
         )
-        out[kind] = [
-            list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            )[-768:]
-            for text in texts
-        ]
+        out[kind] = [chat_ids(tokenizer, text) for text in texts]
     return out
 
 
