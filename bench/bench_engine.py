@@ -6,7 +6,7 @@ One process, same prompts, same models, batch 1, greedy:
   (c) our speculative decoding, each draft x each method (chain and tree)
   (d) transformers assisted generation (`assistant_model`) with the same draft
 
-    python bench/bench_engine.py --per-kind 4 --max-tokens 96 --markdown docs/bench_engine.md
+    python -m bench.bench_engine --per-kind 4 --max-tokens 96 --markdown docs/bench_engine.md
 
 Prompts are real and disjoint from the drafts' distillation text: ShareGPT chats, HumanEval
 code, GSM8K math (`shared.datasets.eval_prompts`).

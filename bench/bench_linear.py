@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# run as a file, the script's own folder leads sys.path, and bench/profile.py would then shadow
+# the standard library's profile module (torch imports it): the repository takes its place
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from shared.model import LlamaModel, load_model  # noqa: E402
 from shared.model.linear import available_kernels, choose  # noqa: E402

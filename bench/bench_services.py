@@ -8,7 +8,7 @@ each, their ratio, the scheduler's iterations and the per-iteration cost outside
 (Redis hops, msgpack, scheduling: iteration wall time minus the drafter's and the verifier's
 own measured time). Outputs are checked equal between the two.
 
-    python bench/bench_services.py --concurrency 1 8 32 --requests 32 --max-tokens 64
+    python -m bench.bench_services --concurrency 1 8 32 --requests 32 --max-tokens 64
 """
 
 from __future__ import annotations

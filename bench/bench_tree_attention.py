@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# run as a file, the script's own folder leads sys.path, and bench/profile.py would then shadow
+# the standard library's profile module (torch imports it): the repository takes its place
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from kernels.attention_metadata import unpack_mask_bits  # noqa: E402
 from kernels.reference import gather_request_kv  # noqa: E402
