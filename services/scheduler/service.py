@@ -37,7 +37,6 @@ from shared.engine.sampling import SEED_BITS
 from shared.engine.tree import TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.core import MicroBatch, Release, StepOutput, StepResult, draft_request
-from shared.scheduling.cost_model import CostModel
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.settings import AugurySettings
@@ -110,7 +109,6 @@ class SchedulerService:
         target: TargetInfo,
         *,
         draft_models: Sequence[str] = (),
-        cost: CostModel | None = None,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
         verify_timeout_s: float = VERIFY_TIMEOUT_S,
     ) -> None:
@@ -118,8 +116,9 @@ class SchedulerService:
         self.bus = bus
         self.cell = settings.service.cell
         self.draft_models = list(draft_models)
+        # no cost model yet: the directory builds it from the profiles the model services publish
         self.core = build_core(
-            settings, target, self.draft_models, cost, first_batch_id=secrets.randbits(40) + 1
+            settings, target, self.draft_models, cost=None, first_batch_id=secrets.randbits(40) + 1
         )
         self.drafters = DrafterDirectory(bus, self.cell, self.core)
         self.draft_timeout_s = draft_timeout_s

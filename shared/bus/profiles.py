@@ -36,7 +36,7 @@ async def read_profiles(bus: Bus, cell: str) -> dict[str, ModelProfile]:
     return out
 
 
-def assemble(profiles: dict[str, ModelProfile], note: str = "") -> CostProfile | None:
+def assemble(profiles: dict[str, ModelProfile]) -> CostProfile | None:
     """One cost profile from the target's and the drafts' published ones (None: no target)."""
     target = profiles.get(TARGET)
     if target is None:
@@ -45,4 +45,4 @@ def assemble(profiles: dict[str, ModelProfile], note: str = "") -> CostProfile |
         role.removeprefix("draft:"): p for role, p in profiles.items() if role.startswith("draft:")
     }
     method = "published by the model services"
-    return CostProfile(target=target, drafts=drafts, method=method, notes=note)
+    return CostProfile(target=target, drafts=drafts, method=method)
