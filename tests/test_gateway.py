@@ -70,7 +70,7 @@ class StandInScheduler:
         ids = self.reply_ids[: message.sampling.max_tokens]
         finish = FinishReason.LENGTH if len(ids) < len(self.reply_ids) else FinishReason.STOP
         first = Tokens(message.request_id, 0, 0, tuple(ids[:1]))
-        rest = Tokens(message.request_id, 1, 1, tuple(ids[1:]), finish, 1, 4, 3)
+        rest = Tokens(message.request_id, 1, 1, tuple(ids[1:]), finish, 1, 4, 3, "draft-s")
         await self.bus.publish_all(
             [(message.reply_to, first), (message.reply_to, first), (message.reply_to, rest)]
         )
@@ -155,6 +155,7 @@ async def test_completion(running: tuple[TestClient, StandInScheduler], tokenize
     }
     assert out["augury"]["acceptance_rate"] == 0.75
     assert out["augury"]["mean_accepted_length"] == 4.0
+    assert out["augury"]["steps_by_draft"] == {"draft-s": 1}
     (submit,) = scheduler.submits
     assert submit.prompt == tuple(tokenizer.encode("Say hello"))
     assert submit.sampling.max_tokens == 50 and submit.sampling.temperature == 0.0

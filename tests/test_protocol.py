@@ -369,6 +369,8 @@ def test_tokens_and_results_round_trip(
 ) -> None:
     out = Tokens("r", 7, 12, tokens, finish, *stats)
     assert round_trip(out) == out
+    named = Tokens("r", 7, 12, tokens, finish, *stats, draft_model="draft-s")
+    assert round_trip(named) == named
     result = VerifyResult(3, 1.25, (VerifiedRequest("r", 7, tokens, 5, finish, None),))
     assert round_trip(result) == result
 

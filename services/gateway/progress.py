@@ -32,6 +32,7 @@ class Progress:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    steps_by_draft: dict[str, int] = field(default_factory=dict)  # draft model -> steps it drafted
 
     def acceptance(self) -> dict[str, Any]:
         """Per-request speculation statistics, as vLLM defines them."""
@@ -43,6 +44,7 @@ class Progress:
             if self.draft_tokens
             else None,
             "mean_accepted_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None,
+            "steps_by_draft": dict(self.steps_by_draft),
         }
 
 
@@ -66,6 +68,9 @@ def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetr
     progress.drafts += message.drafts
     progress.draft_tokens += message.draft_tokens
     progress.accepted_tokens += message.accepted_tokens
+    if message.draft_model:
+        steps = progress.steps_by_draft
+        steps[message.draft_model] = steps.get(message.draft_model, 0) + message.drafts
     metrics.spec_drafts.inc(message.drafts)
     metrics.spec_draft_tokens.inc(message.draft_tokens)
     metrics.spec_accepted_tokens.inc(message.accepted_tokens)

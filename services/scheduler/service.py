@@ -432,6 +432,7 @@ class SchedulerService:
                     drafts=int(out.num_draft_tokens > 0),
                     draft_tokens=out.num_draft_tokens,
                     accepted_tokens=out.num_accepted,
+                    draft_model=out.draft_model or "",
                 )
                 messages.append((reply_to, tokens))
         return messages

@@ -39,6 +39,11 @@ from shared.scheduling.tree_selection import make_selector
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 
+# Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
+# commits them; `bench.acceptance` records acceptance this way.
+StepObserver = Callable[[MicroBatch, Mapping[str, StepResult]], None]
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -81,6 +86,7 @@ class SpecEngine:
         *,
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observer: StepObserver | None = None,
     ) -> None:
         self.verifier = verifier
         if isinstance(drafter, Drafter):
@@ -88,6 +94,7 @@ class SpecEngine:
         self.drafters: dict[str, Drafter] = dict(drafter or {})
         self.config = config or EngineConfig()
         self.clock = clock
+        self.observer = observer
         runner = verifier.runner
         self.core = SchedulerCore(
             CoreConfig(
@@ -180,6 +187,8 @@ class SpecEngine:
         if batch is None:
             return []
         results = self._run(batch)
+        if self.observer is not None:
+            self.observer(batch, results)
         outputs = batch.failed + self.core.observe(batch, results, self.clock())
         self._release()
         return outputs

@@ -141,6 +141,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    draft_model: str | None = None  # the draft verified in this step, if any
     error: str | None = None
     error_type: str | None = None  # OpenAI error type for the client
 
@@ -615,6 +616,7 @@ class SchedulerCore:
                         request.finish_reason,
                         drafted,
                         result.num_accepted if drafted else 0,
+                        request.draft_model if drafted else None,
                     )
                 )
             if request.is_finished:

@@ -121,6 +121,7 @@ class Tokens(WireMessage):
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -137,7 +138,7 @@ class Tokens(WireMessage):
             "drafts": int(self.drafts),
             "draft_tokens": int(self.draft_tokens),
             "accepted_tokens": int(self.accepted_tokens),
-        }
+        } | ({"draft_model": self.draft_model} if self.draft_model else {})
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -151,6 +152,7 @@ class Tokens(WireMessage):
             drafts=fields.integer("drafts", 0, minimum=0),
             draft_tokens=fields.integer("draft_tokens", 0, minimum=0),
             accepted_tokens=fields.integer("accepted_tokens", 0, minimum=0),
+            draft_model=fields.text("draft_model", "", max_len=MAX_ID_LEN),
         )
 
 
