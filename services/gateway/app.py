@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front: validate, tokenize, Submit, stream Tokens back as SSE.
 
 It talks to the bus only: `Submit` and `Cancel` go to the cell's request stream, `Tokens` and
-`RequestError` come back on this replica's output stream (see outputs.py).
+`RequestError` come back on this replica's output stream (see outputs.py). With
+`gateway.record_requests`, every accepted request is recorded when it ends (see recording.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_
 from services.gateway.metrics import GatewayMetrics, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, follow
+from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
 from shared.bus.profiles import read_profiles
 from shared.settings import AugurySettings
@@ -55,6 +57,7 @@ class Gateway:
         self.model_name = settings.gateway.model_name
         self.metrics = GatewayMetrics()
         self.outputs = OutputRouter(bus)
+        self.recorder = Recorder(bus, settings.gateway, settings.service.cell, self.metrics)
         self.active = 0
         self.draining = False
 
@@ -76,6 +79,7 @@ class Gateway:
     async def _stop(self, app: web.Application) -> None:
         self.draining = True
         await self.outputs.stop()
+        await self.recorder.stop()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: RouteHandler) -> web.StreamResponse:
@@ -136,7 +140,7 @@ class Gateway:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        started = time.monotonic()
+        started, arrival_time = time.monotonic(), time.time()
         if self.draining:
             raise APIError(503, "the server is draining", kind="server_error", code="unavailable")
         try:
@@ -160,6 +164,7 @@ class Gateway:
             )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         progress = Progress(started=started)
+        outcome = Outcome()
         queue = self.outputs.open(request_id)
         self.active += 1
         self.metrics.running.inc()
@@ -172,13 +177,18 @@ class Gateway:
                 self.metrics,
                 self.settings.gateway.output_idle_timeout_s,
             )
+            deltas = noting_failure(deltas, outcome)
             if gen.stream:
                 return await self._stream(request, request_id, gen, progress, deltas)
             return await self._collect(request, request_id, gen, progress, deltas)
+        except APIError:
+            outcome.failed = True
+            raise
         finally:
             self.outputs.close(request_id)
             self.active -= 1
             self.metrics.running.dec()
+            self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
             if progress.finish is None:
                 await self._cancel(request_id)
             else:
@@ -283,14 +293,16 @@ class Gateway:
         kind = "chat.completion.chunk" if gen.chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {
+            event = {
                 "id": request_id,
                 "object": kind,
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
-                **extra,
             }
+            if gen.continuous_usage:
+                event["usage"] = self._usage(gen, progress)
+            return {**event, **extra}
 
         def choice(text: str, finish: str | None) -> dict[str, Any]:
             if gen.chat:
@@ -304,11 +316,15 @@ class Gateway:
                 await send_event(
                     response, chunk([{"index": 0, "delta": role, "finish_reason": None}])
                 )
+            sent_tokens = 0
             async for delta in deltas:
                 finish = self._finish_reason(progress)
                 extra = {"augury": progress.acceptance()} if finish else {}
-                if delta or finish:
+                # with continuous usage, tokens that made no text yet still get their chunk
+                counted = gen.continuous_usage and len(progress.token_ids) > sent_tokens
+                if delta or finish or counted:
                     await send_event(response, chunk([choice(delta, finish)], **extra))
+                    sent_tokens = len(progress.token_ids)
             if gen.include_usage:
                 await send_event(response, chunk([], usage=self._usage(gen, progress)))
         except APIError as error:

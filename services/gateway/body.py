@@ -8,6 +8,9 @@ Besides OpenAI's fields we take vLLM's `top_k`, `ignore_eos`, `stop_token_ids` a
 `tpot_slo_ms` is the time-per-output-token objective the scheduler plans for (none: best effort),
 `draft_model` picks one configured draft model (none: the scheduler chooses), and
 `speculate: false` turns speculation off for the request.
+
+In streams, vLLM's `stream_options: {"continuous_usage_stats": true}` puts `usage` (prompt,
+completion so far, total) on every chunk; `include_usage` adds the final usage-only chunk.
 """
 
 from __future__ import annotations
@@ -85,6 +88,10 @@ class GenerationRequest:
     tpot_slo_ms: float | None
     draft_model: str | None
     speculate: bool
+    continuous_usage: bool = False  # usage on every streamed chunk
+    # the prompt as the client sent it, for recording: chat turns, or a completion's text
+    messages: tuple[tuple[str, str], ...] | None = None
+    prompt_text: str | None = None
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -156,7 +163,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str) -> SamplingParams:
         raise bad_request(str(error), param) from None
 
 
-def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -175,6 +182,10 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ..
         if not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string", f"{where}.content")
         conversation.append({"role": role, "content": content})
+    return conversation
+
+
+def _chat_prompt(conversation: list[dict[str, str]], tokenizer: Tokenizer) -> tuple[int, ...]:
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
@@ -217,8 +228,11 @@ def parse_generation(
         )
     _refuse_unsupported(body)
     sampling = _sampling(body, "max_completion_tokens" if chat else "max_tokens")
+    conversation = _conversation(body) if chat else None
     prompt_ids = (
-        _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer, vocab_size)
+        _chat_prompt(conversation, tokenizer)
+        if conversation is not None
+        else _completion_prompt(body, tokenizer, vocab_size)
     )
     if not prompt_ids:
         raise bad_request("the prompt is empty", "messages" if chat else "prompt")
@@ -255,4 +269,22 @@ def parse_generation(
         tpot_slo_ms=None if slo is None else float(slo),
         draft_model=draft,
         speculate=_flag(extension, "speculate", True),
+        continuous_usage=_flag(options, "continuous_usage_stats", False),
+        messages=_turns(conversation),
+        prompt_text=None if chat else _prompt_text(body.get("prompt")),
     )
+
+
+def _turns(conversation: list[dict[str, str]] | None) -> tuple[tuple[str, str], ...] | None:
+    if conversation is None:
+        return None
+    return tuple((m["role"], m["content"]) for m in conversation)
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """A completion prompt's text (None for token ids)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    return None

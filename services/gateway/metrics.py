@@ -72,6 +72,11 @@ class GatewayMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.recording_failures = Counter(
+            "augury_recording_failures",
+            "Finished requests that could not be recorded (gateway.record_requests).",
+            registry=r,
+        )
         self.spec_drafts = Counter(
             "augury_spec_decode_num_drafts", "Verification steps that checked a draft.", registry=r
         )

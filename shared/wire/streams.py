@@ -10,6 +10,7 @@
 | `augury:out:{gateway}` | Tokens, RequestError | schedulers of any cell -> one gateway replica |
 | `{stream}:dead` | dead letters of `{stream}` | bus -> operators |
 | `augury:{cell}:hb:{service}:{replica}` | a Heartbeat hash with a TTL | each replica |
+| `augury:{cell}:recorded` | one JSON record per finished request | gateways -> replay tools |
 
 Draft jobs go to one replica's stream, not a shared one, because the scheduler keeps a request
 on the same replica (its draft KV stays warm). Outputs go to one stream per gateway replica,
@@ -64,6 +65,11 @@ def heartbeat_key(cell: str, service: str, replica: str) -> str:
 def heartbeat_pattern(cell: str, service: str) -> str:
     """SCAN MATCH pattern of a service's heartbeat keys (cell and service are key-safe names)."""
     return f"{PREFIX}:{cell}:hb:{service}:*"
+
+
+def recorded_stream(cell: str) -> str:
+    """Requests the gateways accepted, one JSON record each (when gateway.record_requests)."""
+    return f"{PREFIX}:{cell}:recorded"
 
 
 def profile_key(cell: str, role: str) -> str:
