@@ -1,0 +1,1 @@
+"""The simulator: the scheduler core on a virtual clock, measured costs, recorded acceptance."""

@@ -1,0 +1,314 @@
+"""Acceptance recorded from the real engine, replayed by the simulator.
+
+A recording holds, per prompt kind and draft model, sessions of real decoding: for every step,
+the tree the drafter proposed (its shape and the draft's log-probabilities, which the scheduler's
+planner and tree selectors read) and the deepest node the target accepted. It is recorded with
+every drafted tree verified whole (planner "fixed", a budget no tree reaches), so the target's
+verdict on every node is known.
+
+The simulator then answers "how many tokens does this tree accept?" for any tree the scheduler
+selects from a recorded one: under greedy verification the target accepts the longest prefix of
+the recorded accepted path that the selected subtree still holds. A shallower plan gets the
+recorded tree cut at its depth (the drafter grows trees level by level, so that is the tree it
+would have drafted). Accepted length per step is thus a function of the selected tree's shape,
+drawn from real steps of that kind and draft, with the step-to-step correlation of one text.
+
+    python -m bench.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct.json.gz
+
+What it does not capture: sampling at temperature > 0 (recorded greedy), and a draft model
+switched mid-request continues another recorded session at the same step index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import TokenTree
+
+FORMAT_VERSION = 1
+TOKEN_BASE = 16  # node i of a recorded tree is token TOKEN_BASE + i in the simulator
+LOGQ_DECIMALS = 3
+
+
+@dataclass(frozen=True)
+class RecordedStep:
+    parents: tuple[int, ...]  # of nodes 1.. (node 0 is the root)
+    logq: tuple[float, ...]  # of nodes 1..
+    accepted_node: int  # deepest node the target accepted (0: none)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.parents)
+
+    def accepted_path(self) -> list[int]:
+        """Accepted nodes, root excluded, in path order."""
+        path: list[int] = []
+        node = self.accepted_node
+        while node > 0:
+            path.append(node)
+            node = self.parents[node - 1]
+        return path[::-1]
+
+    def tree(self, max_depth: int) -> TokenTree:
+        """The recorded tree cut at `max_depth`; node i keeps its identity as a token id."""
+        keep = [0]
+        depth = [0]
+        for i, parent in enumerate(self.parents, start=1):
+            d = depth[parent] + 1
+            depth.append(d)
+            if d <= max_depth:
+                keep.append(i)
+        parents = [-1, *self.parents]
+        remap = {old: new for new, old in enumerate(keep)}
+        return TokenTree.build(
+            [TOKEN_BASE + i for i in keep],
+            [-1] + [remap[parents[i]] for i in keep[1:]],
+            [0.0] + [self.logq[i - 1] for i in keep[1:]],
+        )
+
+
+@dataclass(frozen=True)
+class Session:
+    kind: str
+    draft: str
+    prompt: int  # index of the prompt within its kind
+    steps: tuple[RecordedStep, ...]
+
+
+@dataclass
+class AcceptanceModel:
+    target: str
+    method: DraftMethod
+    sessions: list[Session] = field(default_factory=list)
+    notes: str = ""
+    _by_key: dict[tuple[str, str], list[Session]] = field(default_factory=dict, repr=False)
+    _trees: dict[tuple[int, int, int], TokenTree] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index()
+
+    def _index(self) -> None:
+        self._by_key.clear()
+        for session in self.sessions:
+            if session.steps:
+                self._by_key.setdefault((session.kind, session.draft), []).append(session)
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted({k for k, _ in self._by_key})
+
+    @property
+    def drafts(self) -> list[str]:
+        return sorted({d for _, d in self._by_key})
+
+    # ---- what the simulator asks -----------------------------------------------------------------
+    def session_for(self, kind: str | None, draft: str, key: int) -> Session:
+        """The recorded session a simulated request follows with this draft: one of its kind
+        (any kind when the kind was not recorded), picked by the request's key."""
+        pool = self._by_key.get((kind or "", draft))
+        if pool is None:
+            pool = [s for (_, d), ss in sorted(self._by_key.items()) if d == draft for s in ss]
+        if not pool:
+            raise KeyError(f"no recorded acceptance for draft {draft!r} (have {self.drafts})")
+        return pool[zlib.crc32(str(key).encode()) % len(pool)]
+
+    def drafted_tree(self, session: Session, step: int, max_depth: int) -> TokenTree:
+        """What the drafter proposes at the session's `step` (wrapping round), `max_depth` deep."""
+        index = step % len(session.steps)
+        key = (id(session), index, max_depth)  # the simulator asks for the same trees often
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = session.steps[index].tree(max_depth)
+        return tree
+
+    def num_accepted(self, session: Session, step: int, selected: TokenTree) -> int:
+        """Draft tokens the target accepts of `selected` (a subtree of the drafted tree)."""
+        recorded = session.steps[step % len(session.steps)]
+        present = set(selected.tokens[1:].tolist())
+        count = 0
+        for node in recorded.accepted_path():
+            if TOKEN_BASE + node not in present:
+                break
+            count += 1
+        return count
+
+    # ---- summaries ------------------------------------------------------------------------------
+    def mean_accepted_length(self) -> dict[tuple[str, str], float]:
+        """1 + mean accepted draft tokens per step of the whole recorded trees."""
+        return {
+            key: 1.0 + float(np.mean([len(s.accepted_path()) for ss in pool for s in ss.steps]))
+            for key, pool in sorted(self._by_key.items())
+        }
+
+    # ---- files ----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "target": self.target,
+            "method": asdict(self.method),
+            "notes": self.notes,
+            "sessions": [
+                {
+                    "kind": s.kind,
+                    "draft": s.draft,
+                    "prompt": s.prompt,
+                    "steps": [[list(t.parents), list(t.logq), t.accepted_node] for t in s.steps],
+                }
+                for s in self.sessions
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "acceptance model") -> AcceptanceModel:
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: version {data.get('version')!r}, expected {FORMAT_VERSION}")
+        method = dict(data["method"])
+        method["expansion"] = tuple(method.get("expansion", (2, 2, 1, 1)))
+        sessions = []
+        for s in data["sessions"]:
+            steps = tuple(
+                RecordedStep(tuple(int(p) for p in parents), tuple(map(float, logq)), int(acc))
+                for parents, logq, acc in s["steps"]
+            )
+            for st in steps:
+                bad = any(p >= i for i, p in enumerate(st.parents, start=1))
+                if bad or len(st.logq) != len(st.parents) or st.accepted_node > len(st.parents):
+                    name = f"{s['kind']}/{s['draft']}"
+                    raise ValueError(f"{where}: a malformed step in session {name}")
+            sessions.append(Session(str(s["kind"]), str(s["draft"]), int(s["prompt"]), steps))
+        return cls(str(data["target"]), DraftMethod(**method), sessions, str(data.get("notes", "")))
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_json(), separators=(",", ":"))
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> AcceptanceModel:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            return cls.from_json(json.load(f), str(path))
+
+
+# ---- recording from the real engine ------------------------------------------------------------
+def accepted_node(tree: TokenTree, accepted_tokens: Sequence[int]) -> int:
+    """The node reached by following `accepted_tokens` down from the root."""
+    kids = tree.children()
+    node = 0
+    for token in accepted_tokens:
+        node = next(k for k in kids[node] if int(tree.tokens[k]) == int(token))
+    return node
+
+
+def recorded_step(tree: TokenTree, accepted_tokens: Sequence[int]) -> RecordedStep:
+    logq = np.round(tree.logq[1:], LOGQ_DECIMALS)
+    return RecordedStep(
+        tuple(int(p) for p in tree.parents[1:]),
+        tuple(float(x) for x in logq),
+        accepted_node(tree, accepted_tokens),
+    )
+
+
+def record(
+    kinds: Sequence[str], drafts: Sequence[str], per_kind: int, max_tokens: int
+) -> AcceptanceModel:
+    """Decode `per_kind` evaluation prompts of each kind with each draft, greedily, every drafted
+    tree verified whole, and keep every step."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from bench.prompts import chat_ids
+    from shared.datasets import eval_prompts
+    from shared.engine.drafting import Drafter
+    from shared.engine.presets import DEFAULT_METHOD
+    from shared.engine.sampling import SamplingParams
+    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.verifier import Verifier
+    from shared.model import load_model
+    from shared.model.model_set import draft_dirs, target_dir
+    from shared.model.runner import ModelRunner
+
+    tdir = target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tdir)
+    target = ModelRunner(load_model(tdir), kv_memory_bytes=64 << 20)
+    verifier = Verifier(target)
+    config = EngineConfig(planner="fixed", tree_selection="global-greedy")
+    sessions: list[Session] = []
+    jobs = [(k, d, i) for d in drafts for k in kinds for i in range(per_kind)]
+    prompts = {k: [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)] for k in kinds}
+    engines: dict[str, SpecEngine] = {}
+    steps: list[RecordedStep] = []
+
+    def observe(batch: Any, results: Mapping[str, Any]) -> None:
+        for request in batch.decode:
+            tree = batch.trees.get(request.request_id)
+            result = results.get(request.request_id)
+            if tree is not None and tree.num_nodes > 1 and result is not None:
+                steps.append(recorded_step(tree, result.tokens[: result.num_accepted]))
+
+    for kind, draft, i in tqdm(jobs, desc="recording acceptance", unit="prompt"):
+        if draft not in engines:
+            ddir = draft_dirs()[draft]
+            runner = ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=64 << 20)
+            engines[draft] = SpecEngine(
+                verifier,
+                Drafter(runner, name=draft),
+                DEFAULT_METHOD,
+                config,
+                target.cfg.eos_token_ids,
+                observer=observe,
+            )
+        steps.clear()
+        engines[draft].generate([prompts[kind][i]], SamplingParams(max_tokens=max_tokens))
+        sessions.append(Session(kind, draft, i, tuple(steps)))
+    notes = (
+        f"recorded {time.strftime('%Y-%m-%d')}: {per_kind} evaluation prompts per kind, greedy, "
+        f"max {max_tokens} tokens, every drafted tree verified whole"
+    )
+    return AcceptanceModel(tdir.name, DEFAULT_METHOD, sessions, notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from shared.datasets import KINDS
+    from shared.engine.presets import DEFAULT_DRAFT
+    from shared.model.model_set import DRAFT_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sim.acceptance",
+        description="Record the acceptance model the simulator replays, from the real engine.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="file to write (.json or .json.gz)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument(
+        "--drafts", nargs="+", default=[DEFAULT_DRAFT], choices=DRAFT_NAMES, help="draft models"
+    )
+    parser.add_argument("--per-kind", type=int, default=8, help="prompts per kind")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    if args.per_kind < 1 or args.max_tokens < 2:
+        parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
+    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens)
+    model.save(args.out)
+    for (kind, draft), length in model.mean_accepted_length().items():
+        print(f"{kind:6s} {draft:8s} mean accepted length {length:.2f} (whole trees)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The scheduler core on a virtual clock: the core's own decisions, measured costs, recorded
+acceptance, and no model.
+
+The simulator is a third executor of `SchedulerCore` (beside the in-process engine and the
+scheduler service), driving it exactly as they do: `next_batch`, drafting, `select_trees`,
+verification, `observe`. What it replaces is the work:
+
+- drafting a request returns the tree a real drafter proposed at that step of a recorded session
+  of the request's kind (`bench.sim.acceptance`), cut at the depth the core planned;
+- verification accepts what the target accepted of that tree, restricted to the selected subtree;
+- time comes from the cost profile: drafting a micro-batch costs `CostModel.draft_tree_ms` per
+  draft model, verifying it `CostModel.verify_ms` over every prompt-chunk and tree node, plus a
+  fixed per-step overhead (scheduling and messaging, which no forward measures).
+
+Up to M micro-batches are in flight (the core's `micro_batches`). Devices are FIFO servers: the
+verifier, and each draft model's drafter, unless `shared_device` (one host whose processes take
+turns on the same cores, as on a CPU machine) makes them one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bench.load.records import RequestRecord
+from bench.sim.acceptance import AcceptanceModel, Session
+from shared.engine.methods import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.tree import TokenTree
+from shared.scheduling.core import CoreConfig, MicroBatch, SchedulerCore, StepOutput, StepResult
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.draft_choice import make_chooser
+from shared.scheduling.ordering import make_policy
+from shared.scheduling.request import RequestState
+from shared.scheduling.tree_selection import make_selector
+
+PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
+BONUS_TOKEN = 2
+
+
+def mean_context(requests: Sequence[RequestState]) -> int:
+    """The typical per-request context of a forward, as the core plans with it."""
+    return sum(len(r.all_tokens) for r in requests) // len(requests) if requests else 0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    vocab_size: int = 49152
+    max_context: int = 8192
+    token_budget: int = 512  # B, as `engine.max_tokens_per_step`
+    max_running: int = 64  # as `scheduler.max_running_requests`
+    micro_batches: int = 1  # as `scheduler.micro_batches`
+    policy: str = "fcfs"
+    selector: str = "goodput"
+    draft_chooser: str = "fixed"
+    planner: str = "goodput"
+    drafts: tuple[str, ...] = ("draft-s",)
+    method: DraftMethod | None = None  # None: the acceptance recording's method
+    shared_device: bool = True
+    step_overhead_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    kind: str | None = None
+    slo_class: str | None = None
+    tpot_slo_ms: float | None = None
+    priority: int = 0
+
+
+@dataclass(order=True)
+class _InFlight:
+    done_at: float
+    order: int
+    batch: MicroBatch = field(compare=False)
+    results: dict[str, StepResult] = field(compare=False)
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, cost: CostModel, acceptance: AcceptanceModel) -> None:
+        missing = [d for d in config.drafts if d not in acceptance.drafts]
+        if missing:
+            raise ValueError(
+                f"no recorded acceptance for draft(s) {missing} (recorded: {acceptance.drafts})"
+            )
+        missing = [d for d in config.drafts if not cost.has_draft(d)]
+        if missing:
+            raise ValueError(f"the cost profile has no draft(s) {missing} ({cost.draft_models})")
+        self.config = config
+        self.cost = cost
+        self.acceptance = acceptance
+        method = config.method or acceptance.method
+        self.core = SchedulerCore(
+            CoreConfig(
+                vocab_size=config.vocab_size,
+                max_context=config.max_context,
+                token_budget=config.token_budget,
+                max_running=config.max_running,
+                micro_batches=config.micro_batches,
+                method=method if config.drafts else None,
+                planner=config.planner,  # type: ignore[arg-type]
+            ),
+            policy=make_policy(config.policy),
+            chooser=make_chooser(config.draft_chooser, list(config.drafts)),
+            selector=make_selector(config.selector),
+            cost=cost,
+        )
+        self.core.set_drafters({name: ["sim"] for name in config.drafts})
+        self.records: dict[str, RequestRecord] = {}
+        self._kinds: dict[str, str | None] = {}
+        self._sessions: dict[tuple[str, str], Session] = {}  # (request, draft) -> session
+        self._draft_steps: dict[tuple[str, str], int] = {}  # (request, draft) -> steps drafted
+        self._free_at: dict[str, float] = {}  # device -> when it is next free
+        self._order = itertools.count()
+
+    # ---- the run ---------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
+        """Serve every request; one record per request, in the order given."""
+        arrivals = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        in_flight: list[_InFlight] = []
+        now = 0.0
+        next_arrival = 0
+        while next_arrival < len(arrivals) or self.core.has_unfinished() or in_flight:
+            while next_arrival < len(arrivals):
+                index = arrivals[next_arrival]
+                if requests[index].arrival_s > now:
+                    break
+                self._add(index, requests[index])
+                next_arrival += 1
+            while len(in_flight) < self.config.micro_batches:
+                batch = self.core.next_batch(now)
+                if batch is None:
+                    break
+                self._outputs(batch.failed, now)
+                heapq.heappush(in_flight, self._dispatch(batch, now))
+            times = [f.done_at for f in in_flight[:1]]
+            if next_arrival < len(arrivals):
+                times.append(requests[arrivals[next_arrival]].arrival_s)
+            if not times:
+                stuck = len(self.core.requests)
+                raise RuntimeError(f"the core scheduled nothing with {stuck} requests waiting")
+            now = max(now, min(times))
+            while in_flight and in_flight[0].done_at <= now:
+                done = heapq.heappop(in_flight)
+                self._outputs(self.core.observe(done.batch, done.results, now), now)
+                self.core.take_releases()  # no memory to free on a virtual clock
+        return [self.records[f"sim-{i}"] for i in range(len(requests))]
+
+    def _add(self, index: int, request: SimRequest) -> None:
+        rid = f"sim-{index}"
+        params = SamplingParams(max_tokens=request.num_output_tokens, ignore_eos=True)
+        state = RequestState(
+            rid,
+            [PROMPT_TOKEN] * request.num_prompt_tokens,
+            params,
+            seed=index,
+            arrival_time=request.arrival_s,
+            priority=request.priority,
+            tpot_slo_ms=request.tpot_slo_ms,
+        )
+        record = RequestRecord(
+            index=index,
+            arrival_s=request.arrival_s,
+            num_prompt_tokens=request.num_prompt_tokens,
+            kind=request.kind,
+            slo_class=request.slo_class,
+            tpot_slo_ms=request.tpot_slo_ms,
+        )
+        self.records[rid] = record
+        self._kinds[rid] = request.kind
+        try:
+            self.core.add(state)
+        except ValueError as error:  # refused (too long for the context): a failed request
+            record.error = str(error)
+            record.finish_s = request.arrival_s
+
+    # ---- one micro-batch -------------------------------------------------------------------
+    def _dispatch(self, batch: MicroBatch, now: float) -> _InFlight:
+        drafted: dict[str, TokenTree] = {}
+        sessions: dict[str, tuple[Session, int]] = {}
+        draft_done = now
+        by_model: dict[str, list[str]] = {}
+        for rid, plan in batch.drafts.items():
+            by_model.setdefault(plan.model, []).append(rid)
+        for model, rids in sorted(by_model.items()):
+            layers: dict[int, int] = {}
+            root_tokens = 0
+            for rid in rids:
+                plan = batch.drafts[rid]
+                session, step = self._session_step(rid, model)
+                tree = self.acceptance.drafted_tree(session, step, plan.max_depth)
+                drafted[rid] = tree
+                sessions[rid] = (session, step)
+                root_tokens += len(plan.new_tokens)
+                for depth in tree.depths()[1:]:
+                    layers[int(depth)] = layers.get(int(depth), 0) + 1
+                self.core.note_drafted(rid, True)
+            ms = self.cost.draft_tree_ms(
+                model,
+                root_tokens,
+                [layers[d] for d in sorted(layers)] or [0],
+                mean_context([self.core.requests[r] for r in rids]),
+                len(rids),
+            )
+            draft_done = max(draft_done, self._occupy(f"draft:{model}", now, ms))
+        trees = self.core.select_trees(batch, drafted, draft_done)
+        results = self._verify(batch, trees, sessions)
+        num_tokens = batch.prefill_tokens + sum(t.num_nodes for t in trees.values())
+        ms = (
+            self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
+            + self.config.step_overhead_ms
+        )
+        done = self._occupy("verifier", draft_done, ms)
+        return _InFlight(done, next(self._order), batch, results)
+
+    def _occupy(self, device: str, ready: float, ms: float) -> float:
+        """Run `ms` of work on `device` once it is free and the input is `ready`; when it ends."""
+        if self.config.shared_device:
+            device = "device"
+        start = max(ready, self._free_at.get(device, 0.0))
+        self._free_at[device] = start + ms / 1000
+        return self._free_at[device]
+
+    def _session_step(self, rid: str, model: str) -> tuple[Session, int]:
+        key = (rid, model)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self.acceptance.session_for(self._kinds[rid], model, int(rid[4:]))
+            self._sessions[key] = session
+        step = self._draft_steps.get(key, 0)
+        self._draft_steps[key] = step + 1
+        return session, step
+
+    def _verify(
+        self,
+        batch: MicroBatch,
+        trees: dict[str, TokenTree],
+        sessions: dict[str, tuple[Session, int]],
+    ) -> dict[str, StepResult]:
+        results: dict[str, StepResult] = {}
+        for request, chunk in batch.prefill:
+            is_last = request.num_prefilled + chunk == len(request.prefill_tokens)
+            tokens = (BONUS_TOKEN,) if is_last else ()
+            results[request.request_id] = StepResult(request.request_id, request.step, tokens)
+        for request in batch.decode:
+            rid = request.request_id
+            tree = trees[rid]
+            accepted = 0
+            if tree.num_nodes > 1 and rid in sessions:
+                session, step = sessions[rid]
+                accepted = self.acceptance.num_accepted(session, step, tree)
+            tokens = (BONUS_TOKEN,) * (accepted + 1)  # only their number matters here
+            results[rid] = StepResult(rid, request.step, tokens, accepted)
+        return results
+
+    def _outputs(self, outputs: Sequence[StepOutput], now: float) -> None:
+        for out in outputs:
+            record = self.records[out.request_id]
+            if out.new_tokens:
+                record.chunks.append((now, len(out.new_tokens)))
+                record.num_output_tokens += len(out.new_tokens)
+                if record.first_token_s is None:
+                    record.first_token_s = now
+            if out.num_draft_tokens:
+                record.drafts += 1
+                record.draft_tokens += out.num_draft_tokens
+                record.accepted_tokens += out.num_accepted
+                if out.draft_model is not None:
+                    steps = record.steps_by_draft
+                    steps[out.draft_model] = steps.get(out.draft_model, 0) + 1
+            if out.finish_reason is not None:
+                record.finish_s = now
+                if out.error is not None or out.finish_reason == "abort":
+                    record.error = out.error or "aborted"
+                else:
+                    record.finish_reason = out.finish_reason

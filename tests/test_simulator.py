@@ -1,0 +1,163 @@
+"""The simulator: the scheduler core on a virtual clock, checked against latencies worked out by
+hand from a made-up profile (every verify forward 10 ms, every draft forward 1 ms) and a made-up
+acceptance recording (a two-token chain, both tokens accepted, at every step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.load.records import RequestRecord
+from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session, accepted_node
+from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import TokenTree
+from shared.scheduling.cost_model import (
+    CostModel,
+    CostProfile,
+    ForwardCurve,
+    ModelProfile,
+    ProfileKey,
+)
+
+VERIFY_MS = 10.0
+DRAFT_MS = 1.0
+CHAIN = DraftMethod("chain", k=2)
+
+
+def flat_profile(ms: float, model: str) -> ModelProfile:
+    key = ProfileKey(model=model, fingerprint="f", device="cpu: test", dtype="float32", threads=1)
+    curve = ForwardCurve(tokens=[1, 1024], contexts=[0], ms_grid=[[ms], [ms]])
+    return ModelProfile(key=key, curve=curve)
+
+
+def made_up_cost() -> CostModel:
+    return CostModel(
+        CostProfile(target=flat_profile(VERIFY_MS, "t"), drafts={"d": flat_profile(DRAFT_MS, "d")})
+    )
+
+
+def chain_recording(accepted: int = 2) -> AcceptanceModel:
+    step = RecordedStep(parents=(0, 1), logq=(0.0, 0.0), accepted_node=accepted)
+    return AcceptanceModel("t", CHAIN, [Session("chat", "d", 0, (step,))])
+
+
+def simulate(requests: list[SimRequest], **config: object) -> list[RequestRecord]:
+    settings = {"planner": "fixed", "selector": "global-greedy", "drafts": ("d",), **config}
+    sim = Simulator(SimConfig(**settings), made_up_cost(), chain_recording())  # type: ignore[arg-type]
+    return sim.run(requests)
+
+
+def test_one_request_by_hand() -> None:
+    # t=0 prefill (10 ms) -> first token at 0.010; each decode step drafts (root forward +
+    # one layer forward = 2 ms), verifies (10 ms) and commits 2 accepted + 1 bonus token
+    [record] = simulate([SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7, kind="chat")])
+    assert record.first_token_s == pytest.approx(0.010)
+    assert [t for t, _ in record.chunks] == pytest.approx([0.010, 0.022, 0.034])
+    assert [n for _, n in record.chunks] == [1, 3, 3]
+    assert record.finish_s == pytest.approx(0.034)
+    assert record.num_output_tokens == 7 and record.finish_reason == "length"
+    assert (record.drafts, record.draft_tokens, record.accepted_tokens) == (2, 4, 4)
+    assert record.steps_by_draft == {"d": 2}
+
+
+def test_a_later_arrival_queues_then_shares_steps() -> None:
+    a = SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7)
+    b = SimRequest(0.005, num_prompt_tokens=4, num_output_tokens=7)
+    ra, rb = simulate([a, b])
+    # b waits for a's prefill (one micro-batch in flight), is prefilled beside a's first decode
+    assert rb.first_token_s == pytest.approx(0.022)
+    # then both decode together: one draft step for both (2 ms), one verify (10 ms)
+    assert [t for t, _ in ra.chunks] == pytest.approx([0.010, 0.022, 0.034])
+    assert [t for t, _ in rb.chunks] == pytest.approx([0.022, 0.034, 0.046])
+    assert rb.finish_s - rb.arrival_s == pytest.approx(0.041)
+
+
+def test_micro_batches_pipeline_on_separate_devices() -> None:
+    # M=2: each micro-batch takes one request; drafting one overlaps verifying the other
+    a = SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7)
+    b = SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7)
+    ra, rb = simulate([a, b], micro_batches=2, shared_device=False)
+    assert [t for t, _ in ra.chunks] == pytest.approx([0.010, 0.030, 0.050])
+    assert [t for t, _ in rb.chunks] == pytest.approx([0.020, 0.040, 0.060])
+    # on one shared device the same drafts queue behind verification instead
+    sa, sb = simulate([a, b], micro_batches=2, shared_device=True)
+    assert sb.finish_s > rb.finish_s
+
+
+def test_nothing_accepted_means_one_token_per_step() -> None:
+    sim = Simulator(
+        SimConfig(planner="fixed", selector="global-greedy", drafts=("d",)),
+        made_up_cost(),
+        chain_recording(accepted=0),
+    )
+    [record] = sim.run([SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=4)])
+    assert [n for _, n in record.chunks] == [1, 1, 1, 1]
+    # depth 2, then 1 (one token left to draft for), then none (the last token is the bonus)
+    assert (record.drafts, record.draft_tokens, record.accepted_tokens) == (2, 3, 0)
+
+
+def test_no_drafts_is_plain_decoding() -> None:
+    [record] = simulate([SimRequest(0.0, 4, 3)], drafts=())
+    assert [t for t, _ in record.chunks] == pytest.approx([0.010, 0.020, 0.030])
+    assert record.drafts == 0
+
+
+def test_a_request_too_long_for_the_context_fails_alone() -> None:
+    ok, too_long = simulate([SimRequest(0.0, 4, 3), SimRequest(0.0, 9000, 3)], drafts=())
+    assert ok.is_completed and not too_long.is_completed
+    assert "context" in (too_long.error or "")
+
+
+def test_unknown_draft_is_refused() -> None:
+    with pytest.raises(ValueError, match="no recorded acceptance"):
+        Simulator(SimConfig(drafts=("other",)), made_up_cost(), chain_recording())
+
+
+# ---- the acceptance model ------------------------------------------------------------------------
+def recorded_tree() -> RecordedStep:
+    #        0
+    #      /   \
+    #     1     2        target accepts 2 then 4
+    #     |    / \
+    #     3   4   5
+    return RecordedStep(
+        parents=(0, 0, 1, 2, 2), logq=(-0.1, -1.0, -0.2, -0.3, -2.0), accepted_node=4
+    )
+
+
+def test_accepted_length_follows_the_selected_subtree() -> None:
+    step = recorded_tree()
+    model = AcceptanceModel("t", CHAIN, [Session("chat", "d", 0, (step,))])
+    session = model.sessions[0]
+    full = model.drafted_tree(session, 0, max_depth=9)
+    assert full.num_nodes == 6
+    assert model.num_accepted(session, 0, full) == 2
+    assert model.num_accepted(session, 0, full.subtree([0, 2])) == 1  # 4 was not selected
+    assert model.num_accepted(session, 0, full.subtree([0, 1, 3])) == 0  # the wrong branch
+    shallow = model.drafted_tree(session, 0, max_depth=1)
+    assert shallow.num_nodes == 3 and model.num_accepted(session, 0, shallow) == 1
+    # a session's steps wrap round
+    assert model.num_accepted(session, 5, full) == 2
+
+
+def test_accepted_node_walks_the_accepted_tokens() -> None:
+    tree = TokenTree.build([7, 8, 9, 10, 11], [-1, 0, 0, 2, 2], [0.0, -0.1, -0.2, -0.3, -0.4])
+    assert accepted_node(tree, []) == 0
+    assert accepted_node(tree, [9, 11]) == 4
+
+
+def test_recording_round_trips(tmp_path: Path) -> None:
+    model = AcceptanceModel("t", CHAIN, [Session("code", "d", 3, (recorded_tree(),))])
+    for name in ("a.json", "a.json.gz"):
+        loaded = AcceptanceModel.load(model.save(tmp_path / name))
+        assert loaded.sessions == model.sessions and loaded.method == CHAIN
+    assert loaded.mean_accepted_length() == {("code", "d"): 3.0}
+
+
+def test_a_malformed_recording_is_refused() -> None:
+    data = AcceptanceModel("t", CHAIN, [Session("code", "d", 0, (recorded_tree(),))]).to_json()
+    data["sessions"][0]["steps"][0][0] = [0, 5, 1, 2, 2]  # a parent after its child
+    with pytest.raises(ValueError, match="malformed"):
+        AcceptanceModel.from_json(data)
