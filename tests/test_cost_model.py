@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shared.scheduling.cost_model import (
@@ -55,6 +56,22 @@ def test_interpolation():
     assert c.ms(1, -5) == c.ms(1, 0) and c.ms(16, 5000) == c.ms(16, 1000)  # context clamped
     assert c.ms(28, 0) == pytest.approx(70)  # extrapolated along the last segment
     assert c.ms(0, 0) == 0.0
+
+
+def test_many_sizes_at_once_equal_one_at_a_time():
+    # the planners price every candidate step size in one call; it must be the same curve
+    single = ForwardCurve(tokens=[1, 8], contexts=[0, 1000], ms_grid=[[5, 7], [6, 9]])
+    target = ModelProfile(key=key(), curve=curve(), single=single, max_requests=8)
+    cost = CostModel(CostProfile(target=target))
+    sizes = np.arange(0, 40)
+    for context, num_requests in ((0, None), (300, 1), (700, 3), (2000, 16)):
+        many = cost.verify_ms_many(sizes, context, num_requests)
+        one = [cost.verify_ms(int(n), context, num_requests) for n in sizes]
+        assert many == pytest.approx(one, rel=1e-12, abs=1e-12)
+    one_point = ForwardCurve(tokens=[4], contexts=[0], ms_grid=[[8]])
+    assert one_point.along_tokens_many(sizes, [8.0]) == pytest.approx(
+        [one_point.ms(int(n), 0) for n in sizes]
+    )
 
 
 def test_monotone_and_validation():

@@ -42,7 +42,7 @@ BONUS_TOKEN = 2
 
 def mean_context(requests: Sequence[RequestState]) -> int:
     """The typical per-request context of a forward, as the core plans with it."""
-    return sum(len(r.all_tokens) for r in requests) // len(requests) if requests else 0
+    return sum(r.num_tokens for r in requests) // len(requests) if requests else 0
 
 
 @dataclass(frozen=True)

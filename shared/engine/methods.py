@@ -46,12 +46,15 @@ class DraftMethod:
     @property
     def num_layers(self) -> int:
         """Tree depth: forwards of the draft model after the root's."""
-        return {
-            "chain": self.k,
-            "static": len(self.expansion),
-            "beam": self.depth,
-            "dynamic": self.max_depth,
-        }[self.kind]
+        match self.kind:
+            case "chain":
+                return self.k
+            case "static":
+                return len(self.expansion)
+            case "beam":
+                return self.depth
+            case _:
+                return self.max_depth
 
     @property
     def max_draft_tokens(self) -> int:

@@ -38,7 +38,6 @@ from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.tree_selection import make_selector
 from shared.wire.steps import DraftRequest, VerifyRequest
 
-
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.
 StepObserver = Callable[[MicroBatch, Mapping[str, StepResult]], None]

@@ -313,7 +313,7 @@ class SchedulerCore:
             if request.kv == "swapped":
                 assert kv is not None
                 need = kv.blocks_needed(
-                    request.request_id, len(request.all_tokens) + self._tree_capacity(request)
+                    request.request_id, request.num_tokens + self._tree_capacity(request)
                 )
                 if need > free:
                     break
@@ -393,7 +393,7 @@ class SchedulerCore:
         return request.method or self.config.method
 
     def max_depth(self, request: RequestState) -> int:
-        room = self.config.max_context - len(request.all_tokens)
+        room = self.config.max_context - request.num_tokens
         return max(0, min(request.tokens_left - 1, room))
 
     # ---- 2. speculation plan -------------------------------------------------------------------
@@ -417,7 +417,7 @@ class SchedulerCore:
                     method,
                     min(self.max_depth(request), method.num_layers),
                     state.estimate.rate(prior),
-                    len(request.all_tokens) - request.num_seen_by_drafter,
+                    request.num_tokens - request.num_seen_by_drafter,
                 )
             )
         if not queries:
@@ -523,7 +523,7 @@ class SchedulerCore:
     def _context(requests: Sequence[RequestState]) -> int:
         if not requests:
             return 0
-        return sum(len(r.all_tokens) for r in requests) // len(requests)
+        return sum(r.num_tokens for r in requests) // len(requests)
 
     # ---- 3. tree selection ---------------------------------------------------------------------
     def note_drafted(self, request_id: str, ok: bool) -> None:
@@ -531,7 +531,7 @@ class SchedulerCore:
         token), or did not (its draft state is unknown: start it over next time)."""
         request = self.requests.get(request_id)
         if request is not None:
-            request.num_seen_by_drafter = len(request.all_tokens) if ok else 0
+            request.num_seen_by_drafter = request.num_tokens if ok else 0
 
     def select_trees(
         self, batch: MicroBatch, drafted: Mapping[str, TokenTree], now: float

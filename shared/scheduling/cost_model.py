@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 log = logging.getLogger(__name__)
@@ -224,15 +225,39 @@ class ForwardCurve(BaseModel):
         extrapolated along the last segment (its slope floored at 0); 0 tokens cost 0. In
         context: clamped to the grid's ends.
         """
+        return self.along_tokens(num_tokens, self.column(context))
+
+    def column(self, context: float) -> list[float]:
+        """Every token grid point's latency at `context` (for `along_tokens`)."""
+        return [self._at_context(i, context) for i in range(len(self.tokens))]
+
+    def along_tokens_many(self, num_tokens: np.ndarray, column: Sequence[float]) -> np.ndarray:
+        """`along_tokens` of every entry of `num_tokens` at once."""
+        ns = np.asarray(num_tokens, dtype=np.float64)
+        tokens = np.asarray(self.tokens, dtype=np.float64)
+        values = np.asarray(column, dtype=np.float64)
+        if len(tokens) == 1:
+            out = values[0] * np.maximum(1.0, ns / tokens[0])
+        else:
+            out = np.interp(ns, tokens, values)  # held at the first point below the grid
+            slope = max(0.0, values[-1] - values[-2]) / (tokens[-1] - tokens[-2])
+            past = ns > tokens[-1]
+            out[past] = values[-1] + slope * (ns[past] - tokens[-1])
+        out[ns <= 0] = 0.0
+        return out
+
+    def along_tokens(self, num_tokens: float, column: Sequence[float]) -> float:
+        """`ms` at the context whose `column` is given (the planner caches columns)."""
         if num_tokens <= 0:
             return 0.0
         tokens = self.tokens
         if len(tokens) == 1:
-            return self._at_context(0, context) * max(1.0, num_tokens / tokens[0])
+            return column[0] * max(1.0, num_tokens / tokens[0])
         if num_tokens <= tokens[0]:
-            return self._at_context(0, context)
-        i, w = _bracket(tokens, num_tokens)
-        lo, hi = self._at_context(i, context), self._at_context(i + 1, context)
+            return column[0]
+        i = min(bisect.bisect_right(tokens, num_tokens) - 1, len(tokens) - 2)
+        lo, hi = column[i], column[i + 1]
+        w = (num_tokens - tokens[i]) / (tokens[i + 1] - tokens[i])
         if w > 1.0:  # past the last point: never decreasing
             return hi + max(0.0, hi - lo) * (w - 1.0)
         return lo * (1.0 - w) + hi * w
@@ -389,6 +414,12 @@ class CostModel:
         the profile's spread layout puts them in)."""
         return self._verify.ms(num_tokens, context, num_requests)
 
+    def verify_ms_many(
+        self, num_tokens: np.ndarray, context: int, num_requests: int | None = None
+    ) -> np.ndarray:
+        """`verify_ms` of every entry of `num_tokens` (a planner's candidate step sizes)."""
+        return self._verify.ms_many(num_tokens, context, num_requests)
+
     def draft_forward_ms(
         self, model: str, num_tokens: int, context: int, num_requests: int | None = None
     ) -> float:
@@ -434,6 +465,9 @@ class CostModel:
         return knee
 
 
+MAX_CACHED_COLUMNS = 4096
+
+
 class _Curves:
     """A model's monotone curves: spread over requests, and (when measured) one request's.
 
@@ -445,16 +479,43 @@ class _Curves:
         self.spread = profile.curve.monotone()
         self.single = profile.single.monotone() if profile.single is not None else None
         self.max_requests = profile.max_requests
+        # the planner asks about many token counts at one context: cache the context's column
+        self._columns: dict[tuple[bool, float], list[float]] = {}
 
     @property
     def max_tokens(self) -> int:
         return self.spread.max_tokens
 
-    def ms(self, num_tokens: float, context: float, num_requests: int | None = None) -> float:
-        spread = self.spread.ms(num_tokens, context)
+    def _curve_ms(self, curve: ForwardCurve, num_tokens: float, context: float) -> float:
+        return curve.along_tokens(num_tokens, self._column(curve, context))
+
+    def _column(self, curve: ForwardCurve, context: float) -> list[float]:
+        key = (curve is self.single, context)
+        column = self._columns.get(key)
+        if column is None:
+            if len(self._columns) >= MAX_CACHED_COLUMNS:
+                self._columns.clear()
+            column = self._columns[key] = curve.column(context)
+        return column
+
+    def ms_many(
+        self, num_tokens: np.ndarray, context: float, num_requests: int | None = None
+    ) -> np.ndarray:
+        """`ms` of every entry of `num_tokens` at once."""
+        ns = np.asarray(num_tokens, dtype=np.float64)
+        spread = self.spread.along_tokens_many(ns, self._column(self.spread, context))
         if self.single is None or num_requests is None:
             return spread
-        single = self.single.ms(num_tokens, context)
+        single = self.single.along_tokens_many(ns, self._column(self.single, context))
+        layout = np.clip(ns.astype(np.int64), 1, self.max_requests)
+        share = (np.minimum(max(num_requests, 1), layout) - 1) / np.maximum(layout - 1, 1)
+        return single + share * (spread - single)
+
+    def ms(self, num_tokens: float, context: float, num_requests: int | None = None) -> float:
+        spread = self._curve_ms(self.spread, num_tokens, context)
+        if self.single is None or num_requests is None:
+            return spread
+        single = self._curve_ms(self.single, num_tokens, context)
         layout = min(max(int(num_tokens), 1), self.max_requests)  # requests in the spread layout
         if layout <= 1:
             return single

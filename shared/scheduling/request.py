@@ -105,6 +105,11 @@ class RequestState:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(all_tokens), without building the list."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_prefilled < len(self.prefill_tokens)
 

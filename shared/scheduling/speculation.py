@@ -34,6 +34,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from shared.engine.methods import DraftMethod
 from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.scheduling.cost_model import CostModel
@@ -86,14 +88,21 @@ class DepthQuery:
     new_tokens: int  # committed tokens the drafter has not seen (its root forward)
 
 
-def verify_share(
-    cost: CostModel, prefill_tokens: int, tokens: int, context: int, num_requests: int | None
-) -> float:
-    """What the decoding part of a verifier forward of `tokens` tokens (`prefill_tokens` of them
-    prompt chunks) is worth charging: the forward it would be without the prompt chunks. They
-    are paid for whatever is speculated; charging them to speculation would make extra draft
-    tokens look cheap next to a large step (or, on a flat curve, free)."""
-    return cost.verify_ms(max(tokens - prefill_tokens, 1), context, num_requests)
+def verify_shares(
+    cost: CostModel,
+    prefill_tokens: int,
+    first_tokens: int,
+    count: int,
+    context: int,
+    num_requests: int | None,
+) -> np.ndarray:
+    """What the decoding part of verifier forwards of `first_tokens`, `first_tokens + 1`, ...
+    (`count` sizes; `prefill_tokens` of each are prompt chunks) is worth charging: each the
+    forward it would be without the prompt chunks. They are paid for whatever is speculated;
+    charging them to speculation would make extra draft tokens look cheap next to a large step
+    (or, on a flat curve, free)."""
+    sizes = np.arange(first_tokens, first_tokens + count) - prefill_tokens
+    return cost.verify_ms_many(np.maximum(sizes, 1), context, num_requests)
 
 
 def expected_accepted(rate: float, depth: int) -> float:
@@ -120,19 +129,62 @@ def plan_depths(
     layer_tokens: dict[str, list[int]] = {}
     drafting_requests: dict[str, int] = {}
     tokens = float(len(queries))
+    # every step below changes one or two forwards of the plan: remember the others' costs
+    forward_ms: dict[tuple[str, int, int], float] = {}
+    model_ms: dict[str, float] = {}  # each draft model's drafting time as planned so far
+
+    def draft_forward(model: str, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        key = (model, num_tokens, drafting_requests[model])
+        ms = forward_ms.get(key)
+        if ms is None:
+            ms = cost.draft_forward_ms(model, num_tokens, context, drafting_requests[model])
+            forward_ms[key] = ms
+        return ms
+
+    def drafting_ms(model: str) -> float:
+        """The root chain's forward, then one per layer but the last (as `draft_tree_ms`)."""
+        forwards = [root_tokens[model], *layer_tokens[model][:-1]]
+        return sum(draft_forward(model, n) for n in forwards)
+
+    def add_level(q: DepthQuery, d: int, width: int) -> None:
+        """Request `q` drafts one level deeper, to `d`: update its draft model's time."""
+        model = q.draft_model
+        if model not in root_tokens:
+            root_tokens[model] = 0
+            layer_tokens[model] = []
+            drafting_requests[model] = 0
+        layers = layer_tokens[model]
+        if d == 1:  # a new drafting request: every forward of its model changes
+            root_tokens[model] += q.new_tokens
+            drafting_requests[model] += 1
+            layers.extend([0] * (1 - len(layers)))
+            layers[0] += width
+            ms = drafting_ms(model)
+        else:
+            ms = model_ms[model]
+            if d > len(layers):  # a new deepest layer: the old last one now needs a forward
+                layers.append(0)
+                ms += draft_forward(model, layers[d - 2])
+            before = layers[d - 1]
+            layers[d - 1] += width
+            if d < len(layers):  # not the last layer: its forward grows
+                ms += draft_forward(model, layers[d - 1]) - draft_forward(model, before)
+        model_ms[model] = ms if cost.has_draft(model) else 0.0  # unprofiled drafts are free
 
     def step_ms() -> float:
-        drafting = sum(
-            cost.draft_tree_ms(
-                model, root_tokens[model], layer_tokens[model], context, drafting_requests[model]
-            )
-            for model in root_tokens
-            if cost.has_draft(model)  # a draft without a profile is taken as free
-        )
-        return drafting + verify_share(cost, prefill_tokens, nodes, context, num_requests)
+        return sum(model_ms.values()) + float(verify_by_nodes[nodes - first_nodes])
 
+    # the verifier's forward at every size the plan can reach (one node per level taken)
+    first_nodes = nodes
+    num_levels = sum(min(q.max_depth, q.method.num_layers) for q in queries if q.rate > 0)
+    verify_by_nodes = verify_shares(
+        cost, prefill_tokens, first_nodes, num_levels + 1, context, num_requests
+    )
     current_ms = step_ms()
-    best = (tokens / current_ms, dict(depth))
+    best_goodput, best_steps = tokens / current_ms, 0
+    taken: list[str] = []  # the requests given one more level, in order; best: the first k
     # candidates: the next level of each request, best marginal expected tokens per node first
     heap: list[tuple[float, int, DepthQuery]] = []
     # what every level not yet taken could still add: an upper bound on the tokens to come
@@ -143,7 +195,7 @@ def plan_depths(
             heapq.heappush(heap, (-q.rate, i, q))
             left += expected_accepted(q.rate, levels)
     while heap:
-        if (tokens + left) / current_ms <= best[0]:
+        if (tokens + left) / current_ms <= best_goodput:
             break  # time only grows from here: no plan ahead can beat the best one
         _, i, q = heapq.heappop(heap)
         d = depth[q.request_id] + 1
@@ -151,26 +203,21 @@ def plan_depths(
         if nodes + 1 > budget:
             continue
         depth[q.request_id] = d
+        taken.append(q.request_id)
         nodes += 1  # the selector after drafting verifies what pays: about a node per level
         tokens += q.rate**d
         left -= q.rate**d
-        if q.draft_model not in root_tokens:
-            root_tokens[q.draft_model] = 0
-            layer_tokens[q.draft_model] = []
-            drafting_requests[q.draft_model] = 0
-        if d == 1:
-            root_tokens[q.draft_model] += q.new_tokens
-            drafting_requests[q.draft_model] += 1
-        layers = layer_tokens[q.draft_model]
-        layers.extend([0] * (d - len(layers)))
-        layers[d - 1] += width
+        add_level(q, d, width)
         current_ms = step_ms()
         goodput = tokens / current_ms
-        if goodput > best[0]:
-            best = (goodput, dict(depth))
+        if goodput > best_goodput:
+            best_goodput, best_steps = goodput, len(taken)
         if d < q.max_depth and d < q.method.num_layers:
             heapq.heappush(heap, (-(q.rate ** (d + 1)), i, q))
-    return best[1]
+    best = {q.request_id: 0 for q in queries}
+    for rid in taken[:best_steps]:
+        best[rid] += 1
+    return best
 
 
 def node_scores(tree: TokenTree, max_depth: int) -> list[tuple[float, int, int]]:
@@ -239,12 +286,7 @@ def select_by_goodput(
     probs.sort(reverse=True)
     roots = len(trees) + prefill_tokens
     room = max(0, budget - roots)
-    best_n = 0
-    best = len(trees) / verify_share(cost, prefill_tokens, roots, context, num_requests)
-    tokens = float(len(trees))
-    for n, p in enumerate(probs[:room], start=1):
-        tokens += p
-        goodput = tokens / verify_share(cost, prefill_tokens, roots + n, context, num_requests)
-        if goodput > best:
-            best_n, best = n, goodput
-    return best_n
+    taken = probs[:room]
+    verify = verify_shares(cost, prefill_tokens, roots, len(taken) + 1, context, num_requests)
+    goodput = (len(trees) + np.cumsum([0.0, *taken])) / verify  # verifying the first n nodes
+    return int(np.argmax(goodput))  # the first of equals: no node that adds nothing
