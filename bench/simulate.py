@@ -79,7 +79,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--step-overhead-ms",
         type=float,
         default=0.0,
-        help="time per micro-batch outside the forwards (scheduling, messaging)",
+        help="time per micro-batch outside the forwards (scheduling, messaging); the scheduler "
+        "service logs it per micro-batch with --log-level DEBUG",
+    )
+    parser.add_argument(
+        "--request-overhead-ms",
+        type=float,
+        default=0.0,
+        help="more time per micro-batch outside the forwards: this times the square root of "
+        "its decoding requests (python -m bench.sim.calibrate measures both)",
     )
     parser.add_argument("--label", help="label of this run in comparisons")
     parser.add_argument("--no-plots", action="store_true")
@@ -219,6 +227,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         drafts=tuple(args.drafts),
         shared_device=shared,
         step_overhead_ms=args.step_overhead_ms,
+        request_overhead_ms=args.request_overhead_ms,
     )
     try:
         simulator = Simulator(config, cost, acceptance)

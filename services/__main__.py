@@ -29,6 +29,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-gateway", action="store_true", help="all: no HTTP gateway")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG adds the scheduler's per-micro-batch timings (draft, verify, whole step)",
+    )
     return parser.parse_args(argv)
 
 
@@ -49,6 +55,7 @@ async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> N
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("services").setLevel(args.log_level)
     try:
         settings = load_settings()
     except SettingsError as error:

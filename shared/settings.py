@@ -111,17 +111,19 @@ class EngineSettings(_Group):
 
 
 class SpeculationSettings(_Group):
-    method: Literal["none", "chain", "static", "beam", "dynamic"] = "chain"
+    # The defaults are the engine's preset (`shared.engine.presets.DEFAULT_METHOD`): a dynamic
+    # tree of up to 16 nodes, 6 deep, 4 wide, nodes the draft gives under 0.2 not drafted.
+    method: Literal["none", "chain", "static", "beam", "dynamic"] = "dynamic"
     # goodput: each request's speculation is sized by the cost model every step (plain
     # decoding included); fixed: always the method's whole tree
     planner: Literal["goodput", "fixed"] = "goodput"
-    min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
     chain_length: PositiveInt = 4
     static_expansion: tuple[PositiveInt, ...] = (2, 2, 1, 1)  # SpecInfer's <k1..km>
     beam_depth: PositiveInt = 4
     beam_width: PositiveInt = 2
-    dynamic_max_nodes: PositiveInt = 32
-    dynamic_max_depth: PositiveInt = 8
+    dynamic_max_nodes: PositiveInt = 16
+    dynamic_max_depth: PositiveInt = 6
     dynamic_max_width: PositiveInt = 4
 
     @field_validator("static_expansion")

@@ -126,3 +126,10 @@ def test_settings_are_immutable() -> None:
     with pytest.raises(ValueError):
         settings.redis.block_ms = 5  # type: ignore[misc]
     assert isinstance(settings, AugurySettings)
+
+
+def test_the_services_default_method_is_the_engine_preset() -> None:
+    from shared.engine.presets import DEFAULT_METHOD
+    from shared.scheduling.factory import method_from_settings
+
+    assert method_from_settings(AugurySettings().scheduler.speculation) == DEFAULT_METHOD

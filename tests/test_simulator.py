@@ -62,6 +62,17 @@ def test_one_request_by_hand() -> None:
     assert record.steps_by_draft == {"d": 2}
 
 
+def test_step_overheads_add_to_every_micro_batch() -> None:
+    # 1 ms per micro-batch plus 0.5 ms x sqrt(decoding requests): the prefill step pays 1 ms,
+    # each decode step of the lone request 1.5 ms
+    [record] = simulate(
+        [SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7)],
+        step_overhead_ms=1.0,
+        request_overhead_ms=0.5,
+    )
+    assert [t for t, _ in record.chunks] == pytest.approx([0.011, 0.0245, 0.038])
+
+
 def test_a_later_arrival_queues_then_shares_steps() -> None:
     a = SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7)
     b = SimRequest(0.005, num_prompt_tokens=4, num_output_tokens=7)
@@ -161,3 +172,18 @@ def test_a_malformed_recording_is_refused() -> None:
     data["sessions"][0]["steps"][0][0] = [0, 5, 1, 2, 2]  # a parent after its child
     with pytest.raises(ValueError, match="malformed"):
         AcceptanceModel.from_json(data)
+
+
+def test_overheads_are_fitted_from_the_scheduler_log() -> None:
+    from bench.sim.calibrate import fit_overheads, parse_log
+
+    # every step took the verify forward (10 ms) plus 3 ms plus 2 ms x sqrt(decoding requests)
+    lines = [
+        f"x DEBUG micro-batch {i}: {d} decoding ({2 * d} tree nodes), 1 prefilling (40 tokens), "
+        f"context 300; draft 1.5 ms, verify 12.0 ms, step {1.5 + 10 + 3 + 2 * d**0.5:.4f} ms"
+        for i, d in enumerate([1, 4, 9, 16, 25])
+    ]
+    steps = parse_log(["unrelated line", *lines])
+    assert len(steps) == 5 and steps[3].num_decoding == 16 and steps[3].context == 300
+    a, b = fit_overheads(steps, made_up_cost())
+    assert (a, b) == (pytest.approx(3.0), pytest.approx(2.0))

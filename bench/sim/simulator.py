@@ -10,7 +10,9 @@ verification, `observe`. What it replaces is the work:
 - verification accepts what the target accepted of that tree, restricted to the selected subtree;
 - time comes from the cost profile: drafting a micro-batch costs `CostModel.draft_tree_ms` per
   draft model, verifying it `CostModel.verify_ms` over every prompt-chunk and tree node, plus a
-  fixed per-step overhead (scheduling and messaging, which no forward measures).
+  per-step overhead (scheduling, messaging, contention, which no forward measures): a fixed
+  part plus a part growing with the square root of the decoding requests (`bench.sim.calibrate`
+  measures both from a running scheduler).
 
 Up to M micro-batches are in flight (the core's `micro_batches`). Devices are FIFO servers: the
 verifier, and each draft model's drafter, unless `shared_device` (one host whose processes take
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +32,14 @@ from bench.sim.acceptance import AcceptanceModel, Session
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import TokenTree
-from shared.scheduling.core import CoreConfig, MicroBatch, SchedulerCore, StepOutput, StepResult
+from shared.scheduling.core import (
+    CoreConfig,
+    MicroBatch,
+    SchedulerCore,
+    StepOutput,
+    StepResult,
+    mean_context,
+)
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
@@ -38,11 +48,6 @@ from shared.scheduling.tree_selection import make_selector
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
-
-
-def mean_context(requests: Sequence[RequestState]) -> int:
-    """The typical per-request context of a forward, as the core plans with it."""
-    return sum(r.num_tokens for r in requests) // len(requests) if requests else 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,11 @@ class SimConfig:
     drafts: tuple[str, ...] = ("draft-s",)
     method: DraftMethod | None = None  # None: the acceptance recording's method
     shared_device: bool = True
+    # time of a micro-batch outside the forwards (scheduling, messages, contention on a shared
+    # host): step_overhead_ms + request_overhead_ms * sqrt(decoding requests), as measured from
+    # the scheduler service's DEBUG log by `bench.sim.calibrate`
     step_overhead_ms: float = 0.0
+    request_overhead_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -211,12 +220,15 @@ class Simulator:
         trees = self.core.select_trees(batch, drafted, draft_done)
         results = self._verify(batch, trees, sessions)
         num_tokens = batch.prefill_tokens + sum(t.num_nodes for t in trees.values())
-        ms = (
-            self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
-            + self.config.step_overhead_ms
-        )
+        ms = self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
+        ms += max(0.0, self.overhead_ms(len(batch.decode)))
         done = self._occupy("verifier", draft_done, ms)
         return _InFlight(done, next(self._order), batch, results)
+
+    def overhead_ms(self, num_decoding: int) -> float:
+        return self.config.step_overhead_ms + self.config.request_overhead_ms * math.sqrt(
+            num_decoding
+        )
 
     def _occupy(self, device: str, ready: float, ms: float) -> float:
         """Run `ms` of work on `device` once it is free and the input is `ready`; when it ends."""

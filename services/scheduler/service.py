@@ -36,7 +36,14 @@ from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsum
 from shared.engine.sampling import SEED_BITS
 from shared.engine.tree import TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.scheduling.core import MicroBatch, Release, StepOutput, StepResult, draft_request
+from shared.scheduling.core import (
+    MicroBatch,
+    Release,
+    StepOutput,
+    StepResult,
+    draft_request,
+    mean_context,
+)
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.settings import AugurySettings
@@ -315,10 +322,25 @@ class SchedulerService:
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
             self._results.settle(batch.id)
+        wall_ms = 1000 * (time.perf_counter() - started)
         self.stats.iterations += 1
-        self.stats.wall_ms += 1000 * (time.perf_counter() - started)
+        self.stats.wall_ms += wall_ms
         self.stats.draft_ms += draft_ms
         self.stats.verify_ms += result.verify_ms
+        # the simulator's overheads are calibrated from these lines (bench.sim.calibrate)
+        log.debug(
+            "micro-batch %d: %d decoding (%d tree nodes), %d prefilling (%d tokens), context %d; "
+            "draft %.1f ms, verify %.1f ms, step %.1f ms",
+            batch.id,
+            len(batch.decode),
+            sum(t.num_nodes for t in batch.trees.values()),
+            len(batch.prefill),
+            batch.prefill_tokens,
+            mean_context(batch.members),
+            draft_ms,
+            result.verify_ms,
+            wall_ms,
+        )
 
     # ---- drafting --------------------------------------------------------------------------------
     async def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], float]:

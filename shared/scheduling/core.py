@@ -170,6 +170,11 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
     )
 
 
+def mean_context(requests: Sequence[RequestState]) -> int:
+    """The typical per-request context of a forward over `requests`, as costs are looked up."""
+    return sum(r.num_tokens for r in requests) // len(requests) if requests else 0
+
+
 def root_only(request: RequestState) -> TokenTree:
     return TokenTree.root_only(int(request.all_tokens[-1]))
 
@@ -426,7 +431,7 @@ class SchedulerCore:
             step = {
                 "prefill_tokens": 0,  # planned before prompt chunks (they do not weigh on it)
                 "budget": self.config.token_budget,
-                "context": self._context(batch.decode),
+                "context": mean_context(batch.decode),
                 "num_requests": len(batch.decode),
             }
             depths = plan_depths(queries, self.cost, **step)
@@ -519,12 +524,6 @@ class SchedulerCore:
         state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
         return True
 
-    @staticmethod
-    def _context(requests: Sequence[RequestState]) -> int:
-        if not requests:
-            return 0
-        return sum(r.num_tokens for r in requests) // len(requests)
-
     # ---- 3. tree selection ---------------------------------------------------------------------
     def note_drafted(self, request_id: str, ok: bool) -> None:
         """The executor's drafter answered for this request (ok: it now holds every committed
@@ -549,7 +548,7 @@ class SchedulerCore:
             max_depth={r.request_id: self.max_depth(r) for r in batch.decode},
             calibration=calibration,
             cost=self.cost,
-            context=self._context(batch.decode),
+            context=mean_context(batch.decode),
             num_requests=len(batch.decode) + len(batch.prefill),
             now=now,
         )
