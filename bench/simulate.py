@@ -148,17 +148,23 @@ def load_acceptance(args: argparse.Namespace, target: Path) -> AcceptanceModel:
 
 
 def load_trace(args: argparse.Namespace) -> list[TraceRequest]:
+    """The trace's requests the replay would send with the same flags, in send order."""
+    from bench.load.client import schedule
     from bench.load.readers import read_trace
 
     if not args.trace.is_file():
         raise UsageError(f"no trace at {args.trace}")
     try:
-        requests = read_trace(args.trace, rate=args.rate, limit=args.max_requests)
+        requests = read_trace(args.trace, rate=args.rate)
     except TraceError as error:
         raise UsageError(str(error)) from None
-    if args.duration is not None:
-        requests = [r for r in requests if r.arrival_s / args.rate_scale < args.duration]
-    return requests
+    plan = schedule(
+        requests,
+        rate_scale=args.rate_scale,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+    )
+    return [requests[index] for index, _ in plan]
 
 
 def to_sim_requests(

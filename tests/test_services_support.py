@@ -31,8 +31,9 @@ from shared.wire.streams import output_stream, requests_stream
 
 FAST_REDIS = {"block_ms": 100, "claim_idle_ms": 2000, "heartbeat_ttl_ms": 1500}
 # Mechanics tests: no cost profile (none stored where they look, none measured) and every tree
-# drafted whole (planner "fixed"), so that a test can count accepted tokens; tests of the
-# default pass their own groups.
+# drafted whole (planner "fixed", no path-probability floor: a random tiny draft's guesses are
+# all below the default's 0.2), so that a test can count accepted tokens; tests of the default
+# pass their own groups.
 NO_PROFILES = Path(tempfile.gettempdir()) / "augury-tests-no-profiles"
 TINY_ENGINE = {
     "block_size": 4,
@@ -41,7 +42,7 @@ TINY_ENGINE = {
     "profile_dir": NO_PROFILES,
     "profile_cache_dir": NO_PROFILES,
 }
-FIXED_SPECULATION = {"planner": "fixed"}
+FIXED_SPECULATION = {"planner": "fixed", "min_path_prob": 0.0}
 
 
 def make_settings(url: str, cell: str, **groups: Any) -> AugurySettings:

@@ -10,6 +10,7 @@ import pytest
 
 from services.scheduler.replies import Replies
 from shared.engine.methods import DraftMethod
+from shared.engine.presets import DEFAULT_METHOD
 from shared.scheduling.factory import TargetInfo, build_core, method_from_settings
 from shared.scheduling.ordering import FCFS
 from shared.scheduling.tree_selection import GlobalGreedy
@@ -38,10 +39,10 @@ def test_method_from_settings_maps_each_method() -> None:
     for name, method in expected.items():
         assert method_from_settings(spec.model_copy(update={"method": name})) == method
     assert method_from_settings(spec.model_copy(update={"method": "none"})) is None
-    # the defaults
-    assert method_from_settings(SpeculationSettings()) == DraftMethod("chain", k=4)
+    # the defaults: the engine's preset, and its path-probability floor for every method
+    assert method_from_settings(SpeculationSettings()) == DEFAULT_METHOD
     assert method_from_settings(SpeculationSettings(method="beam")) == DraftMethod(
-        "beam", depth=4, width=2
+        "beam", depth=4, width=2, min_path_prob=0.2
     )
 
 
@@ -61,7 +62,7 @@ def test_build_core_follows_the_settings() -> None:
     config = core.config
     assert (config.vocab_size, config.max_context, config.eos_token_ids) == (96, 256, (2,))
     assert (config.token_budget, config.max_running, config.micro_batches) == (64, 7, 2)
-    assert config.method == DraftMethod("static", expansion=(2, 2, 1, 1))
+    assert config.method == DraftMethod("static", expansion=(2, 2, 1, 1), min_path_prob=0.2)
     assert config.planner == "fixed"
     assert isinstance(core.policy, FCFS) and isinstance(core.selector, GlobalGreedy)
     off = AugurySettings.model_validate({"scheduler": {"speculation": {"method": "none"}}})

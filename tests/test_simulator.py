@@ -187,3 +187,49 @@ def test_overheads_are_fitted_from_the_scheduler_log() -> None:
     assert len(steps) == 5 and steps[3].num_decoding == 16 and steps[3].context == 300
     a, b = fit_overheads(steps, made_up_cost())
     assert (a, b) == (pytest.approx(3.0), pytest.approx(2.0))
+
+
+def test_the_command_reports_the_hand_computed_latencies(tmp_path: Path) -> None:
+    import json
+
+    from bench.simulate import main
+
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 4, "output_length": 7, "kind": "chat"},
+        {"timestamp": 5, "input_length": 4, "output_length": 7, "tpot_slo_ms": 1.0},
+        {"timestamp": 9000, "input_length": 4, "output_length": 7},  # past --duration
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    profile = tmp_path / "profile.json"
+    made_up_cost().profile.save(profile)
+    acceptance = chain_recording().save(tmp_path / "acceptance.json")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 64}')
+    out = tmp_path / "out"
+    argv = [
+        "--trace", str(trace), "--profile", str(profile), "--acceptance", str(acceptance),
+        "--target", str(target), "--out", str(out), "--drafts", "d", "--planner", "fixed",
+        "--selector", "global-greedy", "--duration", "1", "--no-plots",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["requests"] == 2 and report["completed"] == 2
+    # as in test_a_later_arrival_queues_then_shares_steps: E2E 0.034 s and 0.041 s
+    assert report["e2e_s"]["mean"] == pytest.approx((0.034 + 0.041) / 2)
+    assert report["slo_attainment"] == pytest.approx(0.5)  # the 1 ms objective is missed
+    assert report["steps_by_draft"] == {"d": 4}
+    assert report["meta"]["simulated"] is True
+
+
+def test_the_command_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.simulate import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 7}\nnot json\n')
+    argv = ["--trace", str(bad), "--out", str(tmp_path / "o"), "--profile", str(bad)]
+    assert main(argv) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
