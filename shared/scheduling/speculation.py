@@ -185,35 +185,34 @@ def plan_depths(
     current_ms = step_ms()
     best_goodput, best_steps = tokens / current_ms, 0
     taken: list[str] = []  # the requests given one more level, in order; best: the first k
-    # candidates: the next level of each request, best marginal expected tokens per node first
-    heap: list[tuple[float, int, DepthQuery]] = []
+    # candidates: the next level of each request, best marginal expected tokens per node first:
+    # (-rate^d, query index, d)
+    heap: list[tuple[float, int, int]] = []
+    levels = [min(q.max_depth, q.method.num_layers) if q.rate > 0 else 0 for q in queries]
     # what every level not yet taken could still add: an upper bound on the tokens to come
     left = 0.0
     for i, q in enumerate(queries):
-        levels = min(q.max_depth, q.method.num_layers)
-        if levels > 0 and q.rate > 0:
-            heapq.heappush(heap, (-q.rate, i, q))
-            left += expected_accepted(q.rate, levels)
-    while heap:
+        if levels[i] > 0:
+            heap.append((-q.rate, i, 1))
+            left += expected_accepted(q.rate, levels[i])
+    heapq.heapify(heap)
+    while heap and nodes < budget:  # each level adds about one node to the verifier's forward
         if (tokens + left) / current_ms <= best_goodput:
             break  # time only grows from here: no plan ahead can beat the best one
-        _, i, q = heapq.heappop(heap)
-        d = depth[q.request_id] + 1
-        width = min(q.method.tokens_at_depth(d), q.method.max_draft_tokens)
-        if nodes + 1 > budget:
-            continue
+        neg_gain, i, d = heapq.heappop(heap)
+        q = queries[i]
         depth[q.request_id] = d
         taken.append(q.request_id)
         nodes += 1  # the selector after drafting verifies what pays: about a node per level
-        tokens += q.rate**d
-        left -= q.rate**d
-        add_level(q, d, width)
+        tokens -= neg_gain
+        left += neg_gain
+        add_level(q, d, min(q.method.tokens_at_depth(d), q.method.max_draft_tokens))
         current_ms = step_ms()
         goodput = tokens / current_ms
         if goodput > best_goodput:
             best_goodput, best_steps = goodput, len(taken)
-        if d < q.max_depth and d < q.method.num_layers:
-            heapq.heappush(heap, (-(q.rate ** (d + 1)), i, q))
+        if d < levels[i]:
+            heapq.heappush(heap, (-(q.rate ** (d + 1)), i, d + 1))
     best = {q.request_id: 0 for q in queries}
     for rid in taken[:best_steps]:
         best[rid] += 1
