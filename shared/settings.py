@@ -151,6 +151,8 @@ class GatewaySettings(_Group):
     api_key: SecretStr | None = None
     model_name: Annotated[str, Field(min_length=1)] = "SmolLM2-135M-Instruct"
     output_idle_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # no Tokens for this long: 503
+    max_body_bytes: PositiveInt = 4 << 20  # a larger request body is a 413
+    max_stop_token_ids: PositiveInt = 64
     # Recording accepted requests to augury:{cell}:recorded for replay (bench/load/recording.py)
     record_requests: bool = False
     record_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N on the recording stream

@@ -88,3 +88,23 @@ def test_neutral_values_of_unsupported_options_are_accepted():
 def test_unknown_option_is_refused():
     with pytest.raises(UnsupportedOptionError, match="frobnicate"):
         sampling_params_from_options(frobnicate=1)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan(engine):
+    # 1/T overflows below vLLM's epsilon: such a request decodes greedily instead of sampling
+    # from NaN probabilities (which used to crash the engine's step)
+    assert SamplingParams(temperature=1e-320).is_greedy
+    tiny = engine.add_request([5, 6, 7], SamplingParams(temperature=1e-320, max_tokens=8))
+    greedy = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[tiny].output == engine.requests[greedy].output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("response_format", {"type": "json_object"}), ("tool_choice", "auto"), ("tools", [{}])],
+)
+def test_the_engine_refuses_what_the_gateway_refuses(option, value):
+    with pytest.raises(UnsupportedOptionError, match=option):
+        sampling_params_from_options(**{option: value})

@@ -229,6 +229,34 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
         ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "stop": ["\n"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),
+        # options other servers honour are refused, never silently ignored (one list)
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            400,
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+        ),
+        # limits: a draft name the scheduler could not take, an unbounded stop list
+        (
+            "/v1/completions",
+            {"prompt": "x", "augury": {"draft_model": "d" * 65}},
+            400,
+            "augury.draft_model",
+        ),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 65}, 400, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
         (
             "/v1/completions",
             {"prompt": "x", "augury": {"tpot_slo_ms": -1}},
@@ -259,6 +287,35 @@ async def test_bad_requests_name_the_field(
     assert error["param"] == param
     assert set(error) == {"message", "type", "param", "code"}
     assert scheduler.submits == []  # nothing reached the scheduler
+
+
+async def test_neutral_values_of_unsupported_options_pass(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    body = {
+        "model": model_name(),
+        "messages": [{"role": "user", "content": "x"}],
+        "presence_penalty": 0,
+        "logit_bias": {},
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "temperature": 1e-320,  # below vLLM's epsilon: greedy, not NaN probabilities
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200, await response.text()
+    assert scheduler.submits[-1].sampling.temperature == 0.0
+
+
+async def test_an_oversized_body_is_an_openai_413(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    body = {"model": model_name(), "prompt": "x" * (5 << 20)}  # over the default 4 MiB
+    response = await client.post("/v1/completions", json=body)
+    assert response.status == 413
+    assert (await response.json())["error"]["code"] == "too_large"
+    assert scheduler.submits == []
 
 
 async def test_invalid_json_is_a_400(running: tuple[TestClient, StandInScheduler]) -> None:

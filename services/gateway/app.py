@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -63,7 +64,10 @@ class Gateway:
 
     # ---- application ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth])
+        app = web.Application(
+            middlewares=[self._errors, self._auth],
+            client_max_size=self.settings.gateway.max_body_bytes,
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -88,6 +92,10 @@ class Gateway:
         except APIError as error:
             headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
             return web.json_response(error.body(), status=error.status, headers=headers)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.settings.gateway.max_body_bytes
+            error = APIError(413, f"the request body is over {limit} bytes", code="too_large")
+            return web.json_response(error.body(), status=413)
         except web.HTTPException:
             raise
         except Exception:
@@ -100,7 +108,12 @@ class Gateway:
         key = self.settings.gateway.api_key
         expected = None if key is None else f"Bearer {key.get_secret_value()}"
         guarded = request.path.startswith("/v1/")
-        if expected is not None and guarded and request.headers.get("Authorization") != expected:
+        given = request.headers.get("Authorization", "")
+        if (
+            expected is not None
+            and guarded
+            and not hmac.compare_digest(given.encode(), expected.encode())
+        ):
             raise APIError(
                 401, "missing or wrong API key", kind="authentication_error", code="invalid_api_key"
             )
@@ -154,6 +167,7 @@ class Gateway:
             model_name=self.model_name,
             vocab_size=self.vocab_size,
             max_context=self.max_context,
+            max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
         )
         if self.active >= self.settings.gateway.max_concurrent_requests:
             raise APIError(

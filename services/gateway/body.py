@@ -19,20 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.engine.sampling import SamplingParams
-from shared.errors import InvalidRequestError
+from shared.engine.sampling import SamplingParams, refuse_unsupported
+from shared.errors import InvalidRequestError, UnsupportedOptionError
+from shared.wire.requests import MAX_DRAFT_NAME_LEN
 
 DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1
-# Fields we do not implement, with the values that ask for nothing (clients send those).
-UNSUPPORTED_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("logprobs", (None, False)),
-    ("top_logprobs", (None, 0)),
-    ("echo", (None, False)),
-    ("best_of", (None, 1)),
-    ("suffix", (None, "")),
-    ("tools", (None, [])),
-)
+MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
 
 
 class Tokenizer(Protocol):
@@ -134,20 +127,28 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if _integer(body, "n", 1) != 1:
         raise bad_request("only n=1 is supported", "n")
-    for name, harmless in UNSUPPORTED_FIELDS:
-        if body.get(name) not in harmless:
-            raise bad_request(f"{name} is not supported", name)
+    try:
+        refuse_unsupported(body)  # the engine's list: one list for both
+    except UnsupportedOptionError as error:
+        raise bad_request(str(error), error.param) from None
     if body.get("stop") not in (None, [], ""):
         raise bad_request("stop strings are not supported; use stop_token_ids", "stop")
 
 
-def _sampling(body: Mapping[str, Any], max_tokens_field: str) -> SamplingParams:
+def _sampling(
+    body: Mapping[str, Any], max_tokens_field: str, vocab_size: int, max_stop_token_ids: int
+) -> SamplingParams:
     max_tokens = _integer(body, max_tokens_field, None)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     stop_ids = body.get("stop_token_ids") or []
+    if isinstance(stop_ids, list) and len(stop_ids) > max_stop_token_ids:
+        raise bad_request(
+            f"stop_token_ids holds {len(stop_ids)} ids, more than {max_stop_token_ids}",
+            "stop_token_ids",
+        )
     try:
         return SamplingParams(
             temperature=_number(body, "temperature", 1.0),
@@ -155,7 +156,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_field: str) -> SamplingParams:
             top_k=_integer(body, "top_k", 0) or 0,
             seed=_integer(body, "seed", None),
             max_tokens=max_tokens,
-            stop_token_ids=_token_ids(stop_ids, "stop_token_ids", 2**31),
+            stop_token_ids=_token_ids(stop_ids, "stop_token_ids", vocab_size),
             ignore_eos=_flag(body, "ignore_eos", False),
         )
     except InvalidRequestError as error:
@@ -213,6 +214,7 @@ def parse_generation(
     model_name: str,
     vocab_size: int,
     max_context: int,
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS,
 ) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
@@ -227,7 +229,8 @@ def parse_generation(
             code="model_not_found",
         )
     _refuse_unsupported(body)
-    sampling = _sampling(body, "max_completion_tokens" if chat else "max_tokens")
+    max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
+    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids)
     conversation = _conversation(body) if chat else None
     prompt_ids = (
         _chat_prompt(conversation, tokenizer)
@@ -256,6 +259,11 @@ def parse_generation(
     draft = extension.get("draft_model")
     if draft is not None and not isinstance(draft, str):
         raise bad_request("augury.draft_model must be a string", "augury.draft_model")
+    if draft is not None and not 0 < len(draft) <= MAX_DRAFT_NAME_LEN:
+        raise bad_request(
+            f"augury.draft_model must be 1 to {MAX_DRAFT_NAME_LEN} characters",
+            "augury.draft_model",
+        )
     priority = _integer(body, "priority", 0) or 0
     if abs(priority) > MAX_PRIORITY:
         raise bad_request("priority is out of range", "priority")

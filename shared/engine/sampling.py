@@ -9,6 +9,7 @@ a redelivered step redraws the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from shared.errors import InvalidRequestError
 
 MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-5  # below: greedy (vLLM's epsilon); dividing logits by less overflows
 SEED_BITS = 63
 
 # Streams of random numbers per (request, step): one for drafting, one for verification.
@@ -35,6 +37,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # 1/T would overflow: greedy, as vLLM does
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidRequestError(
                 f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}",
@@ -95,13 +99,14 @@ def sample(probs: torch.Tensor, u: float) -> int:
     return idx
 
 
-# Options other servers accept that we do not implement, with the value that means "off".
-# A request may send the neutral value; anything else is refused, never silently ignored.
+# Options other servers accept that we do not implement, with the values that mean "off". A
+# request may send a neutral value; anything else is refused, never silently ignored. The one
+# list for the gateway and the engine.
 UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None),
-    "logit_bias": (None,),
+    "logit_bias": (None, {}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "n": (1, None),
@@ -109,7 +114,26 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[object, ...]] = {
     "min_p": (0, 0.0, None),
     "use_beam_search": (False, None),
     "echo": (False, None),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
 }
+
+
+def refuse_unsupported(options: Mapping[str, object]) -> None:
+    """Raise `UnsupportedOptionError` for the first option we would otherwise ignore."""
+    from shared.errors import UnsupportedOptionError
+
+    for name, neutral in UNSUPPORTED_OPTIONS.items():
+        if name in options and options[name] not in neutral:
+            raise UnsupportedOptionError(
+                f"{name}={options[name]!r} is not supported by this server", param=name
+            )
+
+
 SUPPORTED_OPTIONS = {f.name for f in SamplingParams.__dataclass_fields__.values()}
 
 
@@ -117,16 +141,10 @@ def sampling_params_from_options(**options: object) -> SamplingParams:
     """Build SamplingParams from request options, refusing what we would otherwise ignore."""
     from shared.errors import UnsupportedOptionError
 
-    for name, value in options.items():
-        if name in SUPPORTED_OPTIONS:
-            continue
-        if name in UNSUPPORTED_OPTIONS:
-            if value in UNSUPPORTED_OPTIONS[name] or value == {}:
-                continue
-            raise UnsupportedOptionError(
-                f"{name}={value!r} is not supported by this server", param=name
-            )
-        raise UnsupportedOptionError(f"unknown sampling option {name!r}", param=name)
+    refuse_unsupported(options)
+    for name in options:
+        if name not in SUPPORTED_OPTIONS and name not in UNSUPPORTED_OPTIONS:
+            raise UnsupportedOptionError(f"unknown sampling option {name!r}", param=name)
     kwargs = {k: v for k, v in options.items() if k in SUPPORTED_OPTIONS and v is not None}
     if "stop_token_ids" in kwargs:
         kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from shared.wire.values import (
 )
 
 MAX_ID_LEN = 128
+MAX_DRAFT_NAME_LEN = 64  # a draft model's name in a Submit
 MAX_MESSAGE_LEN = 4096
 
 
@@ -75,7 +76,7 @@ class Submit(WireMessage):
             arrival_time=fields.number("arrival_time"),
             priority=fields.integer("priority", 0),
             tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
-            draft_model=fields.optional_text("draft_model", max_len=64),
+            draft_model=fields.optional_text("draft_model", max_len=MAX_DRAFT_NAME_LEN),
             speculate=fields.flag("speculate", True),
         )
 
