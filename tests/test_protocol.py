@@ -571,3 +571,11 @@ def test_stream_names() -> None:
     assert names.output_stream("gw-1") == "augury:out:gw-1"
     assert names.dead_letter_stream("augury:0:verify") == "augury:0:verify:dead"
     assert names.heartbeat_key("0", "drafter", "h-1") == "augury:0:hb:drafter:h-1"
+
+
+def test_only_gateway_output_streams_are_reply_targets() -> None:
+    from shared.wire.streams import is_output_stream, output_stream
+
+    assert is_output_stream(output_stream("gw-1"))
+    for name in ("augury:out:", "augury:0:requests", "other", "augury:out:a:b", "x:augury:out:g"):
+        assert not is_output_stream(name), name

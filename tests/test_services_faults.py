@@ -15,6 +15,7 @@ from shared.wire import (
     DraftJob,
     DraftRequest,
     FinishReason,
+    Submit,
     Tokens,
     VerifyJob,
     VerifyRequest,
@@ -95,6 +96,24 @@ async def test_malformed_entries_are_dead_lettered_and_services_keep_running(
         assert client.outcomes["alive"].tokens == want
         for consumer in [*stack.scheduler.consumers, drafter.consumer, stack.verifier.consumer]:
             assert consumer.crashed is None
+
+
+async def test_a_submit_naming_a_foreign_stream_is_dropped(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    # whoever can write the requests stream must not make the scheduler write anywhere else
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, "foreign", models) as (stack, client):
+        redis = client.bus.redis
+        victim = "somebody:else:stream"
+        bad = Submit("intruder", tuple(PROMPT), SamplingParams(max_tokens=4), victim, 0.0)
+        await client.bus.publish(requests_stream("foreign"), bad)
+        [want] = plain_greedy(tiny_target_dir, [PROMPT], [SamplingParams(max_tokens=6)])
+        await client.submit("fine", PROMPT, SamplingParams(max_tokens=6))
+        await client.wait(["fine"])  # submitted after the intruder: that one was handled
+        assert client.outcomes["fine"].tokens == want
+        assert await redis.exists(victim) == 0
+        assert "intruder" not in stack.scheduler.core.requests
 
 
 async def until_async_len(redis: object, stream: str, n: int, timeout_s: float = 10.0) -> None:

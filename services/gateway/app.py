@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -61,6 +63,8 @@ class Gateway:
         self.recorder = Recorder(bus, settings.gateway, settings.service.cell, self.metrics)
         self.active = 0
         self.draining = False
+        # one thread: the tokenizer is not shared across threads, and the loop stays free
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # ---- application ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -82,6 +86,7 @@ class Gateway:
 
     async def _stop(self, app: web.Application) -> None:
         self.draining = True
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         await self.outputs.stop()
         await self.recorder.stop()
 
@@ -156,31 +161,23 @@ class Gateway:
         started, arrival_time = time.monotonic(), time.time()
         if self.draining:
             raise APIError(503, "the server is draining", kind="server_error", code="unavailable")
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
-        gen = parse_generation(
-            body,
-            chat=chat,
-            tokenizer=self.tokenizer,
-            model_name=self.model_name,
-            vocab_size=self.vocab_size,
-            max_context=self.max_context,
-            max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
-        )
-        if self.active >= self.settings.gateway.max_concurrent_requests:
+        if self.active >= self.settings.gateway.max_concurrent_requests:  # before any work
             raise APIError(
                 429,
                 "too many concurrent requests; retry later",
                 kind="rate_limit_error",
                 code="overloaded",
             )
+        self.active += 1  # the slot is this request's from here on
+        try:
+            gen = await self._parse(request, chat=chat)
+        except BaseException:
+            self.active -= 1
+            raise
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         progress = Progress(started=started)
         outcome = Outcome()
         queue = self.outputs.open(request_id)
-        self.active += 1
         self.metrics.running.inc()
         try:
             await self._submit(request_id, gen)
@@ -207,6 +204,24 @@ class Gateway:
                 await self._cancel(request_id)
             else:
                 self._record_finished(gen, progress)
+
+    async def _parse(self, request: web.Request, *, chat: bool) -> GenerationRequest:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        parse = functools.partial(
+            parse_generation,
+            body,
+            chat=chat,
+            tokenizer=self.tokenizer,
+            model_name=self.model_name,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
+        )
+        # templating and tokenizing a long prompt must not stall every other stream
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
 
     async def _submit(self, request_id: str, gen: GenerationRequest) -> None:
         submit = Submit(

@@ -66,6 +66,7 @@ from shared.wire.streams import (
     SCHEDULER,
     candidates_stream,
     draft_stream,
+    is_output_stream,
     requests_stream,
     results_stream,
     verify_stream,
@@ -224,6 +225,12 @@ class SchedulerService:
         rid = submit.request_id
         if rid in self.core.requests or rid in self._finished:
             return  # a redelivered Submit
+        if not is_output_stream(submit.reply_to):  # never write where a Submit says at will
+            log.warning(
+                "dropping %s: reply_to %r is not a gateway's output stream", rid, submit.reply_to
+            )
+            self._remember(rid)
+            return
         seed = submit.sampling.seed
         request = RequestState(
             rid,

@@ -54,6 +54,12 @@ def output_stream(gateway_replica: str) -> str:
     return f"{PREFIX}:out:{gateway_replica}"
 
 
+def is_output_stream(name: str) -> bool:
+    """Whether `name` is a gateway replica's output stream (a Submit's `reply_to` must be)."""
+    prefix = output_stream("")
+    return name.startswith(prefix) and len(name) > len(prefix) and ":" not in name[len(prefix) :]
+
+
 def dead_letter_stream(stream: str) -> str:
     return stream + DEAD_LETTER_SUFFIX
 
