@@ -208,7 +208,7 @@ class Gateway:
     async def _parse(self, request: web.Request, *, chat: bool) -> GenerationRequest:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except ValueError:  # not JSON, not UTF-8, or an integer of more digits than Python reads
             raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
         parse = functools.partial(
             parse_generation,
