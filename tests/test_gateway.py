@@ -137,6 +137,32 @@ async def test_models_and_health(running: tuple[TestClient, StandInScheduler]) -
     assert health.status == 200
 
 
+async def test_ready_once_a_generation_goes_through(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    response = await client.get("/health/ready")
+    assert response.status == 200 and (await response.json())["status"] == "ready"
+    (probe,) = scheduler.submits  # one real one-token request went through
+    assert probe.sampling.max_tokens == 1
+    assert (await client.get("/health/ready")).status == 200
+    assert len(scheduler.submits) == 1  # a fresh answer is reused, not probed again
+
+
+async def test_not_ready_without_a_scheduler(server: EmbeddedRedis, tokenizer: Any) -> None:
+    settings = make_settings(ready_timeout_s=0.3)
+    bus = Bus(server.url, settings.redis, "lonely")
+    gateway = Gateway(settings, bus, tokenizer, vocab_size=len(tokenizer), max_context=2048)
+    client = TestClient(TestServer(gateway.app()))
+    await client.start_server()
+    try:
+        assert (await client.get("/health")).status == 200  # alive ...
+        response = await client.get("/health/ready")  # ... but nothing answers
+        assert response.status == 503
+    finally:
+        await client.close()
+
+
 async def test_completion(running: tuple[TestClient, StandInScheduler], tokenizer: Any) -> None:
     client, scheduler = running
     body = {"model": model_name(), "prompt": "Say hello", "max_tokens": 50, "temperature": 0}

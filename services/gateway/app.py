@@ -13,6 +13,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,13 +31,15 @@ from services.gateway.progress import Progress, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
 from shared.bus.profiles import read_profiles
+from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
-from shared.wire import Cancel, FinishReason, Submit
+from shared.wire import Cancel, FinishReason, Submit, Tokens
 from shared.wire.streams import requests_stream
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+READY_FRESH_S = 5.0  # a readiness probe that went through answers for this long
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it
 
 RouteHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,6 +68,8 @@ class Gateway:
         self.draining = False
         # one thread: the tokenizer is not shared across threads, and the loop stays free
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._probing = asyncio.Lock()
+        self._ready_at = -math.inf  # when a readiness probe last went through
 
     # ---- application ---------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -76,6 +81,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -139,6 +145,39 @@ class Gateway:
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness: 200 once a one-token generation has gone through every hop (gateway,
+        scheduler, verifier and back) within the last few seconds; 503 while starting or
+        draining, or when the probe fails."""
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        async with self._probing:  # one probe at a time; the others share its answer
+            if time.monotonic() - self._ready_at > READY_FRESH_S:
+                if await self._probe():
+                    self._ready_at = time.monotonic()
+                else:
+                    return web.json_response({"status": "not ready"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def _probe(self) -> bool:
+        request_id = f"ready-{uuid.uuid4().hex}"
+        queue = self.outputs.open(request_id)
+        prompt = tuple(self.tokenizer.encode("Hi", add_special_tokens=False)) or (0,)
+        submit = Submit(
+            request_id, prompt, SamplingParams(max_tokens=1), self.outputs.stream, time.time()
+        )
+        try:
+            await self.bus.publish(requests_stream(self.settings.service.cell), submit)
+            async with asyncio.timeout(self.settings.gateway.ready_timeout_s):
+                message = await queue.get()
+            return isinstance(message, Tokens) and bool(message.token_ids)
+        except (TimeoutError, RedisError, OSError) as error:
+            log.warning("readiness probe failed: %s", error or type(error).__name__)
+            await self._cancel(request_id)
+            return False
+        finally:
+            self.outputs.close(request_id)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
