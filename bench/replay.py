@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 from bench.load.client import ReplayError, api_root, replay
 from bench.load.recording import is_redis_url, read_recorded, split_trace_url
 from bench.load.trace import TraceError, TraceRequest
+from shared.settings import redacted_url
 
 BAD_INPUT = 2
 HEALTH_POLL_S = 0.25
@@ -66,7 +67,8 @@ def read_recording(url: str, stream: str | None, count: int | None = None) -> li
     try:
         return read_recorded(redis_url, name, count=count)
     except (RedisError, OSError, ValueError) as error:  # ValueError: a malformed URL
-        raise CLIError(f"could not read the recording {name} at {redis_url}: {error}") from None
+        where = redacted_url(redis_url)
+        raise CLIError(f"could not read the recording {name} at {where}: {error}") from None
 
 
 def load_trace(trace: str, *, rate: float | None, seed: int) -> list[TraceRequest]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from services.run import SERVICES, serve_until_signalled, start_one, start_stack
 from services.runtime import resolve_models, run_async
 from shared.bus import redis_url
-from shared.settings import AugurySettings, SettingsError, load_settings
+from shared.settings import AugurySettings, SettingsError, load_settings, redacted_url
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> N
     else:
         stack = await start_one(settings, url, models, args.service, args.name)
     logging.getLogger("services").info(
-        "%s running (cell %s, redis %s)", args.service, settings.service.cell, url
+        "%s running (cell %s, redis %s)", args.service, settings.service.cell, redacted_url(url)
     )
     await serve_until_signalled(stack)
 

