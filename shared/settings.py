@@ -163,6 +163,8 @@ class GatewaySettings(_Group):
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     max_concurrent_requests: PositiveInt = 256
     api_key: SecretStr | None = None
+    api_keys: list[SecretStr] = Field(default_factory=list)  # more keys, all accepted (rotation)
+    metrics_need_key: bool = False  # /metrics behind the API key too
     model_name: Annotated[str, Field(min_length=1)] = "SmolLM2-135M-Instruct"
     output_idle_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # no Tokens for this long: 503
     max_body_bytes: PositiveInt = 4 << 20  # a larger request body is a 413
@@ -172,6 +174,12 @@ class GatewaySettings(_Group):
     record_requests: bool = False
     record_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N on the recording stream
     record_prompts: bool = False  # also the prompt text or messages (off: lengths only)
+
+    @property
+    def accepted_api_keys(self) -> list[str]:
+        """Every key a client may present (none: the API is open)."""
+        keys = [self.api_key, *self.api_keys] if self.api_key is not None else self.api_keys
+        return [key.get_secret_value() for key in keys]
 
 
 def redacted_url(url: str) -> str:

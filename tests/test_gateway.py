@@ -431,6 +431,24 @@ async def test_api_key_is_required_when_configured(server: EmbeddedRedis, tokeni
     )
     assert ok.status == 200
     assert (await client.get("/health")).status == 200  # liveness needs no key
+    assert (await client.get("/metrics")).status == 200  # metrics neither, by default
+    await consumer.stop()
+    await client.close()
+
+
+async def test_several_keys_and_guarded_metrics(server: EmbeddedRedis, tokenizer: Any) -> None:
+    client, _, consumer = await start(
+        server, tokenizer, "keys", api_key="sk-old", api_keys=["sk-new"], metrics_need_key=True
+    )
+    body = {"model": model_name(), "prompt": "hi", "max_tokens": 2}
+    for key in ("sk-old", "sk-new"):
+        headers = {"Authorization": f"Bearer {key}"}
+        assert (await client.post("/v1/completions", json=body, headers=headers)).status == 200
+        assert (await client.get("/metrics", headers=headers)).status == 200
+    assert (await client.get("/metrics")).status == 401
+    wrong = {"Authorization": "Bearer sk-ol"}
+    assert (await client.post("/v1/completions", json=body, headers=wrong)).status == 401
+    assert (await client.get("/health")).status == 200
     await consumer.stop()
     await client.close()
 

@@ -116,18 +116,21 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: RouteHandler) -> web.StreamResponse:
-        key = self.settings.gateway.api_key
-        expected = None if key is None else f"Bearer {key.get_secret_value()}"
-        guarded = request.path.startswith("/v1/")
-        given = request.headers.get("Authorization", "")
-        if (
-            expected is not None
-            and guarded
-            and not hmac.compare_digest(given.encode(), expected.encode())
-        ):
-            raise APIError(
-                401, "missing or wrong API key", kind="authentication_error", code="invalid_api_key"
-            )
+        keys = self.settings.gateway.accepted_api_keys
+        guarded = request.path.startswith("/v1/") or (
+            request.path == "/metrics" and self.settings.gateway.metrics_need_key
+        )
+        if keys and guarded:
+            given = request.headers.get("Authorization", "").encode()
+            # every key compared, each in constant time: neither a match nor its place leaks
+            matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+            if not any(matches):
+                raise APIError(
+                    401,
+                    "missing or wrong API key",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     # ---- simple endpoints ----------------------------------------------------------------------
