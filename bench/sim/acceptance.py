@@ -94,7 +94,9 @@ class AcceptanceModel:
     sessions: list[Session] = field(default_factory=list)
     notes: str = ""
     _by_key: dict[tuple[str, str], list[Session]] = field(default_factory=dict, repr=False)
-    _trees: dict[tuple[int, int, int], TokenTree] = field(default_factory=dict, repr=False)
+    _trees: dict[tuple[int, int, int], tuple[TokenTree, tuple[int, ...]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         self._index()
@@ -126,12 +128,20 @@ class AcceptanceModel:
 
     def drafted_tree(self, session: Session, step: int, max_depth: int) -> TokenTree:
         """What the drafter proposes at the session's `step` (wrapping round), `max_depth` deep."""
+        return self.drafted(session, step, max_depth)[0]
+
+    def drafted(
+        self, session: Session, step: int, max_depth: int
+    ) -> tuple[TokenTree, tuple[int, ...]]:
+        """`drafted_tree`, and its nodes at each depth 1, 2, ... (what each draft layer costs)."""
         index = step % len(session.steps)
         key = (id(session), index, max_depth)  # the simulator asks for the same trees often
-        tree = self._trees.get(key)
-        if tree is None:
-            tree = self._trees[key] = session.steps[index].tree(max_depth)
-        return tree
+        found = self._trees.get(key)
+        if found is None:
+            tree = session.steps[index].tree(max_depth)
+            layers = tuple(int(n) for n in np.bincount(tree.depths())[1:])
+            found = self._trees[key] = (tree, layers)
+        return found
 
     def num_accepted(self, session: Session, step: int, selected: TokenTree) -> int:
         """Draft tokens the target accepts of `selected` (a subtree of the drafted tree)."""

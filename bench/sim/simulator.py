@@ -202,12 +202,12 @@ class Simulator:
             for rid in rids:
                 plan = batch.drafts[rid]
                 session, step = self._session_step(rid, model)
-                tree = self.acceptance.drafted_tree(session, step, plan.max_depth)
+                tree, sizes = self.acceptance.drafted(session, step, plan.max_depth)
                 drafted[rid] = tree
                 sessions[rid] = (session, step)
                 root_tokens += len(plan.new_tokens)
-                for depth in tree.depths()[1:]:
-                    layers[int(depth)] = layers.get(int(depth), 0) + 1
+                for depth, size in enumerate(sizes, start=1):
+                    layers[depth] = layers.get(depth, 0) + size
                 self.core.note_drafted(rid, True)
             ms = self.cost.draft_tree_ms(
                 model,

@@ -466,6 +466,7 @@ class CostModel:
 
 
 MAX_CACHED_COLUMNS = 4096
+MAX_CACHED_POINTS = 1 << 16
 
 
 class _Curves:
@@ -481,6 +482,7 @@ class _Curves:
         self.max_requests = profile.max_requests
         # the planner asks about many token counts at one context: cache the context's column
         self._columns: dict[tuple[bool, float], list[float]] = {}
+        self._points: dict[tuple[float, float], tuple[float, float | None]] = {}
 
     @property
     def max_tokens(self) -> int:
@@ -512,10 +514,19 @@ class _Curves:
         return single + share * (spread - single)
 
     def ms(self, num_tokens: float, context: float, num_requests: int | None = None) -> float:
-        spread = self._curve_ms(self.spread, num_tokens, context)
-        if self.single is None or num_requests is None:
+        key = (num_tokens, context)
+        both = self._points.get(key)
+        if both is None:  # the request count changes the mix below, not these two lookups
+            if len(self._points) >= MAX_CACHED_POINTS:
+                self._points.clear()
+            spread = self._curve_ms(self.spread, num_tokens, context)
+            single = None
+            if self.single is not None:
+                single = self._curve_ms(self.single, num_tokens, context)
+            both = self._points[key] = (spread, single)
+        spread, single = both
+        if single is None or num_requests is None:
             return spread
-        single = self._curve_ms(self.single, num_tokens, context)
         layout = min(max(int(num_tokens), 1), self.max_requests)  # requests in the spread layout
         if layout <= 1:
             return single
