@@ -13,6 +13,13 @@ from hypothesis import strategies as st
 from shared.engine.methods import DraftMethod
 from shared.engine.tree import TokenTree
 from shared.scheduling.core import CoreConfig, SchedulerCore
+from shared.scheduling.cost_model import (
+    CostModel,
+    CostProfile,
+    ForwardCurve,
+    ModelProfile,
+    ProfileKey,
+)
 from shared.scheduling.speculation import (
     FIRST_PROBE_INTERVAL,
     MAX_PROBE_INTERVAL,
@@ -219,3 +226,93 @@ def test_right_and_wrong_drafts_in_one_batch() -> None:
     right, wrong = core.requests["right"], core.requests["wrong"]
     assert right.stats.acceptance_rate == 1.0 and wrong.stats.num_accepted == 0
     assert len(right.output) > 3 * len(wrong.output)
+
+
+GPU_LIKE = ([(1, 10.0), (8, 10.5), (64, 14.0)], [(1, 10.0), (8, 10.2), (64, 12.0)])
+CPU_LIKE = ([(1, 10.0), (8, 30.0), (64, 200.0)], [(1, 10.0), (8, 12.0), (64, 90.0)])
+
+
+def two_draft_cost(target: tuple[list, list] = CPU_LIKE) -> CostModel:
+    """Curves that depend on the request count (a one-request curve beside the spread one) and
+    two draft models, so every term of a step's price matters."""
+    key = ProfileKey(model="t", fingerprint="f", device="cpu: fake", dtype="float32", threads=1)
+
+    def curve(points: list[tuple[int, float]]) -> ForwardCurve:
+        return ForwardCurve(
+            tokens=[n for n, _ in points], contexts=[0], ms_grid=[[m] for _, m in points]
+        )
+
+    def model(name: str, spread: list[tuple[int, float]], single: list[tuple[int, float]]):
+        mk = key.model_copy(update={"model": name})
+        return ModelProfile(key=mk, curve=curve(spread), single=curve(single), max_requests=8)
+
+    return CostModel(
+        CostProfile(
+            target=model("t", *target),
+            drafts={
+                "d": model("d", [(1, 0.5), (8, 2.5), (64, 12.0)], [(1, 0.5), (8, 0.7), (64, 3.0)]),
+                "e": model("e", [(1, 1.0), (8, 5.0), (64, 25.0)], [(1, 1.0), (8, 1.4), (64, 6.0)]),
+            },
+        )
+    )
+
+
+def reference_goodput(queries, depths, cost, *, prefill, context, num_requests) -> float:
+    """Expected tokens per ms of a plan, priced term by term with `draft_tree_ms`."""
+    tokens = len(queries) + sum(
+        q.rate**d for q in queries for d in range(1, depths[q.request_id] + 1)
+    )
+    nodes = sum(depths.values()) + len(queries)
+    ms = cost.verify_ms(max(nodes, 1), context, num_requests)
+    for model in {q.draft_model for q in queries}:
+        mine = [q for q in queries if q.draft_model == model and depths[q.request_id] > 0]
+        if not mine:
+            continue
+        deepest = max(depths[q.request_id] for q in mine)
+        layers = [
+            sum(min(q.method.tokens_at_depth(d), q.method.max_draft_tokens)
+                for q in mine if depths[q.request_id] >= d)
+            for d in range(1, deepest + 1)
+        ]  # fmt: skip
+        root = sum(q.new_tokens for q in mine)
+        ms += cost.draft_tree_ms(model, root, layers, context, len(mine))
+    return tokens / ms
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.0, 0.99), min_size=1, max_size=12),
+    models=st.lists(st.sampled_from(["d", "e"]), min_size=12, max_size=12),
+    new_tokens=st.lists(st.integers(1, 40), min_size=12, max_size=12),
+    num_requests=st.none() | st.integers(1, 20),
+    method=st.sampled_from(
+        [CHAIN, DraftMethod("dynamic", max_size=8, budget=8, max_depth=5, max_width=3)]
+    ),
+    target=st.sampled_from([GPU_LIKE, CPU_LIKE]),
+)
+def test_the_plan_is_the_best_prefix_of_the_greedy_order(
+    rates, models, new_tokens, num_requests, method, target
+) -> None:
+    # the vectorized planner against a plain pricing of every prefix of the same order
+    cost = two_draft_cost(target)
+    queries = [
+        DepthQuery(f"r{i}", models[i], method, 5, rate, new_tokens[i])
+        for i, rate in enumerate(rates)
+    ]
+    step = {"prefill": 0, "context": 0, "num_requests": num_requests}
+    planned = plan_depths(
+        queries, cost, prefill_tokens=0, budget=512, context=0, num_requests=num_requests
+    )
+    order = sorted(
+        (-(q.rate**d), i, d)
+        for i, q in enumerate(queries)
+        if q.rate > 0
+        for d in range(1, min(q.max_depth, method.num_layers) + 1)
+    )
+    best = 0.0
+    depths = {q.request_id: 0 for q in queries}
+    for k in range(len(order) + 1):
+        if k:
+            depths[queries[order[k - 1][1]].request_id] += 1
+        best = max(best, reference_goodput(queries, depths, cost, **step))
+    assert reference_goodput(queries, planned, cost, **step) == pytest.approx(best, rel=1e-9)

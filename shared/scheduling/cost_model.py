@@ -448,6 +448,14 @@ class CostModel:
             self.draft_forward_ms(model, n, context, num_requests) for n in forwards if n > 0
         )
 
+    def draft_forward_ms_many(
+        self, model: str, num_tokens: np.ndarray, context: int, num_requests: np.ndarray | int
+    ) -> np.ndarray:
+        """`draft_forward_ms` of every entry of `num_tokens` (with its own request count)."""
+        if model not in self._drafts:
+            raise KeyError(f"no cost profile for draft {model!r} (have {self.draft_models})")
+        return self._drafts[model].ms_many(num_tokens, context, num_requests)
+
     def draft_cost_per_token_ms(self, model: str, context: int = TYPICAL_CONTEXT) -> float:
         """A draft forward of one token at context `context` (default 256)."""
         return self.draft_forward_ms(model, 1, context)
@@ -501,16 +509,20 @@ class _Curves:
         return column
 
     def ms_many(
-        self, num_tokens: np.ndarray, context: float, num_requests: int | None = None
+        self,
+        num_tokens: np.ndarray,
+        context: float,
+        num_requests: int | np.ndarray | None = None,
     ) -> np.ndarray:
-        """`ms` of every entry of `num_tokens` at once."""
+        """`ms` of every entry of `num_tokens` at once (`num_requests` one for all, or each's)."""
         ns = np.asarray(num_tokens, dtype=np.float64)
         spread = self.spread.along_tokens_many(ns, self._column(self.spread, context))
         if self.single is None or num_requests is None:
             return spread
         single = self.single.along_tokens_many(ns, self._column(self.single, context))
         layout = np.clip(ns.astype(np.int64), 1, self.max_requests)
-        share = (np.minimum(max(num_requests, 1), layout) - 1) / np.maximum(layout - 1, 1)
+        requests = np.maximum(num_requests, 1)
+        share = (np.minimum(requests, layout) - 1) / np.maximum(layout - 1, 1)
         return single + share * (spread - single)
 
     def ms(self, num_tokens: float, context: float, num_requests: int | None = None) -> float:

@@ -121,102 +121,67 @@ def plan_depths(
 ) -> dict[str, int]:
     """The depth each request drafts to this step (0: plain decoding), by goodput.
     `num_requests`: requests in the verifier's forward, decoding and prefilling (None: the
-    profile's spread layout)."""
+    profile's spread layout).
+
+    Levels are taken best marginal expected tokens first (request i's level d adds rate_i^d;
+    a request's levels come in order, as its gains fall with depth), each adding about one node
+    to the verifier's forward (what the selector after drafting verifies) until the budget is
+    spent. The plan is the prefix of that order with the most expected tokens per millisecond
+    of drafting and verification; every prefix is priced at once.
+    """
     depth = {q.request_id: 0 for q in queries}
-    nodes = len(queries) + prefill_tokens  # one root per decoding request
-    # per draft model: tokens of the root forward, and of each layer's forward
-    root_tokens: dict[str, int] = {}
-    layer_tokens: dict[str, list[int]] = {}
-    drafting_requests: dict[str, int] = {}
-    tokens = float(len(queries))
-    # every step below changes one or two forwards of the plan: remember the others' costs
-    forward_ms: dict[tuple[str, int, int], float] = {}
-    model_ms: dict[str, float] = {}  # each draft model's drafting time as planned so far
+    first_nodes = len(queries) + prefill_tokens  # one root per decoding request
+    levels = sorted(
+        (-(q.rate**d), i, d)
+        for i, q in enumerate(queries)
+        if q.rate > 0
+        for d in range(1, min(q.max_depth, q.method.num_layers) + 1)
+    )[: max(0, budget - first_nodes)]
+    if not levels:
+        return depth
+    # prefix k (0..K) takes levels[:k]: [K + 1] expected tokens and milliseconds
+    tokens = len(queries) - np.concatenate(([0.0], np.cumsum([g for g, _, _ in levels])))
+    num_prefixes = len(levels) + 1
+    step_ms = verify_shares(cost, prefill_tokens, first_nodes, num_prefixes, context, num_requests)
+    for model in sorted({queries[i].draft_model for _, i, _ in levels}):
+        if cost.has_draft(model):  # a draft without a profile is taken as free
+            step_ms = step_ms + _drafting_ms(model, levels, queries, cost, context)
+    best = int(np.argmax(tokens / step_ms))  # the first of equals
+    for _, i, _ in levels[:best]:
+        depth[queries[i].request_id] += 1
+    return depth
 
-    def draft_forward(model: str, num_tokens: int) -> float:
-        if num_tokens <= 0:
-            return 0.0
-        key = (model, num_tokens, drafting_requests[model])
-        ms = forward_ms.get(key)
-        if ms is None:
-            ms = cost.draft_forward_ms(model, num_tokens, context, drafting_requests[model])
-            forward_ms[key] = ms
-        return ms
 
-    def drafting_ms(model: str) -> float:
-        """The root chain's forward, then one per layer but the last (as `draft_tree_ms`)."""
-        forwards = [root_tokens[model], *layer_tokens[model][:-1]]
-        return sum(draft_forward(model, n) for n in forwards)
+def _drafting_ms(
+    model: str,
+    levels: Sequence[tuple[float, int, int]],
+    queries: Sequence[DepthQuery],
+    cost: CostModel,
+    context: int,
+) -> np.ndarray:
+    """[K + 1] drafting time of `model` after each prefix of `levels`: its root chain forward
+    (every drafting request's new tokens) and one forward per tree layer but the deepest, as
+    `CostModel.draft_tree_ms` prices a tree, with the drafting requests counted at each prefix."""
+    mine = np.array([queries[i].draft_model == model for _, i, _ in levels])
+    level = np.array([d for _, _, d in levels]) * mine  # 0 where another model's level
+    starts = level == 1  # a request's first level: it drafts, and its root forward grows
+    new_tokens = np.array([queries[i].new_tokens for _, i, _ in levels]) * starts
+    width = np.array(
+        [min(queries[i].method.tokens_at_depth(d), queries[i].method.max_draft_tokens)
+         for _, i, d in levels]
+    )  # fmt: skip
 
-    def add_level(q: DepthQuery, d: int, width: int) -> None:
-        """Request `q` drafts one level deeper, to `d`: update its draft model's time."""
-        model = q.draft_model
-        if model not in root_tokens:
-            root_tokens[model] = 0
-            layer_tokens[model] = []
-            drafting_requests[model] = 0
-        layers = layer_tokens[model]
-        if d == 1:  # a new drafting request: every forward of its model changes
-            root_tokens[model] += q.new_tokens
-            drafting_requests[model] += 1
-            layers.extend([0] * (1 - len(layers)))
-            layers[0] += width
-            ms = drafting_ms(model)
-        else:
-            ms = model_ms[model]
-            if d > len(layers):  # a new deepest layer: the old last one now needs a forward
-                layers.append(0)
-                ms += draft_forward(model, layers[d - 2])
-            before = layers[d - 1]
-            layers[d - 1] += width
-            if d < len(layers):  # not the last layer: its forward grows
-                ms += draft_forward(model, layers[d - 1]) - draft_forward(model, before)
-        model_ms[model] = ms if cost.has_draft(model) else 0.0  # unprofiled drafts are free
+    def prefix(values: np.ndarray) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(values)))
 
-    def step_ms() -> float:
-        return sum(model_ms.values()) + float(verify_by_nodes[nodes - first_nodes])
-
-    # the verifier's forward at every size the plan can reach (one node per level taken)
-    first_nodes = nodes
-    num_levels = sum(min(q.max_depth, q.method.num_layers) for q in queries if q.rate > 0)
-    verify_by_nodes = verify_shares(
-        cost, prefill_tokens, first_nodes, num_levels + 1, context, num_requests
+    drafting = prefix(starts)  # requests drafting with this model
+    deepest = np.concatenate(([0], np.maximum.accumulate(level)))  # layers of its trees
+    forwards = [prefix(new_tokens)]  # the root chain
+    for layer in range(1, int(deepest[-1])):  # layer d's nodes are forwarded once d+1 exists
+        forwards.append(prefix(width * (level == layer)) * (deepest > layer))
+    return sum(
+        cost.draft_forward_ms_many(model, n, context, np.maximum(drafting, 1)) for n in forwards
     )
-    current_ms = step_ms()
-    best_goodput, best_steps = tokens / current_ms, 0
-    taken: list[str] = []  # the requests given one more level, in order; best: the first k
-    # candidates: the next level of each request, best marginal expected tokens per node first:
-    # (-rate^d, query index, d)
-    heap: list[tuple[float, int, int]] = []
-    levels = [min(q.max_depth, q.method.num_layers) if q.rate > 0 else 0 for q in queries]
-    # what every level not yet taken could still add: an upper bound on the tokens to come
-    left = 0.0
-    for i, q in enumerate(queries):
-        if levels[i] > 0:
-            heap.append((-q.rate, i, 1))
-            left += expected_accepted(q.rate, levels[i])
-    heapq.heapify(heap)
-    while heap and nodes < budget:  # each level adds about one node to the verifier's forward
-        if (tokens + left) / current_ms <= best_goodput:
-            break  # time only grows from here: no plan ahead can beat the best one
-        neg_gain, i, d = heapq.heappop(heap)
-        q = queries[i]
-        depth[q.request_id] = d
-        taken.append(q.request_id)
-        nodes += 1  # the selector after drafting verifies what pays: about a node per level
-        tokens -= neg_gain
-        left += neg_gain
-        add_level(q, d, min(q.method.tokens_at_depth(d), q.method.max_draft_tokens))
-        current_ms = step_ms()
-        goodput = tokens / current_ms
-        if goodput > best_goodput:
-            best_goodput, best_steps = goodput, len(taken)
-        if d < levels[i]:
-            heapq.heappush(heap, (-(q.rate ** (d + 1)), i, d + 1))
-    best = {q.request_id: 0 for q in queries}
-    for rid in taken[:best_steps]:
-        best[rid] += 1
-    return best
 
 
 def node_scores(tree: TokenTree, max_depth: int) -> list[tuple[float, int, int]]:
