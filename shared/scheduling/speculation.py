@@ -29,6 +29,7 @@ requests on a steep cost curve no draft pays, and probing would only cost.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -152,6 +153,13 @@ def plan_depths(
     return depth
 
 
+@functools.cache
+def layer_widths(method: DraftMethod) -> tuple[int, ...]:
+    """Nodes a tree of `method` may add at each depth (index 0 unused): what a level costs."""
+    limit = method.max_draft_tokens
+    return (0, *(min(method.tokens_at_depth(d), limit) for d in range(1, method.num_layers + 1)))
+
+
 def _drafting_ms(
     model: str,
     levels: Sequence[tuple[float, int, int]],
@@ -166,10 +174,7 @@ def _drafting_ms(
     level = np.array([d for _, _, d in levels]) * mine  # 0 where another model's level
     starts = level == 1  # a request's first level: it drafts, and its root forward grows
     new_tokens = np.array([queries[i].new_tokens for _, i, _ in levels]) * starts
-    width = np.array(
-        [min(queries[i].method.tokens_at_depth(d), queries[i].method.max_draft_tokens)
-         for _, i, d in levels]
-    )  # fmt: skip
+    width = np.array([layer_widths(queries[i].method)[d] for _, i, d in levels])
 
     def prefix(values: np.ndarray) -> np.ndarray:
         return np.concatenate(([0], np.cumsum(values)))
