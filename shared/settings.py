@@ -169,6 +169,7 @@ class GatewaySettings(_Group):
     output_idle_timeout_s: Annotated[float, Field(gt=0)] = 120.0  # no Tokens for this long: 503
     max_body_bytes: PositiveInt = 4 << 20  # a larger request body is a 413
     max_stop_token_ids: PositiveInt = 64
+    max_messages: PositiveInt = 256  # chat turns in one request
     ready_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # /health/ready's one-token probe
     # Recording accepted requests to augury:{cell}:recorded for replay (bench/load/recording.py)
     record_requests: bool = False

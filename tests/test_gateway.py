@@ -282,6 +282,12 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
             "augury.draft_model",
         ),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [1] * 65}, 400, "stop_token_ids"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}] * 257},
+            400,
+            "messages",
+        ),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
         (
             "/v1/completions",

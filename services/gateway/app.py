@@ -261,6 +261,7 @@ class Gateway:
             vocab_size=self.vocab_size,
             max_context=self.max_context,
             max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
+            max_messages=self.settings.gateway.max_messages,
         )
         # templating and tokenizing a long prompt must not stall every other stream
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)

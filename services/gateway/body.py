@@ -26,6 +26,7 @@ from shared.wire.requests import MAX_DRAFT_NAME_LEN
 DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
+MAX_MESSAGES = 256  # default of gateway.max_messages
 
 
 class Tokenizer(Protocol):
@@ -164,10 +165,14 @@ def _sampling(
         raise bad_request(str(error), param) from None
 
 
-def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def _conversation(body: Mapping[str, Any], max_messages: int) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    if len(messages) > max_messages:
+        raise bad_request(
+            f"messages holds {len(messages)} messages, more than {max_messages}", "messages"
+        )
     conversation = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -215,6 +220,7 @@ def parse_generation(
     vocab_size: int,
     max_context: int,
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS,
+    max_messages: int = MAX_MESSAGES,
 ) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
@@ -231,7 +237,7 @@ def parse_generation(
     _refuse_unsupported(body)
     max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
     sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids)
-    conversation = _conversation(body) if chat else None
+    conversation = _conversation(body, max_messages) if chat else None
     prompt_ids = (
         _chat_prompt(conversation, tokenizer)
         if conversation is not None
