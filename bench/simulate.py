@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.cost_model import CostModel, CostProfile, ProfileMismatchError
 from shared.scheduling.draft_choice import CHOOSERS
+from shared.scheduling.laps import PREDICTORS, LapsParams
 from shared.scheduling.ordering import POLICIES
 from shared.scheduling.tree_selection import SELECTORS
 
@@ -49,7 +51,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, help="cost profile (default: this machine's)")
     parser.add_argument("--acceptance", type=Path, help="acceptance recording (default: stored)")
     parser.add_argument("--target", type=Path, help="target model directory (tokenizer, limits)")
-    parser.add_argument("--policy", default="fcfs", choices=sorted(POLICIES))
+    parser.add_argument("--policy", default="fcfs", choices=POLICIES)
+    parser.add_argument(
+        "--length-predictor",
+        choices=sorted(PREDICTORS),
+        help="output lengths for lp-sjf and laps-sd (oracle: the trace's, an upper bound)",
+    )
+    parser.add_argument("--laps-queues", type=int, default=LapsParams.num_queues, help="K")
+    parser.add_argument(
+        "--laps-first-threshold-ms", type=float, default=LapsParams.first_threshold_ms
+    )
+    parser.add_argument("--laps-threshold-base", type=float, default=LapsParams.threshold_base)
+    parser.add_argument("--laps-stable-rounds", type=int, default=LapsParams.stable_rounds)
+    parser.add_argument("--laps-stable-delta", type=float, default=LapsParams.stable_delta)
     parser.add_argument("--selector", default="goodput", choices=sorted(SELECTORS))
     parser.add_argument("--draft-chooser", default="fixed", choices=sorted(CHOOSERS))
     parser.add_argument("--planner", default="goodput", choices=["goodput", "fixed"])
@@ -227,6 +241,14 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         max_running=args.batch_size,
         micro_batches=args.micro_batches,
         policy=args.policy,
+        length_predictor=args.length_predictor,
+        laps=LapsParams(
+            args.laps_queues,
+            args.laps_first_threshold_ms,
+            args.laps_threshold_base,
+            args.laps_stable_rounds,
+            args.laps_stable_delta,
+        ),
         selector=args.selector,
         draft_chooser=args.draft_chooser,
         planner=args.planner,
@@ -249,7 +271,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "simulated": True,
         "device": device,
-        "config": {k: v for k, v in vars(config).items() if k != "method"},
+        "config": {k: v for k, v in asdict(config).items() if k != "method"},
         "wall_s": round(wall, 2),
     }
     summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)

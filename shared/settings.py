@@ -148,14 +148,34 @@ class SpeculationSettings(_Group):
         return expansion
 
 
+class LapsSettings(_Group):
+    """LAPS-SD's queues and stabilization (shared/scheduling/laps.py); the paper gives no values
+    for these, so the defaults are ours."""
+
+    num_queues: Annotated[int, Field(ge=1, le=32)] = 4  # K
+    first_threshold_ms: Annotated[float, Field(gt=0)] = 500.0  # attained service leaving Q1
+    threshold_base: Annotated[float, Field(gt=1)] = 4.0  # M: thresholds S_1 * M^(j-1)
+    stable_rounds: PositiveInt = 5  # gamma
+    stable_delta: Annotated[float, Field(gt=0, lt=1)] = 0.05  # delta
+
+
 class SchedulerSettings(_Group):
     micro_batches: PositiveInt = 1
-    policy: Literal["fcfs"] = "fcfs"  # more policies join as they are implemented
+    policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
+    # lp-sjf and laps-sd need one; "oracle" is max_tokens, exact only where requests run to it
+    length_predictor: Literal["oracle"] | None = None
+    laps: LapsSettings = LapsSettings()
     draft_chooser: Literal["fixed"] = "fixed"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: Literal["goodput", "global-greedy"] = "goodput"
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64
+
+    @model_validator(mode="after")
+    def _policy_has_lengths(self) -> SchedulerSettings:
+        if self.policy in ("lp-sjf", "laps-sd") and self.length_predictor is None:
+            raise ValueError(f"policy {self.policy} needs length_predictor (oracle)")
+        return self
 
 
 class GatewaySettings(_Group):

@@ -42,6 +42,7 @@ from shared.scheduling.core import (
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
+from shared.scheduling.laps import LapsParams
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import RequestState
 from shared.scheduling.tree_selection import make_selector
@@ -58,6 +59,8 @@ class SimConfig:
     max_running: int = 64  # as `scheduler.max_running_requests`
     micro_batches: int = 1  # as `scheduler.micro_batches`
     policy: str = "fcfs"
+    length_predictor: str | None = None  # lp-sjf and laps-sd need one ("oracle")
+    laps: LapsParams = field(default_factory=LapsParams)
     selector: str = "goodput"
     draft_chooser: str = "fixed"
     planner: str = "goodput"
@@ -114,7 +117,7 @@ class Simulator:
                 method=method if config.drafts else None,
                 planner=config.planner,  # type: ignore[arg-type]
             ),
-            policy=make_policy(config.policy),
+            policy=make_policy(config.policy, config.length_predictor, config.laps),
             chooser=make_chooser(config.draft_chooser, list(config.drafts)),
             selector=make_selector(config.selector),
             cost=cost,

@@ -49,6 +49,7 @@ class EngineConfig(BaseModel):
     max_tokens_per_step: int = Field(512, ge=1)  # B: prompt chunks and trees of one forward
     max_running: int = Field(64, ge=1)
     policy: str = "fcfs"
+    length_predictor: str | None = None  # lp-sjf and laps-sd need one
     draft_chooser: str = "fixed"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
@@ -105,7 +106,7 @@ class SpecEngine:
                 method=method if self.drafters else None,
                 planner=self.config.planner,
             ),
-            policy=make_policy(self.config.policy),
+            policy=make_policy(self.config.policy, self.config.length_predictor),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters)),
             selector=make_selector(self.config.tree_selection),
             cost=cost,

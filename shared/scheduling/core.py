@@ -702,4 +702,5 @@ class SchedulerCore:
         self._releases.append(Release(rid, True))
         self._release_draft(request)
         self.chooser.forget(rid)
+        self.policy.forget(rid)
         self._speculation.pop(rid, None)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
+
+if TYPE_CHECKING:
+    from shared.scheduling.laps import LapsParams
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class SchedulingPolicy(Protocol):
         """Running requests to preempt so that waiting ones can run."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the policy kept of it."""
+        ...
+
 
 class FCFS:
     """First come, first served: vLLM's priority field first, then arrival; no preemption."""
@@ -57,12 +64,32 @@ class FCFS:
     ) -> list[RequestState]:
         return []
 
+    def forget(self, request_id: str) -> None:
+        pass
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFS}
+
+POLICIES = ("fcfs", "las", "lp-sjf", "laps-sd")
+NEEDS_LENGTHS = ("lp-sjf", "laps-sd")
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(POLICIES)}") from None
+def make_policy(
+    name: str, predictor: str | None = None, laps: LapsParams | None = None
+) -> SchedulingPolicy:
+    """The policy called `name`; LP-SJF and LAPS-SD need a length predictor by name."""
+    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, LapsParams
+
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {list(POLICIES)}")
+    if name == "fcfs":
+        return FCFS()
+    if name == "las":
+        return LAS()
+    if predictor not in PREDICTORS:
+        raise ValueError(
+            f"policy {name!r} needs an output-length predictor (known: {sorted(PREDICTORS)}; "
+            "the oracle is for experiments where requests run to max_tokens)"
+        )
+    lengths = PREDICTORS[predictor]()
+    if name == "lp-sjf":
+        return LPSJF(lengths)
+    return LAPSSD(lengths, laps or LapsParams())

@@ -1,0 +1,232 @@
+"""LAPS-SD (Least-Attained/Perceptible-Service for speculative decoding) and the two baselines it
+is measured against, LAS and LP-SJF, as ordering/admission/preemption policies of the core.
+
+LAPS-SD keeps K priority queues on attained service (verifier and drafter time a request has
+had), with thresholds growing exponentially: Q_j holds requests whose service is below
+S_1 * M^(j-1). A new request is *non-perceptible* and starts in Q1; it moves down as its service
+passes the thresholds. Once its acceptance rate is stable (over the last `stable_rounds` decode
+steps the cumulative rate moved by less than `stable_delta`) it becomes *perceptible*: its
+remaining time can be estimated (Eq. 6 of the paper, below). Within a queue perceptible requests
+go first, shortest estimated time first, then non-perceptible ones in arrival order. Only
+non-perceptible requests are preempted: their KV is still small, while a perceptible one is
+predictable enough not to need it.
+
+Eq. 6, for the remaining output L (predicted total minus what is generated), n draft tokens per
+step and acceptance rate A (per draft token, so a step commits n*A + 1 tokens on average):
+
+    T = n * L * T_draft / (n*A + 1)  +  L * T_verify / (n*A + 1)
+
+T_draft is one draft forward of one token and T_verify one verifier forward of n + 1 tokens, both
+from the cost model at the request's context. The paper serves one request at a time (B = 1);
+with a running set of B requests the same estimate ranks them, and the core fills micro-batches
+in that order (B = 1 stays reachable with `max_running_requests = 1`). The estimate is for one
+request alone; in a batch every request's time scales alike, which leaves the ranking unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from shared.scheduling.request import RequestState
+
+if TYPE_CHECKING:
+    from shared.scheduling.ordering import PolicyContext
+
+
+class LengthPredictor(Protocol):
+    name: str
+
+    def predict(self, request: RequestState) -> float:
+        """The request's total output length in tokens."""
+        ...
+
+
+class OracleLength:
+    """The request's `max_tokens`: its true length where requests run to it (`ignore_eos`, as in
+    replays and the simulator), an upper bound otherwise. For upper-bound experiments only."""
+
+    name = "oracle"
+
+    def predict(self, request: RequestState) -> float:
+        return float(request.params.max_tokens)
+
+
+PREDICTORS: dict[str, type[LengthPredictor]] = {"oracle": OracleLength}
+
+
+def remaining_tokens(request: RequestState, predictor: LengthPredictor) -> float:
+    return max(predictor.predict(request) - len(request.output), 1.0)
+
+
+def _by_service_then_arrival(request: RequestState) -> tuple[int, float, int]:
+    return (request.priority, request.attained_service_ms, request.arrival)
+
+
+def _outside_top(
+    running: Sequence[RequestState],
+    waiting: Sequence[RequestState],
+    ordered: list[RequestState],
+    max_running: int,
+) -> list[RequestState]:
+    """Running requests the order puts outside the first `max_running`, when waiting ones are
+    inside (else preempting them would only idle the slot)."""
+    top = {id(r) for r in ordered[:max_running]}
+    if not any(id(r) in top for r in waiting):
+        return []
+    return [r for r in running if id(r) not in top]
+
+
+class LAS:
+    """Least attained service first; a running request is preempted for a waiting one with less."""
+
+    name = "las"
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def order(self, requests: Sequence[RequestState], ctx: PolicyContext) -> list[RequestState]:
+        return sorted(requests, key=_by_service_then_arrival)
+
+    def preempt(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        ctx: PolicyContext,
+    ) -> list[RequestState]:
+        ordered = self.order([*running, *waiting], ctx)
+        return _outside_top(running, waiting, ordered, ctx.max_running)
+
+
+class LPSJF:
+    """Shortest predicted remaining output first; no preemption."""
+
+    name = "lp-sjf"
+
+    def __init__(self, predictor: LengthPredictor) -> None:
+        self.predictor = predictor
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def order(self, requests: Sequence[RequestState], ctx: PolicyContext) -> list[RequestState]:
+        return sorted(
+            requests,
+            key=lambda r: (r.priority, remaining_tokens(r, self.predictor), r.arrival),
+        )
+
+    def preempt(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        ctx: PolicyContext,
+    ) -> list[RequestState]:
+        return []
+
+
+@dataclass(frozen=True)
+class LapsParams:
+    num_queues: int = 4  # K
+    first_threshold_ms: float = 500.0  # S_1^up: attained service that leaves Q1
+    threshold_base: float = 4.0  # M: S_j^up = S_1^up * M^(j-1)
+    stable_rounds: int = 5  # gamma
+    stable_delta: float = 0.05  # delta
+
+    def __post_init__(self) -> None:
+        if self.num_queues < 1 or self.stable_rounds < 1:
+            raise ValueError("LAPS-SD needs at least one queue and one round")
+        if self.first_threshold_ms <= 0 or self.threshold_base <= 1 or self.stable_delta <= 0:
+            raise ValueError("LAPS-SD thresholds must grow and be positive")
+
+
+@dataclass
+class _Tracked:
+    """What LAPS-SD remembers of one request: its recent cumulative acceptance rates."""
+
+    rates: deque[float]
+    last_step: int = -1
+    acceptance: float | None = None  # set once stable: the request is perceptible
+
+
+@dataclass
+class LAPSSD:
+    predictor: LengthPredictor
+    params: LapsParams = field(default_factory=LapsParams)
+    name: str = "laps-sd"
+    _tracked: dict[str, _Tracked] = field(default_factory=dict)
+
+    # ---- the request's state -------------------------------------------------------------------
+    def queue(self, request: RequestState) -> int:
+        """1..K: the first queue whose threshold the request's attained service is below."""
+        p = self.params
+        threshold = p.first_threshold_ms
+        for j in range(1, p.num_queues):
+            if request.attained_service_ms < threshold:
+                return j
+            threshold *= p.threshold_base
+        return p.num_queues
+
+    def acceptance(self, request: RequestState) -> float | None:
+        """The stable acceptance rate (perceptible), or None (non-perceptible yet)."""
+        tracked = self._track(request)
+        return tracked.acceptance
+
+    def _track(self, request: RequestState) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(deque(maxlen=self.params.stable_rounds))
+            self._tracked[request.request_id] = tracked
+        if tracked.acceptance is None and request.output and request.step != tracked.last_step:
+            tracked.last_step = request.step  # one sample per decode step
+            stats = request.stats
+            rate = stats.num_accepted / stats.num_draft_tokens if stats.num_draft_tokens else 0.0
+            tracked.rates.append(rate)
+            full = len(tracked.rates) == tracked.rates.maxlen
+            if full and max(tracked.rates) - min(tracked.rates) < self.params.stable_delta:
+                tracked.acceptance = sum(tracked.rates) / len(tracked.rates)
+        return tracked
+
+    def estimated_ms(self, request: RequestState, acceptance: float, ctx: PolicyContext) -> float:
+        """Eq. 6: the remaining time of a perceptible request."""
+        stats = request.stats
+        n = stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0
+        remaining = remaining_tokens(request, self.predictor)
+        context = request.num_tokens
+        draft_ms, verify_ms = 0.0, 1.0
+        if ctx.cost is not None:
+            verify_ms = ctx.cost.verify_ms(round(n) + 1, context, 1)
+            model = request.draft_model
+            if n and model is not None and ctx.cost.has_draft(model):
+                draft_ms = ctx.cost.draft_forward_ms(model, 1, context, 1)
+        per_step = n * acceptance + 1
+        return n * remaining * draft_ms / per_step + remaining * verify_ms / per_step
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    # ---- the policy ----------------------------------------------------------------------------
+    def _key(self, request: RequestState, ctx: PolicyContext) -> tuple[int, int, int, float]:
+        acceptance = self.acceptance(request)
+        if acceptance is None:  # non-perceptible: first come, first served, after perceptible
+            return (request.priority, self.queue(request), 1, float(request.arrival))
+        return (
+            request.priority,
+            self.queue(request),
+            0,
+            self.estimated_ms(request, acceptance, ctx),
+        )
+
+    def order(self, requests: Sequence[RequestState], ctx: PolicyContext) -> list[RequestState]:
+        return sorted(requests, key=lambda r: self._key(r, ctx))
+
+    def preempt(
+        self,
+        running: Sequence[RequestState],
+        waiting: Sequence[RequestState],
+        ctx: PolicyContext,
+    ) -> list[RequestState]:
+        ordered = self.order([*running, *waiting], ctx)
+        victims = _outside_top(running, waiting, ordered, ctx.max_running)
+        return [r for r in victims if self.acceptance(r) is None]  # never a perceptible one

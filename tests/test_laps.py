@@ -1,0 +1,155 @@
+"""LAPS-SD and its baselines (LAS, LP-SJF) as policies of the scheduler core: queues, demotion,
+stabilization, ordering, Eq. 6, who may be preempted, and that preemption never changes what
+greedy decoding outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.methods import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.scheduling.laps import LAPSSD, LAS, LPSJF, LapsParams, OracleLength
+from shared.scheduling.ordering import PolicyContext, make_policy
+from shared.scheduling.request import RequestState
+from tests.test_engine_greedy import make_engine
+from tests.test_scheduler_core import cost_model, make_request
+
+CTX = PolicyContext(now=0.0, cost=None, max_running=2)
+PARAMS = LapsParams(
+    num_queues=3, first_threshold_ms=100, threshold_base=4, stable_rounds=3, stable_delta=0.05
+)
+
+
+def laps() -> LAPSSD:
+    return LAPSSD(OracleLength(), PARAMS)
+
+
+def decoded(rid: str, *, service_ms: float = 0, max_tokens: int = 50, arrival: int = 0):
+    request = make_request(rid, max_tokens=max_tokens)
+    request.attained_service_ms = service_ms
+    request.arrival = arrival
+    request.output = [1]  # past its prefill
+    return request
+
+
+def step(request: RequestState, drafted: int, accepted: int, seen_by: LAPSSD | None = None):
+    """One decode step as the core records it; the policy sees every step (as it orders the
+    requests for each micro-batch)."""
+    request.step += 1
+    request.output.append(1)
+    request.record_step(drafted, accepted, "d")
+    if seen_by is not None:
+        seen_by.acceptance(request)
+
+
+def test_queues_follow_attained_service_with_exponential_thresholds() -> None:
+    policy = laps()  # thresholds 100, 400 ms; three queues
+    assert [policy.queue(decoded("a", service_ms=ms)) for ms in (0, 99, 100, 399, 400, 10**6)] == [
+        1, 1, 2, 2, 3, 3,
+    ]  # fmt: skip
+    request = decoded("r")
+    assert policy.queue(request) == 1  # a new request starts in Q1
+    request.attained_service_ms = 150
+    assert policy.queue(request) == 2  # demoted as its service passes the threshold
+
+
+def test_a_request_becomes_perceptible_once_its_rate_is_stable() -> None:
+    policy = laps()
+    request = decoded("r")
+    for drafted, accepted in [(4, 0), (4, 4), (4, 2)]:  # cumulative 0, 0.5, 0.5
+        step(request, drafted, accepted)
+        assert policy.acceptance(request) is None
+    for _ in range(3):  # 0.5, 0.5, 0.5 after the swing has left the window
+        step(request, 4, 2)
+        policy.acceptance(request)
+    assert policy.acceptance(request) == pytest.approx(0.5)
+    policy.acceptance(request)  # asking again in the same step samples nothing new
+    step(request, 4, 0)  # perceptible stays perceptible
+    assert policy.acceptance(request) == pytest.approx(0.5)
+
+
+def test_eq6_estimates_the_remaining_time() -> None:
+    # verify 10 ms a forward, draft 0.5 ms a token (flat curves); n = 4 drafted, A = 0.5:
+    # a step commits 3 tokens; 60 tokens left: 20 steps of 4 * 0.5 + 10 ms = 240 ms
+    ctx = PolicyContext(0.0, cost_model([(1, 10.0), (64, 10.0)], [(1, 0.5), (64, 0.5)]), 2)
+    policy = laps()
+    request = decoded("r", max_tokens=61)
+    for _ in range(4):
+        step(request, 4, 2, policy)
+    request.draft_model = "d"
+    remaining = 61 - len(request.output)
+    n, a = 4, 0.5
+    want = n * remaining * 0.5 / (n * a + 1) + remaining * 10.0 / (n * a + 1)
+    assert policy.estimated_ms(request, 0.5, ctx) == pytest.approx(want)
+
+
+def test_perceptible_first_and_shortest_first_within_a_queue() -> None:
+    policy = laps()
+    early = decoded("early", arrival=0)  # non-perceptible, first to arrive
+    long_, short = decoded("long", max_tokens=500, arrival=1), decoded("short", arrival=2)
+    for request in (long_, short):
+        for _ in range(3):
+            step(request, 4, 2, policy)
+    later_queue = decoded("served", service_ms=1000, arrival=3)
+    order = policy.order([later_queue, early, long_, short], CTX)
+    assert [r.request_id for r in order] == ["short", "long", "early", "served"]
+
+
+def test_only_non_perceptible_requests_are_preempted() -> None:
+    policy = laps()
+    perceptible = decoded("p", service_ms=1000)
+    for _ in range(3):
+        step(perceptible, 4, 2, policy)
+    fresh_running = decoded("n", service_ms=1000, arrival=1)
+    newcomers = [decoded("w1", arrival=2), decoded("w2", arrival=3)]
+    ctx = PolicyContext(0.0, None, max_running=2)
+    victims = policy.preempt([perceptible, fresh_running], newcomers, ctx)
+    assert victims == [fresh_running]  # both running ones rank below Q1, only one may go
+
+
+def test_las_preempts_for_less_attained_service_and_lp_sjf_never() -> None:
+    old, new = decoded("old", service_ms=500), decoded("new", service_ms=0)
+    assert LAS().preempt([old], [new], PolicyContext(0.0, None, 1)) == [old]
+    assert LAS().preempt([new], [old], PolicyContext(0.0, None, 1)) == []
+    sjf = LPSJF(OracleLength())
+    long_, short = decoded("long", max_tokens=400), decoded("short", max_tokens=20)
+    assert [r.request_id for r in sjf.order([long_, short], CTX)] == ["short", "long"]
+    assert sjf.preempt([long_], [short], PolicyContext(0.0, None, 1)) == []
+
+
+def test_policies_that_need_lengths_refuse_to_start_without_a_predictor() -> None:
+    for name in ("lp-sjf", "laps-sd"):
+        with pytest.raises(ValueError, match="length predictor"):
+            make_policy(name)
+        assert make_policy(name, "oracle").name == name
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        make_policy("sjf")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "las", "lp-sjf", "laps-sd"])
+def test_greedy_output_is_unchanged_by_preemption(tiny_target_dir, tiny_draft_dir, policy) -> None:
+    # two running slots for five requests: LAS and LAPS-SD preempt (and recompute) all along
+    lengths = "oracle" if policy in ("lp-sjf", "laps-sd") else None
+    method = DraftMethod("chain", k=3)
+    engine = make_engine(
+        tiny_target_dir, tiny_draft_dir, method, max_running=2, policy=policy,
+        length_predictor=lengths,
+    )  # fmt: skip
+    swaps = 0
+    swap_out = engine.verifier.runner.swap_out
+
+    def counting_swap_out(request_id: str):  # preemption in the engine swaps the KV out
+        nonlocal swaps
+        swaps += 1
+        return swap_out(request_id)
+
+    engine.verifier.runner.swap_out = counting_swap_out  # type: ignore[method-assign]
+    plain = make_engine(tiny_target_dir, None, None)
+    prompts = [[5, 6, 7, i] for i in range(5)]
+    params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(5)]
+    got = [r.output for r in engine.generate(prompts, params)]
+    want = [r.output for r in plain.generate(prompts, params)]
+    assert got == want
+    assert engine.stats.num_drafts > 0  # speculation ran
+    if policy == "las":
+        assert swaps > 0  # and requests were preempted on the way
