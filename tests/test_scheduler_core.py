@@ -356,7 +356,8 @@ class FakeExecutor:
 
 
 def make_core(**config: object) -> SchedulerCore:
-    extra = {k: config.pop(k) for k in ("chooser", "matcher", "selector", "cost") if k in config}
+    keys = ("chooser", "matcher", "selector", "cost", "policy")
+    extra = {k: config.pop(k) for k in keys if k in config}
     fields: dict[str, object] = {"vocab_size": VOCAB, "max_context": 4096}
     return SchedulerCore(CoreConfig(**(fields | config)), **extra)  # type: ignore[arg-type]
 
@@ -468,6 +469,8 @@ def workloads(draw: st.DrawFn, pressure: bool = False) -> dict:
         agree=draw(st.sampled_from([0.0, 0.5, 0.9, 1.0])),
         blocks=draw(st.sampled_from(blocks)),
         can_swap=draw(st.booleans()),
+        # the preempting policies park, swap and recompute; FCFS only ever preempts for memory
+        policy=draw(st.sampled_from(["fcfs", "fcfs", "las", "lp-sjf", "laps-sd"])),
         draft_failure=draw(st.sampled_from([0.0, 0.0, 0.2])),
         goodput=draw(st.booleans()),
         replica_change=draw(st.integers(-1, 40)),
@@ -505,6 +508,7 @@ def simulate(w: dict) -> tuple[FakeExecutor, dict[str, RequestState]]:
         method=method,
         max_context=64,
         cost=flat_cost() if w["goodput"] else None,
+        policy=make_policy(w.get("policy", "fcfs"), "oracle"),
     )
     kv = FakeKV(w["blocks"], can_swap=w["can_swap"]) if w["blocks"] is not None else None
     ex = executor(core, kv, w["agree"], w["seed"], draft_failure=w["draft_failure"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
@@ -206,6 +207,7 @@ class SchedulerCore:
         self._model_estimates: dict[str, AcceptanceEstimate] = {}
         self._releases: list[Release] = []
         self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
+        self.preemptions: Counter[str] = Counter()  # by kind: swapped, recomputed
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
@@ -263,8 +265,10 @@ class SchedulerCore:
         batch = MicroBatch(next(self._batch_ids), now)
         ctx = PolicyContext(now, self.cost, self.config.max_running)
         idle = [r for r in self.running if not r.in_flight]
-        for victim in self.policy.preempt(idle, self.waiting, ctx):
-            self._preempt(victim, batch, kv)
+        # blocks the policy's preemptions release: the executor frees them after this call
+        released = sum(
+            self._preempt(v, batch, kv) for v in self.policy.preempt(idle, self.waiting, ctx)
+        )
         running = self.policy.order([r for r in self.running if not r.in_flight], ctx)
         waiting = self.policy.order(self.waiting, ctx)
         admit = not self._kv_full or not self.running
@@ -272,7 +276,7 @@ class SchedulerCore:
         share = max(1, math.ceil(active / self.config.micro_batches))
         budget = self.config.token_budget
 
-        free = kv.num_free_blocks() if kv is not None else 0
+        free = kv.num_free_blocks() + released if kv is not None else 0
         for request in [r for r in running if not r.is_prefilling][: min(share, budget)]:
             if request not in self.running:  # preempted for an older one
                 continue
@@ -378,10 +382,12 @@ class SchedulerCore:
         if kv is not None and kv.can_swap and not victim.is_prefilling:
             victim.kv = "swapped"
             batch.swap_out.append(victim)
+            self.preemptions["swapped"] += 1
         else:
             victim.drop_kv()
             batch.drop.append(victim)
             self._releases.append(Release(victim.request_id, True))
+            self.preemptions["recomputed"] += 1
         self._release_draft(victim)
         if victim in self.running:
             self.running.remove(victim)

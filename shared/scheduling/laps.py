@@ -72,11 +72,13 @@ def _outside_top(
     max_running: int,
 ) -> list[RequestState]:
     """Running requests the order puts outside the first `max_running`, when waiting ones are
-    inside (else preempting them would only idle the slot)."""
+    inside (else preempting them would only idle the slot), but for those still prefilling."""
     top = {id(r) for r in ordered[:max_running]}
     if not any(id(r) in top for r in waiting):
         return []
-    return [r for r in running if id(r) not in top]
+    # a prompt half prefilled is finished first: preempting it would throw its chunks away,
+    # and two requests taking turns at that could each start over forever
+    return [r for r in running if id(r) not in top and not r.is_prefilling]
 
 
 class LAS:
