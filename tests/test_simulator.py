@@ -142,12 +142,12 @@ def test_accepted_length_follows_the_selected_subtree() -> None:
     step = recorded_tree()
     model = AcceptanceModel("t", CHAIN, [Session("chat", "d", 0, (step,))])
     session = model.sessions[0]
-    full = model.drafted_tree(session, 0, max_depth=9)
+    full = model.drafted(session, 0, max_depth=9)[0]
     assert full.num_nodes == 6
     assert model.num_accepted(session, 0, full) == 2
     assert model.num_accepted(session, 0, full.subtree([0, 2])) == 1  # 4 was not selected
     assert model.num_accepted(session, 0, full.subtree([0, 1, 3])) == 0  # the wrong branch
-    shallow = model.drafted_tree(session, 0, max_depth=1)
+    shallow = model.drafted(session, 0, max_depth=1)[0]
     assert shallow.num_nodes == 3 and model.num_accepted(session, 0, shallow) == 1
     # a session's steps wrap round
     assert model.num_accepted(session, 5, full) == 2

@@ -48,10 +48,6 @@ class RecordedStep:
     logq: tuple[float, ...]  # of nodes 1..
     accepted_node: int  # deepest node the target accepted (0: none)
 
-    @property
-    def num_draft_tokens(self) -> int:
-        return len(self.parents)
-
     def accepted_path(self) -> list[int]:
         """Accepted nodes, root excluded, in path order."""
         path: list[int] = []
@@ -126,14 +122,11 @@ class AcceptanceModel:
             raise KeyError(f"no recorded acceptance for draft {draft!r} (have {self.drafts})")
         return pool[zlib.crc32(str(key).encode()) % len(pool)]
 
-    def drafted_tree(self, session: Session, step: int, max_depth: int) -> TokenTree:
-        """What the drafter proposes at the session's `step` (wrapping round), `max_depth` deep."""
-        return self.drafted(session, step, max_depth)[0]
-
     def drafted(
         self, session: Session, step: int, max_depth: int
     ) -> tuple[TokenTree, tuple[int, ...]]:
-        """`drafted_tree`, and its nodes at each depth 1, 2, ... (what each draft layer costs)."""
+        """What the drafter proposes at the session's `step` (wrapping round), `max_depth` deep,
+        and its nodes at each depth 1, 2, ... (what each draft layer costs)."""
         index = step % len(session.steps)
         key = (id(session), index, max_depth)  # the simulator asks for the same trees often
         found = self._trees.get(key)

@@ -106,11 +106,6 @@ def verify_shares(
     return cost.verify_ms_many(np.maximum(sizes, 1), context, num_requests)
 
 
-def expected_accepted(rate: float, depth: int) -> float:
-    """E[accepted] of a tree of `depth` levels when each level is accepted with `rate`."""
-    return sum(rate**j for j in range(1, depth + 1))
-
-
 def plan_depths(
     queries: Sequence[DepthQuery],
     cost: CostModel,
