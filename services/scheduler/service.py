@@ -334,7 +334,12 @@ class SchedulerService:
         self.stats.wall_ms += wall_ms
         self.stats.draft_ms += draft_ms
         self.stats.verify_ms += result.verify_ms
-        # the simulator's overheads are calibrated from these lines (bench.sim.calibrate)
+        if log.isEnabledFor(logging.DEBUG):  # its sums walk the batch: only when it is read
+            self._log_step(batch, draft_ms, result.verify_ms, wall_ms)
+
+    @staticmethod
+    def _log_step(batch: MicroBatch, draft_ms: float, verify_ms: float, wall_ms: float) -> None:
+        """One micro-batch's timings; bench.sim.calibrate fits the simulator's overheads on them."""
         log.debug(
             "micro-batch %d: %d decoding (%d tree nodes), %d prefilling (%d tokens), context %d; "
             "draft %.1f ms, verify %.1f ms, step %.1f ms",
@@ -345,7 +350,7 @@ class SchedulerService:
             batch.prefill_tokens,
             mean_context(batch.members),
             draft_ms,
-            result.verify_ms,
+            verify_ms,
             wall_ms,
         )
 
