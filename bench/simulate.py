@@ -18,7 +18,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,12 @@ from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.cost_model import CostModel, CostProfile, ProfileMismatchError
 from shared.scheduling.draft_choice import CHOOSERS
-from shared.scheduling.laps import PREDICTORS, LapsParams
+from shared.scheduling.laps import PREDICTORS
 from shared.scheduling.ordering import POLICIES
 from shared.scheduling.tree_selection import SELECTORS
+from shared.settings import LapsSettings
 
+LAPS = LapsSettings()  # the defaults of the services' settings
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 
@@ -57,13 +58,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(PREDICTORS),
         help="output lengths for lp-sjf and laps-sd (oracle: the trace's, an upper bound)",
     )
-    parser.add_argument("--laps-queues", type=int, default=LapsParams.num_queues, help="K")
-    parser.add_argument(
-        "--laps-first-threshold-ms", type=float, default=LapsParams.first_threshold_ms
-    )
-    parser.add_argument("--laps-threshold-base", type=float, default=LapsParams.threshold_base)
-    parser.add_argument("--laps-stable-rounds", type=int, default=LapsParams.stable_rounds)
-    parser.add_argument("--laps-stable-delta", type=float, default=LapsParams.stable_delta)
+    parser.add_argument("--laps-queues", type=int, default=LAPS.num_queues, help="K")
+    parser.add_argument("--laps-first-threshold-ms", type=float, default=LAPS.first_threshold_ms)
+    parser.add_argument("--laps-threshold-base", type=float, default=LAPS.threshold_base)
+    parser.add_argument("--laps-stable-rounds", type=int, default=LAPS.stable_rounds)
+    parser.add_argument("--laps-stable-delta", type=float, default=LAPS.stable_delta)
     parser.add_argument("--selector", default="goodput", choices=sorted(SELECTORS))
     parser.add_argument("--draft-chooser", default="fixed", choices=sorted(CHOOSERS))
     parser.add_argument("--planner", default="goodput", choices=["goodput", "fixed"])
@@ -242,12 +241,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         micro_batches=args.micro_batches,
         policy=args.policy,
         length_predictor=args.length_predictor,
-        laps=LapsParams(
-            args.laps_queues,
-            args.laps_first_threshold_ms,
-            args.laps_threshold_base,
-            args.laps_stable_rounds,
-            args.laps_stable_delta,
+        laps=LapsSettings(
+            num_queues=args.laps_queues,
+            first_threshold_ms=args.laps_first_threshold_ms,
+            threshold_base=args.laps_threshold_base,
+            stable_rounds=args.laps_stable_rounds,
+            stable_delta=args.laps_stable_delta,
         ),
         selector=args.selector,
         draft_chooser=args.draft_chooser,
@@ -271,7 +270,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "simulated": True,
         "device": device,
-        "config": {k: v for k, v in asdict(config).items() if k != "method"},
+        "config": {k: v for k, v in vars(config).items() if k not in ("method", "laps")}
+        | {"laps": config.laps.model_dump()},
         "wall_s": round(wall, 2),
     }
     summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)

@@ -8,14 +8,15 @@ import pytest
 
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
-from shared.scheduling.laps import LAPSSD, LAS, LPSJF, LapsParams, OracleLength
+from shared.scheduling.laps import LAPSSD, LAS, LPSJF, OracleLength
 from shared.scheduling.ordering import PolicyContext, make_policy
 from shared.scheduling.request import RequestState
+from shared.settings import LapsSettings
 from tests.test_engine_greedy import make_engine
 from tests.test_scheduler_core import cost_model, make_request
 
 CTX = PolicyContext(now=0.0, cost=None, max_running=2)
-PARAMS = LapsParams(
+PARAMS = LapsSettings(
     num_queues=3, first_threshold_ms=100, threshold_base=4, stable_rounds=3, stable_delta=0.05
 )
 

@@ -42,10 +42,10 @@ from shared.scheduling.core import (
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.laps import LapsParams
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import RequestState
 from shared.scheduling.tree_selection import make_selector
+from shared.settings import LapsSettings
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
@@ -60,7 +60,7 @@ class SimConfig:
     micro_batches: int = 1  # as `scheduler.micro_batches`
     policy: str = "fcfs"
     length_predictor: str | None = None  # lp-sjf and laps-sd need one ("oracle")
-    laps: LapsParams = field(default_factory=LapsParams)
+    laps: LapsSettings = field(default_factory=LapsSettings)
     selector: str = "goodput"
     draft_chooser: str = "fixed"
     planner: str = "goodput"

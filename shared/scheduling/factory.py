@@ -9,7 +9,6 @@ from shared.engine.methods import DraftMethod
 from shared.scheduling.core import CoreConfig, SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.laps import LapsParams
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.replicas import make_matcher
 from shared.scheduling.tree_selection import make_selector
@@ -67,9 +66,7 @@ def build_core(
             method=method_from_settings(config.speculation),
             planner=config.speculation.planner,
         ),
-        policy=make_policy(
-            config.policy, config.length_predictor, LapsParams(**config.laps.model_dump())
-        ),
+        policy=make_policy(config.policy, config.length_predictor, config.laps),
         chooser=make_chooser(config.draft_chooser, draft_models),
         matcher=make_matcher(config.replica_matcher),
         selector=make_selector(config.tree_selection),

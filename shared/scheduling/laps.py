@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from shared.scheduling.request import RequestState
+from shared.settings import LapsSettings
 
 if TYPE_CHECKING:
     from shared.scheduling.ordering import PolicyContext
@@ -128,21 +129,6 @@ class LPSJF:
         return []
 
 
-@dataclass(frozen=True)
-class LapsParams:
-    num_queues: int = 4  # K
-    first_threshold_ms: float = 500.0  # S_1^up: attained service that leaves Q1
-    threshold_base: float = 4.0  # M: S_j^up = S_1^up * M^(j-1)
-    stable_rounds: int = 5  # gamma
-    stable_delta: float = 0.05  # delta
-
-    def __post_init__(self) -> None:
-        if self.num_queues < 1 or self.stable_rounds < 1:
-            raise ValueError("LAPS-SD needs at least one queue and one round")
-        if self.first_threshold_ms <= 0 or self.threshold_base <= 1 or self.stable_delta <= 0:
-            raise ValueError("LAPS-SD thresholds must grow and be positive")
-
-
 @dataclass
 class _Tracked:
     """What LAPS-SD remembers of one request: its recent cumulative acceptance rates."""
@@ -155,7 +141,7 @@ class _Tracked:
 @dataclass
 class LAPSSD:
     predictor: LengthPredictor
-    params: LapsParams = field(default_factory=LapsParams)
+    params: LapsSettings = field(default_factory=LapsSettings)
     name: str = "laps-sd"
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
 

@@ -17,7 +17,7 @@ from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 
 if TYPE_CHECKING:
-    from shared.scheduling.laps import LapsParams
+    from shared.settings import LapsSettings
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ NEEDS_LENGTHS = ("lp-sjf", "laps-sd")
 
 
 def make_policy(
-    name: str, predictor: str | None = None, laps: LapsParams | None = None
+    name: str, predictor: str | None = None, laps: LapsSettings | None = None
 ) -> SchedulingPolicy:
     """The policy called `name`; LP-SJF and LAPS-SD need a length predictor by name."""
-    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, LapsParams
+    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS
 
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; known: {list(POLICIES)}")
@@ -92,4 +92,4 @@ def make_policy(
     lengths = PREDICTORS[predictor]()
     if name == "lp-sjf":
         return LPSJF(lengths)
-    return LAPSSD(lengths, laps or LapsParams())
+    return LAPSSD(lengths) if laps is None else LAPSSD(lengths, laps)
