@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 
 from services.gateway.app import Gateway
 from shared.bus import Bus, Delivery, EmbeddedRedis, StreamConsumer
+from shared.bus.preemptions import add_preemptions
 from shared.model.smollm2 import ensure_smollm2
 from shared.settings import AugurySettings, GatewaySettings, RedisSettings
 from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens
@@ -469,3 +470,17 @@ async def test_metrics_are_exposed(running: tuple[TestClient, StandInScheduler])
     assert 'augury_spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
     assert 'augury_request_success_total{finished_reason="stop"} 1.0' in text
     assert "augury_num_requests_running 0.0" in text
+    assert 'augury_num_preemptions_total{kind="kept"} 0.0' in text
+
+
+async def test_preemption_totals_come_from_redis(
+    running: tuple[TestClient, StandInScheduler], request: pytest.FixtureRequest
+) -> None:
+    client, scheduler = running
+    cell = f"t-{request.node.name[:40]}"
+    await add_preemptions(scheduler.bus, cell, {"kept": 3, "recomputed": 1})
+    await add_preemptions(scheduler.bus, cell, {"kept": 2, "swapped": 0})
+    text = await (await client.get("/metrics")).text()
+    assert 'augury_num_preemptions_total{kind="kept"} 5.0' in text
+    assert 'augury_num_preemptions_total{kind="recomputed"} 1.0' in text
+    assert 'augury_num_preemptions_total{kind="swapped"} 0.0' in text

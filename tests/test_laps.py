@@ -13,7 +13,16 @@ from shared.scheduling.ordering import PolicyContext, make_policy
 from shared.scheduling.request import RequestState
 from shared.settings import LapsSettings
 from tests.test_engine_greedy import make_engine
-from tests.test_scheduler_core import cost_model, make_request
+from tests.test_scheduler_core import (
+    FakeKV,
+    check_releases,
+    core_prompt,
+    cost_model,
+    executor,
+    greedy,
+    make_core,
+    make_request,
+)
 
 CTX = PolicyContext(now=0.0, cost=None, max_running=2)
 PARAMS = LapsSettings(
@@ -132,12 +141,12 @@ PER_BLOCK = 2 * 2 * 4 * 2 * 16 * 4  # bytes of one 4-token KV block of the tiny 
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "las", "lp-sjf", "laps-sd"])
-@pytest.mark.parametrize(("kv_blocks", "kind"), [(512, "swapped"), (8, "swapped")])
+@pytest.mark.parametrize(("kv_blocks", "kind"), [(512, "kept"), (8, "swapped")])
 def test_greedy_output_is_unchanged_by_preemption(
     tiny_target_dir, tiny_draft_dir, policy, kv_blocks, kind
 ) -> None:
-    # two running slots for five requests: LAS (and LAPS-SD) preempt all along, swapping the
-    # preempted requests' KV out (keeping it in place is not built yet); roomy and tight caches
+    # two running slots for five requests: LAS (and LAPS-SD) preempt all along. A roomy cache
+    # keeps the preempted requests' KV in place; a tight one swaps it out to make room
     lengths = "oracle" if policy in ("lp-sjf", "laps-sd") else None
     method = DraftMethod("chain", k=3)
     engine = make_engine(
@@ -168,3 +177,51 @@ def test_a_request_still_prefilling_is_not_preempted() -> None:
     half = make_request("half", prompt=30)
     half.num_prefilled, half.attained_service_ms = 8, 500
     assert LAS().preempt([half], [decoded("new")], PolicyContext(0.0, None, 1)) == []
+
+
+def test_a_preempted_request_keeps_its_kv_and_resumes_without_prefill() -> None:
+    core = make_core(token_budget=32, max_running=1, policy=LAS())
+    ex = executor(core, FakeKV(), agree=0.9)
+    core.add(make_request("a", 6, max_tokens=30))
+    ex.step()  # a prefills
+    ex.step()  # a decodes: it has attained service now
+    assert ex.kv is not None
+    held = ex.kv.held["a"]
+    core.add(make_request("b", 6, max_tokens=3))
+    assert ex.schedule()  # b has less service: a steps aside
+    batch = ex.batches[-1]
+    assert [r.request_id for r, _ in batch.prefill] == ["b"] and not batch.decode
+    a = core.requests["a"]
+    assert a.kv == "kept" and a in core.waiting and core.preemptions == {"kept": 1}
+    assert not batch.drop and not batch.swap_out and ex.target_releases["a"] == 0
+    assert ex.kv.held["a"] == held and a.drafter is not None  # verifier's and drafter's state
+    ex.finish_one()
+    ex.run()
+    assert ex.streamed["a"] == greedy(core_prompt("a", 6), 30)
+    assert ex.streamed["b"] == greedy(core_prompt("b", 6), 3)
+    later = ex.batches[3:]
+    assert not any(r.request_id == "a" for b in later for r, _ in b.prefill)  # no recompute
+    assert sum(any(r.request_id == "a" for r in b.decode) for b in later) >= 2
+    assert core.preemptions["recomputed"] == core.preemptions["swapped"] == 0
+    check_releases(ex, ["a", "b"])
+
+
+@pytest.mark.parametrize("can_swap", [True, False])
+def test_memory_pressure_moves_a_kept_request_out_first(can_swap: bool) -> None:
+    # a (kept) holds the cache; c arrives with a prompt that only fits once a's KV is out
+    core = make_core(token_budget=64, max_running=1, policy=LAS(), method=None)
+    kv = FakeKV(num_blocks=8, block_size=4, can_swap=can_swap)
+    ex = executor(core, kv)
+    core.add(make_request("a", 16, max_tokens=8))
+    ex.step()
+    ex.step()
+    core.add(make_request("b", 2, max_tokens=2))
+    ex.step()  # a is kept, b prefills
+    assert core.requests["a"].kv == "kept"
+    core.add(make_request("c", 20, max_tokens=2))
+    ex.run()
+    kind = "swapped" if can_swap else "recomputed"
+    assert core.preemptions["kept"] >= 1 and core.preemptions[kind] >= 1
+    assert ex.streamed["a"] == greedy(core_prompt("a", 16), 8)
+    check_releases(ex, ["a", "b", "c"])
+    assert ex.oom_errors == 0

@@ -12,6 +12,7 @@ import pytest
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
+from shared.bus.preemptions import read_preemptions
 from shared.engine.sampling import SamplingParams
 from shared.wire import FinishReason
 from tests.test_services_support import plain_greedy, running
@@ -109,9 +110,34 @@ async def test_preemption_by_recompute_keeps_greedy_output(
         for i, prompt in enumerate(prompts):
             await client.submit(f"p{i}", prompt, params[i])
         await client.wait([f"p{i}" for i in range(len(prompts))])
-        assert stack.scheduler is not None and stack.scheduler.stats.preempted > 0
+        scheduler = stack.scheduler
+        assert scheduler is not None and scheduler.core.preemptions["recomputed"] > 0
+        totals = await read_preemptions(scheduler.bus, scheduler.cell)  # what /metrics exports
+        assert 0 < totals["recomputed"] <= scheduler.core.preemptions["recomputed"]
     for i, want in enumerate(expected):
         assert client.outcomes[f"p{i}"].tokens == want, f"request {i}"
+
+
+async def test_las_preempts_keeping_kv_and_greedy_output_is_unchanged(
+    server: EmbeddedRedis, tiny_target_dir: Path
+) -> None:
+    """Two running slots for six requests under LAS: the scheduler preempts all along, the
+    verifier and the drafter keep the preempted requests' state, and nothing is recomputed."""
+    models = ModelPaths(tiny_target_dir, {"d": tiny_target_dir})
+    prompts = prompts_of(6)
+    params = [SamplingParams(max_tokens=12 + 4 * i) for i in range(len(prompts))]
+    expected = plain_greedy(tiny_target_dir, prompts, params)
+    groups = {"scheduler": {"policy": "las", "max_running_requests": 2}}
+    async with running(server.url, "las", models, **groups) as (stack, client):
+        for i, prompt in enumerate(prompts):
+            await client.submit(f"l{i}", prompt, params[i])
+        await client.wait([f"l{i}" for i in range(len(prompts))])
+        scheduler = stack.scheduler
+        assert scheduler is not None and scheduler.core.preemptions["kept"] > 0
+        assert scheduler.core.preemptions["recomputed"] == 0
+        assert scheduler.stats.acceptance.num_accepted > 0  # speculation ran and was accepted
+    for i, want in enumerate(expected):
+        assert client.outcomes[f"l{i}"].tokens == want, f"request {i}"
 
 
 async def test_stop_tokens_and_errors(server: EmbeddedRedis, tiny_target_dir: Path) -> None:

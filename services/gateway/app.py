@@ -30,6 +30,7 @@ from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
+from shared.bus.preemptions import read_preemptions
 from shared.bus.profiles import read_profiles
 from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
@@ -189,6 +190,12 @@ class Gateway:
             log.warning("could not read the cost profiles: %s", error)
         else:
             export_profiles(self.metrics, profiles)
+        try:
+            self.metrics.preemptions.totals = await read_preemptions(
+                self.bus, self.settings.service.cell
+            )
+        except (RedisError, OSError, ValueError) as error:
+            log.warning("could not read the preemption totals: %s", error)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

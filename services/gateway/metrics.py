@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from shared.scheduling.cost_model import ModelProfile
 
@@ -28,10 +33,33 @@ LATENCY_BUCKETS = (
 )
 
 
+PREEMPTION_KINDS = ("kept", "swapped", "recomputed")
+
+
+class PreemptionTotals(Collector):
+    """The cell's preemptions by kind, as the scheduler counts them in Redis (read at scrape):
+    `kept` (KV left in place), `swapped` (to host memory), `recomputed` (KV dropped)."""
+
+    def __init__(self) -> None:
+        self.totals: Tally[str] = Tally()
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "augury_num_preemptions",
+            "Preempted requests, by what happened to their KV.",
+            labels=["kind"],
+        )
+        for kind in sorted({*PREEMPTION_KINDS, *self.totals}):
+            family.add_metric([kind], self.totals[kind])
+        yield family
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.preemptions = PreemptionTotals()
+        r.register(self.preemptions)
         self.cost_forward_ms = Gauge(
             "augury_cost_forward_ms",
             "Measured forward latency of a model service (its cost profile): role is target or "

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.scheduler.drafters import DrafterDirectory
 from services.scheduler.replies import Replies
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from shared.bus.preemptions import add_preemptions
 from shared.engine.sampling import SEED_BITS
 from shared.engine.tree import TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
@@ -98,7 +99,6 @@ class SchedulerStats:
     verify_ms: float = 0.0  # verification as the verifier measured it
     draft_timeouts: int = 0
     verify_resends: int = 0
-    preempted: int = 0
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     @property
@@ -133,6 +133,7 @@ class SchedulerService:
         self.verify_timeout_s = verify_timeout_s
         self.reply_to: dict[str, str] = {}  # request id -> its output stream
         self.stats = SchedulerStats(acceptance=self.core.stats)
+        self._counted_preemptions: Counter[str] = Counter()  # added to the cell's totals
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._candidates: Replies[CandidateTrees] = Replies()
@@ -308,9 +309,9 @@ class SchedulerService:
 
     async def _iterate(self, batch: MicroBatch) -> None:
         started = time.perf_counter()
-        self.stats.preempted += len(batch.drop)
         try:
             await self._publish(self._outputs(batch.failed) + self._releases())
+            await self._count_preemptions()  # the core's, up to this batch
             if batch.is_empty:
                 return
             drafted, draft_ms = await self._draft(batch)
@@ -324,7 +325,6 @@ class SchedulerService:
                 for e in result.entries
             }
             outputs = self.core.observe(batch, results, time.time())
-            self._count_requeued(batch)
             await self._publish(self._outputs(outputs) + self._releases())
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
@@ -441,11 +441,6 @@ class SchedulerService:
         return VerifyResult(job.micro_batch_id, 0.0, failed)
 
     # ---- committing ------------------------------------------------------------------------------
-    def _count_requeued(self, batch: MicroBatch) -> None:
-        """Requests the verifier refused (out of KV or out of sync): recomputed later."""
-        requeued = [r for r in batch.members if r.kv == "dropped" and not r.is_finished]
-        self.stats.preempted += len(requeued)
-
     def _outputs(self, outputs: list[StepOutput]) -> list[tuple[str, WireMessage]]:
         """Each output as its client sees it: Tokens, or a RequestError for a failure."""
         messages: list[tuple[str, WireMessage]] = []
@@ -498,6 +493,19 @@ class SchedulerService:
         self._finished[request_id] = None
         while len(self._finished) > REMEMBER_FINISHED:
             self._finished.popitem(last=False)
+
+    async def _count_preemptions(self) -> None:
+        """Add the core's preemptions since the last call to the cell's totals (best effort:
+        what a Redis error kept back is added next time)."""
+        delta = self.core.preemptions - self._counted_preemptions
+        if not delta:
+            return
+        try:
+            await add_preemptions(self.bus, self.cell, delta)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            log.warning("could not count %d preemptions: %s", delta.total(), error)
+        else:
+            self._counted_preemptions.update(delta)
 
     async def _publish(self, messages: list[tuple[str, WireMessage]]) -> None:
         """Write the next hop; committed tokens must not be lost, so Redis errors are retried."""

@@ -207,7 +207,7 @@ class SchedulerCore:
         self._model_estimates: dict[str, AcceptanceEstimate] = {}
         self._releases: list[Release] = []
         self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
-        self.preemptions: Counter[str] = Counter()  # by kind: swapped, recomputed
+        self.preemptions: Counter[str] = Counter()  # by kind: kept, swapped, recomputed
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
@@ -266,9 +266,11 @@ class SchedulerCore:
         ctx = PolicyContext(now, self.cost, self.config.max_running)
         idle = [r for r in self.running if not r.in_flight]
         # blocks the policy's preemptions release: the executor frees them after this call
-        released = sum(
-            self._preempt(v, batch, kv) for v in self.policy.preempt(idle, self.waiting, ctx)
-        )
+        # a request the policy preempts keeps its KV in the cache (it resumes at no cost);
+        # memory pressure moves a kept request's KV out later (`_evict_kept`)
+        for victim in self.policy.preempt(idle, self.waiting, ctx):
+            self._preempt(victim, batch, kv, keep=True)
+        self._resume_kept(ctx)
         running = self.policy.order([r for r in self.running if not r.in_flight], ctx)
         waiting = self.policy.order(self.waiting, ctx)
         admit = not self._kv_full or not self.running
@@ -276,14 +278,15 @@ class SchedulerCore:
         share = max(1, math.ceil(active / self.config.micro_batches))
         budget = self.config.token_budget
 
-        free = kv.num_free_blocks() + released if kv is not None else 0
+        free = kv.num_free_blocks() if kv is not None else 0
         for request in [r for r in running if not r.is_prefilling][: min(share, budget)]:
             if request not in self.running:  # preempted for an older one
                 continue
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, self._tree_capacity(request))
                 while need > free:
-                    released = self._preempt_after(request, batch, kv, ctx)
+                    released = self._evict_kept(request, batch, kv, ctx)
+                    released = released or self._preempt_after(request, batch, kv, ctx)
                     if not released:
                         break
                     free += released
@@ -319,11 +322,20 @@ class SchedulerCore:
             is_new = request not in self.running
             if is_new and len(self.running) >= self.config.max_running:
                 break
+            if request.kv == "kept":  # resumed where it stopped: it decodes from the next batch
+                request.kv = "resident"
+                self._admit(request)
+                continue
             if request.kv == "swapped":
                 assert kv is not None
                 need = kv.blocks_needed(
                     request.request_id, request.num_tokens + self._tree_capacity(request)
                 )
+                while need > free:
+                    released = self._evict_kept(request, batch, kv, ctx)
+                    if not released:
+                        break
+                    free += released
                 if need > free:
                     break
                 free -= need
@@ -335,9 +347,12 @@ class SchedulerCore:
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, chunk)
                 # an admitted request's next chunk may preempt later admissions (else partial
-                # prefills could hold every block and none could finish); a new one only waits
-                while need > free and not is_new:
-                    released = self._preempt_after(request, batch, kv, ctx)
+                # prefills could hold every block and none could finish); a new one only moves
+                # out the KV of kept requests the policy puts after it
+                while need > free:
+                    released = self._evict_kept(request, batch, kv, ctx)
+                    if not released and not is_new:
+                        released = self._preempt_after(request, batch, kv, ctx)
                     if not released:
                         break
                     free += released
@@ -375,9 +390,25 @@ class SchedulerCore:
                 return self._preempt(victim, batch, kv)
         return 0
 
-    def _preempt(self, victim: RequestState, batch: MicroBatch, kv: KVView | None) -> int:
-        """Swap where the executor can (and the KV is whole), recompute otherwise; returns the
-        target blocks released. The request waits at the front of the queue."""
+    def _preempt(
+        self, victim: RequestState, batch: MicroBatch, kv: KVView | None, *, keep: bool = False
+    ) -> int:
+        """Move a running request back to the front of the queue. With `keep` (and its prompt
+        prefilled) its KV, the verifier's and the drafter's, stays where it is; otherwise it is
+        moved out (`_move_out`). Returns the target blocks released."""
+        if victim in self.running:
+            self.running.remove(victim)
+        self.waiting.insert(0, victim)
+        if keep and not victim.is_prefilling:
+            victim.kv = "kept"
+            self.preemptions["kept"] += 1
+            return 0
+        self._release_draft(victim)
+        return self._move_out(victim, batch, kv)
+
+    def _move_out(self, victim: RequestState, batch: MicroBatch, kv: KVView | None) -> int:
+        """Free a preempted request's target KV: swap where the executor can (and the KV is
+        whole), recompute otherwise; returns the target blocks released."""
         released = kv.blocks_held(victim.request_id) if kv is not None else 0
         if kv is not None and kv.can_swap and not victim.is_prefilling:
             victim.kv = "swapped"
@@ -388,11 +419,38 @@ class SchedulerCore:
             batch.drop.append(victim)
             self._releases.append(Release(victim.request_id, True))
             self.preemptions["recomputed"] += 1
-        self._release_draft(victim)
-        if victim in self.running:
-            self.running.remove(victim)
-        self.waiting.insert(0, victim)
         return released
+
+    def _resume_kept(self, ctx: PolicyContext) -> None:
+        """Kept requests rejoin the running set in the policy's order while there is room,
+        up to the first waiting request that must be prefilled or swapped in first."""
+        for request in self.policy.order(self.waiting, ctx):
+            if request.kv != "kept" or len(self.running) >= self.config.max_running:
+                break
+            request.kv = "resident"
+            self._admit(request)
+
+    def _evict_kept(
+        self, keep: RequestState, batch: MicroBatch, kv: KVView, ctx: PolicyContext
+    ) -> int:
+        """Move out the KV of the kept request the policy orders last, if it comes after
+        `keep`; returns the blocks released, 0 when there is none."""
+        kept = [r for r in self.waiting if r.kv == "kept"]
+        if not kept:
+            return 0
+        victim = self.policy.order([*kept, keep], ctx)[-1]
+        if victim is keep:
+            return 0
+        self._release_draft(victim)
+        return self._move_out(victim, batch, kv)
+
+    def _drop_kept(self) -> None:
+        """The verifier ran out of memory: every kept request's KV goes (recomputed later)."""
+        for request in [r for r in self.waiting if r.kv == "kept"]:
+            self._release_draft(request)
+            request.drop_kv()
+            self._releases.append(Release(request.request_id, True))
+            self.preemptions["recomputed"] += 1
 
     def _tree_capacity(self, request: RequestState) -> int:
         """Nodes (root included) the request's tree may take this step."""
@@ -663,7 +721,10 @@ class SchedulerCore:
             message = "the request needs more KV memory than the verifier has, even alone"
             return self._finished_output(request, "abort", message, "context_length_exceeded")
         if kind in ("out_of_kv_memory", "out_of_sync", "verify_timeout"):
-            self._kv_full |= kind == "out_of_kv_memory"
+            if kind == "out_of_kv_memory":
+                self._kv_full = True
+                self._drop_kept()
+                self.preemptions["recomputed"] += 1
             request.drop_kv()
             self._releases.append(Release(request.request_id, True))
             if request in self.running:

@@ -15,9 +15,10 @@ from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-# Where the request's target KV is: in the executor's cache, swapped out to host memory, or
-# dropped (the prompt and output are prefilled again when it resumes).
-KVState = Literal["resident", "swapped", "dropped"]
+# Where the request's target KV is: in the executor's cache (`kept` there while the request is
+# preempted), swapped out to host memory, or dropped (the prompt and output are prefilled again
+# when it resumes).
+KVState = Literal["resident", "kept", "swapped", "dropped"]
 
 
 @dataclass

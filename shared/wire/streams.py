@@ -85,3 +85,8 @@ def profile_key(cell: str, role: str) -> str:
 
 def profile_pattern(cell: str) -> str:
     return f"{PREFIX}:{cell}:profile:*"
+
+
+def preemptions_key(cell: str) -> str:
+    """Hash of the cell's preemption totals by kind (kept, swapped, recomputed)."""
+    return f"{PREFIX}:{cell}:preemptions"
