@@ -188,6 +188,7 @@ def to_sim_requests(
     out = []
     for i, r in enumerate(requests):
         num_prompt = r.input_length
+        ids: list[int] | None = None
         if num_prompt is None:
             if tokenizer is None:
                 from transformers import AutoTokenizer
@@ -212,6 +213,7 @@ def to_sim_requests(
                 slo_class=r.slo_class,
                 tpot_slo_ms=r.tpot_slo_ms,
                 priority=r.priority,
+                prompt_tokens=tuple(ids) if ids is not None else None,
             )
         )
     return out

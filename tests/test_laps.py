@@ -92,6 +92,15 @@ def test_eq6_estimates_the_remaining_time() -> None:
     n, a = 4, 0.5
     want = n * remaining * 0.5 / (n * a + 1) + remaining * 10.0 / (n * a + 1)
     assert policy.estimated_ms(request, 0.5, ctx) == pytest.approx(want)
+    # a tree: 4 tokens in 2 layers a step cost 2 draft forwards (of 2 tokens each), not 4
+    tree = decoded("t", max_tokens=61)
+    for _ in range(4):
+        tree.step += 1
+        tree.output.append(1)
+        tree.record_step(4, 2, "d", depth=2)
+    tree.draft_model = "d"
+    steps = remaining / (n * a + 1)
+    assert policy.estimated_ms(tree, 0.5, ctx) == pytest.approx(steps * (2 * 0.5 + 10.0))
 
 
 def test_perceptible_first_and_shortest_first_within_a_queue() -> None:

@@ -83,6 +83,9 @@ class SimRequest:
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     priority: int = 0
+    # the prompt's token ids where known (a length predictor reads them); else placeholders
+    prompt_tokens: tuple[int, ...] | None = None
+    session_key: int | None = None  # which recorded session of its kind it follows; None: index
 
 
 @dataclass(order=True)
@@ -125,6 +128,7 @@ class Simulator:
         self.core.set_drafters({name: ["sim"] for name in config.drafts})
         self.records: dict[str, RequestRecord] = {}
         self._kinds: dict[str, str | None] = {}
+        self._session_keys: dict[str, int] = {}
         self._sessions: dict[tuple[str, str], Session] = {}  # (request, draft) -> session
         self._draft_steps: dict[tuple[str, str], int] = {}  # (request, draft) -> steps drafted
         self._free_at: dict[str, float] = {}  # device -> when it is next free
@@ -166,9 +170,10 @@ class Simulator:
     def _add(self, index: int, request: SimRequest) -> None:
         rid = f"sim-{index}"
         params = SamplingParams(max_tokens=request.num_output_tokens, ignore_eos=True)
+        prompt = request.prompt_tokens or (PROMPT_TOKEN,) * request.num_prompt_tokens
         state = RequestState(
             rid,
-            [PROMPT_TOKEN] * request.num_prompt_tokens,
+            list(prompt),
             params,
             seed=index,
             arrival_time=request.arrival_s,
@@ -185,6 +190,7 @@ class Simulator:
         )
         self.records[rid] = record
         self._kinds[rid] = request.kind
+        self._session_keys[rid] = index if request.session_key is None else request.session_key
         try:
             self.core.add(state)
         except ValueError as error:  # refused (too long for the context): a failed request
@@ -245,7 +251,7 @@ class Simulator:
         key = (rid, model)
         session = self._sessions.get(key)
         if session is None:
-            session = self.acceptance.session_for(self._kinds[rid], model, int(rid[4:]))
+            session = self.acceptance.session_for(self._kinds[rid], model, self._session_keys[rid])
             self._sessions[key] = session
         step = self._draft_steps.get(key, 0)
         self._draft_steps[key] = step + 1

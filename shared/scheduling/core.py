@@ -433,12 +433,15 @@ class SchedulerCore:
     def _evict_kept(
         self, keep: RequestState, batch: MicroBatch, kv: KVView, ctx: PolicyContext
     ) -> int:
-        """Move out the KV of the kept request the policy orders last, if it comes after
-        `keep`; returns the blocks released, 0 when there is none."""
+        """Move out the KV of the kept request the policy orders last: for a running request,
+        whichever that is (what runs must progress, or kept requests could hold every block
+        while it waits); for a waiting one, only if it comes after `keep`. Returns the blocks
+        released, 0 when there is none."""
         kept = [r for r in self.waiting if r.kv == "kept"]
         if not kept:
             return 0
-        victim = self.policy.order([*kept, keep], ctx)[-1]
+        is_running = keep in self.running
+        victim = self.policy.order(kept if is_running else [*kept, keep], ctx)[-1]
         if victim is keep:
             return 0
         self._release_draft(victim)
@@ -661,10 +664,12 @@ class SchedulerCore:
             else:
                 tree = batch.trees.get(rid)
                 drafted = tree.num_nodes - 1 if tree is not None else 0
+                depth = 0
                 if drafted:
-                    self._learn(request, tree, result.num_accepted, elapsed_ms)
-                request.record_step(drafted, result.num_accepted, request.draft_model)
-                self.stats.record(drafted, result.num_accepted)
+                    depth = int(tree.depths().max())
+                    self._learn(request, tree, depth, result.num_accepted, elapsed_ms)
+                request.record_step(drafted, result.num_accepted, request.draft_model, depth)
+                self.stats.record(drafted, result.num_accepted, depth)
             new = append_tokens(request, result.tokens, self.config.eos_token_ids)
             if new:
                 request.first_token_time = request.first_token_time or now
@@ -696,10 +701,14 @@ class SchedulerCore:
                 request.in_flight = False
 
     def _learn(
-        self, request: RequestState, tree: TokenTree, num_accepted: int, elapsed_ms: float
+        self,
+        request: RequestState,
+        tree: TokenTree,
+        depth: int,
+        num_accepted: int,
+        elapsed_ms: float,
     ) -> None:
         assert request.draft_model is not None
-        depth = int(tree.depths().max())
         state = self._state(request, request.draft_model)
         state.estimate.observe(num_accepted, depth)
         self._model_estimate(request.draft_model).observe(num_accepted, depth)

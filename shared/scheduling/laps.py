@@ -17,7 +17,10 @@ step and acceptance rate A (per draft token, so a step commits n*A + 1 tokens on
     T = n * L * T_draft / (n*A + 1)  +  L * T_verify / (n*A + 1)
 
 T_draft is one draft forward of one token and T_verify one verifier forward of n + 1 tokens, both
-from the cost model at the request's context. The paper serves one request at a time (B = 1);
+from the cost model at the request's context. The paper drafts chains, n forwards of one token a
+step; a tree of depth D drafts its n tokens in D forwards of about n/D tokens each, so we charge
+D * T_draft(n/D) where the paper charges n * T_draft(1) (the same for a chain, where D = n), with
+n and D the request's means so far. The paper serves one request at a time (B = 1);
 with a running set of B requests the same estimate ranks them, and the core fills micro-batches
 in that order (B = 1 stays reachable with `max_running_requests = 1`). The estimate is for one
 request alone; in a batch every request's time scales alike, which leaves the ranking unchanged.
@@ -177,19 +180,21 @@ class LAPSSD:
         return tracked
 
     def estimated_ms(self, request: RequestState, acceptance: float, ctx: PolicyContext) -> float:
-        """Eq. 6: the remaining time of a perceptible request."""
+        """Eq. 6: the remaining time of a perceptible request (for trees as the module says)."""
         stats = request.stats
         n = stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else 0.0
+        depth = stats.num_draft_layers / stats.num_drafts if stats.num_drafts else 0.0
         remaining = remaining_tokens(request, self.predictor)
         context = request.num_tokens
-        draft_ms, verify_ms = 0.0, 1.0
+        draft_ms, verify_ms = 0.0, 1.0  # without a cost model: steps, each as long
         if ctx.cost is not None:
             verify_ms = ctx.cost.verify_ms(round(n) + 1, context, 1)
             model = request.draft_model
-            if n and model is not None and ctx.cost.has_draft(model):
-                draft_ms = ctx.cost.draft_forward_ms(model, 1, context, 1)
-        per_step = n * acceptance + 1
-        return n * remaining * draft_ms / per_step + remaining * verify_ms / per_step
+            if depth and model is not None and ctx.cost.has_draft(model):
+                width = max(1, round(n / depth))
+                draft_ms = depth * ctx.cost.draft_forward_ms(model, width, context, 1)
+        steps = remaining / (n * acceptance + 1)
+        return steps * (draft_ms + verify_ms)
 
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

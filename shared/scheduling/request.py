@@ -30,12 +30,16 @@ class AcceptanceStats:
     num_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_target_forwards: int = 0  # verify steps after prefill (each emits >= 1 token)
+    num_draft_layers: int = 0  # tree depths summed over drafts: the drafter's forwards
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verify step; `depth`: the verified tree's depth (None: a chain, as deep as its
+        tokens)."""
         self.num_target_forwards += 1
         if num_draft_tokens:
             self.num_drafts += 1
             self.num_draft_tokens += num_draft_tokens
+            self.num_draft_layers += num_draft_tokens if depth is None else depth
             self.num_accepted += num_accepted
             grow = num_accepted - len(self.accepted_per_position)
             self.accepted_per_position.extend([0] * max(0, grow))
@@ -47,6 +51,7 @@ class AcceptanceStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted += other.num_accepted
         self.num_target_forwards += other.num_target_forwards
+        self.num_draft_layers += other.num_draft_layers
         grow = len(other.accepted_per_position) - len(self.accepted_per_position)
         self.accepted_per_position.extend([0] * max(0, grow))
         for pos, n in enumerate(other.accepted_per_position):
@@ -145,14 +150,18 @@ class RequestState:
         self.num_seen_by_drafter = 0
 
     def record_step(
-        self, num_draft_tokens: int, num_accepted: int, draft_model: str | None
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        draft_model: str | None,
+        depth: int | None = None,
     ) -> None:
-        self.stats.record(num_draft_tokens, num_accepted)
+        self.stats.record(num_draft_tokens, num_accepted, depth)
         if num_draft_tokens:
             self.accepted_lengths.append(num_accepted)
             if draft_model is not None:
                 self.draft_stats.setdefault(draft_model, AcceptanceStats()).record(
-                    num_draft_tokens, num_accepted
+                    num_draft_tokens, num_accepted, depth
                 )
 
 
