@@ -115,16 +115,43 @@ def test_perceptible_first_and_shortest_first_within_a_queue() -> None:
     assert [r.request_id for r in order] == ["short", "long", "early", "served"]
 
 
-def test_only_non_perceptible_requests_are_preempted() -> None:
+def test_a_perceptible_request_yields_once_as_it_moves_then_is_never_preempted() -> None:
     policy = laps()
-    perceptible = decoded("p", service_ms=1000)
-    for _ in range(3):
-        step(perceptible, 4, 2, policy)
-    fresh_running = decoded("n", service_ms=1000, arrival=1)
-    newcomers = [decoded("w1", arrival=2), decoded("w2", arrival=3)]
-    ctx = PolicyContext(0.0, None, max_running=2)
-    victims = policy.preempt([perceptible, fresh_running], newcomers, ctx)
-    assert victims == [fresh_running]  # both running ones rank below Q1, only one may go
+    ctx = PolicyContext(0.0, None, max_running=1)
+
+    def perceptible(rid: str) -> RequestState:
+        request = decoded(rid, service_ms=1000)
+        for _ in range(3):
+            step(request, 4, 2, policy)
+        assert policy.acceptance(request) is not None
+        return request
+
+    moving = perceptible("moving")  # just stable: it takes its place in the order once
+    assert policy.preempt([moving], [decoded("w1", arrival=2)], ctx) == [moving]
+    committed = perceptible("committed")
+    assert policy.preempt([committed], [], ctx) == []  # it runs on as a perceptible request
+    for newcomer in (decoded("w2", arrival=3), decoded("w3", arrival=4)):
+        assert policy.order([committed, newcomer], ctx)[0] is newcomer  # Q1 ranks first ...
+        assert policy.preempt([committed], [newcomer], ctx) == []  # ... but it is never preempted
+    fresh = decoded("fresh", service_ms=1000, arrival=1)  # non-perceptible: preempted (LAS-like)
+    assert policy.preempt([fresh], [decoded("w4", arrival=5)], ctx) == [fresh]
+
+
+def test_a_perceptible_request_moves_to_the_queue_of_its_expected_service() -> None:
+    # verify 10 ms a step (no draft model is placed: no draft cost); 4 drafted, A = 0.5: 3 tokens
+    ctx = PolicyContext(0.0, cost_model([(1, 10.0), (64, 10.0)], [(1, 0.5), (64, 0.5)]), 1)
+    policy = laps()  # thresholds 100, 400 ms
+    short, long_ = decoded("short", max_tokens=20), decoded("long", max_tokens=200)
+    for request in (short, long_):
+        for _ in range(3):
+            step(request, 4, 2, policy)
+    assert policy.queue(short) == policy.queue(long_) == 1  # attained service: none yet
+    assert policy.queue(short, ctx) == 1  # 16 tokens left: 5.3 steps, 53 ms in all
+    assert policy.queue(long_, ctx) == 3  # 196 tokens left: 65.3 steps, 653 ms
+    fresh = decoded("fresh", arrival=9)
+    assert [r.request_id for r in policy.order([long_, fresh, short], ctx)] == [
+        "short", "fresh", "long",
+    ]  # fmt: skip
 
 
 def test_las_preempts_for_less_attained_service_and_lp_sjf_never() -> None:

@@ -36,6 +36,7 @@ from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.tree_selection import make_selector
+from shared.settings import LapsSettings
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
@@ -50,6 +51,7 @@ class EngineConfig(BaseModel):
     max_running: int = Field(64, ge=1)
     policy: str = "fcfs"
     length_predictor: str | None = None  # lp-sjf and laps-sd need one
+    laps: LapsSettings = LapsSettings()
     draft_chooser: str = "fixed"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
@@ -106,7 +108,7 @@ class SpecEngine:
                 method=method if self.drafters else None,
                 planner=self.config.planner,
             ),
-            policy=make_policy(self.config.policy, self.config.length_predictor),
+            policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters)),
             selector=make_selector(self.config.tree_selection),
             cost=cost,

@@ -1,15 +1,23 @@
 """LAPS-SD (Least-Attained/Perceptible-Service for speculative decoding) and the two baselines it
 is measured against, LAS and LP-SJF, as ordering/admission/preemption policies of the core.
 
-LAPS-SD keeps K priority queues on attained service (verifier and drafter time a request has
-had), with thresholds growing exponentially: Q_j holds requests whose service is below
-S_1 * M^(j-1). A new request is *non-perceptible* and starts in Q1; it moves down as its service
-passes the thresholds. Once its acceptance rate is stable (over the last `stable_rounds` decode
-steps the cumulative rate moved by less than `stable_delta`) it becomes *perceptible*: its
-remaining time can be estimated (Eq. 6 of the paper, below). Within a queue perceptible requests
-go first, shortest estimated time first, then non-perceptible ones in arrival order. Only
-non-perceptible requests are preempted: their KV is still small, while a perceptible one is
-predictable enough not to need it.
+LAPS-SD keeps K priority queues on service (verifier and drafter time), with thresholds growing
+exponentially: Q_j holds requests whose service is below S_1 * M^(j-1). A new request is
+*non-perceptible* and starts in Q1; it moves down as its attained service passes the thresholds,
+and while non-perceptible it may be preempted whenever the order puts it outside the running set
+(least-attained-service behaviour: nothing long blocks the short). Once its acceptance rate is
+stable (over the last `stable_rounds` decode steps the cumulative rate moved by less than
+`stable_delta`) it becomes *perceptible*: its remaining time T can be estimated (Eq. 6 below),
+and it moves to the queue of the service it is expected to have in all, attained + T. Within a
+queue perceptible requests go first, shortest estimated time first, then non-perceptible ones in
+arrival order.
+
+The paper schedules perceptible requests "by SJF without preemption". We read its lifecycle
+events literally: becoming perceptible is a move between queues, so at that one moment the
+request takes its place in the order (it yields if a request in a better place waits; its KV
+stays where it is); once it runs as a perceptible request it is never preempted again. Were it
+never to yield, a request that stabilizes while running would always run to the end, every
+other request would wait unexplored, and the schedule would be first come, first served.
 
 Eq. 6, for the remaining output L (predicted total minus what is generated), n draft tokens per
 step and acceptance rate A (per draft token, so a step commits n*A + 1 tokens on average):
@@ -139,6 +147,7 @@ class _Tracked:
     rates: deque[float]
     last_step: int = -1
     acceptance: float | None = None  # set once stable: the request is perceptible
+    is_committed: bool = False  # it has run as a perceptible request: never preempted again
 
 
 @dataclass
@@ -149,12 +158,18 @@ class LAPSSD:
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
 
     # ---- the request's state -------------------------------------------------------------------
-    def queue(self, request: RequestState) -> int:
-        """1..K: the first queue whose threshold the request's attained service is below."""
+    def queue(self, request: RequestState, ctx: PolicyContext | None = None) -> int:
+        """1..K: the first queue whose threshold the request's service is below: its attained
+        service, or for a perceptible request (given the cost model in `ctx`) the service it is
+        expected to have when it finishes."""
+        service = request.attained_service_ms
+        acceptance = self.acceptance(request)
+        if acceptance is not None and ctx is not None and ctx.cost is not None:
+            service += self.estimated_ms(request, acceptance, ctx)
         p = self.params
         threshold = p.first_threshold_ms
         for j in range(1, p.num_queues):
-            if request.attained_service_ms < threshold:
+            if service < threshold:
                 return j
             threshold *= p.threshold_base
         return p.num_queues
@@ -206,7 +221,7 @@ class LAPSSD:
             return (request.priority, self.queue(request), 1, float(request.arrival))
         return (
             request.priority,
-            self.queue(request),
+            self.queue(request, ctx),
             0,
             self.estimated_ms(request, acceptance, ctx),
         )
@@ -221,5 +236,9 @@ class LAPSSD:
         ctx: PolicyContext,
     ) -> list[RequestState]:
         ordered = self.order([*running, *waiting], ctx)
-        victims = _outside_top(running, waiting, ordered, ctx.max_running)
-        return [r for r in victims if self.acceptance(r) is None]  # never a perceptible one
+        victims = [r for r in _outside_top(running, waiting, ordered, ctx.max_running)
+                   if not self._track(r).is_committed]  # fmt: skip
+        for request in running:  # a perceptible request that runs on is committed to
+            if request not in victims and self.acceptance(request) is not None:
+                self._track(request).is_committed = True
+        return victims
