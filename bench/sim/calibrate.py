@@ -77,6 +77,23 @@ def fit_overheads(steps: Sequence[StepTiming], cost: CostModel) -> tuple[float, 
     return float(a), float(b)
 
 
+def mean_overhead(steps: Sequence[StepTiming], cost: CostModel) -> float:
+    """The mean of step - draft - predicted verify: the one overhead of a run whose steps all
+    had the same number of decoding requests (one at a time, say), where `fit_overheads` has
+    nothing to fit."""
+    if not steps:
+        raise ValueError("no micro-batch timings in the log (was it at DEBUG level?)")
+    residual = [
+        s.step_ms
+        - s.draft_ms
+        - cost.verify_ms(
+            s.num_tree_nodes + s.num_prefill_tokens, s.context, s.num_decoding + s.num_prefilling
+        )
+        for s in steps
+    ]
+    return float(np.mean(residual))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim.calibrate", description=__doc__)
     parser.add_argument("log", type=Path, help="a scheduler service's log at DEBUG level")
