@@ -56,7 +56,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--length-predictor",
         choices=sorted(PREDICTORS),
-        help="output lengths for lp-sjf and laps-sd (oracle: the trace's, an upper bound)",
+        default="learned",
+        help="output lengths for lp-sjf and laps-sd: learned (from the prompt's tokens; a "
+        "length-only trace has none to read) or oracle (the trace's, an upper bound)",
     )
     parser.add_argument("--laps-queues", type=int, default=LAPS.num_queues, help="K")
     parser.add_argument("--laps-first-threshold-ms", type=float, default=LAPS.first_threshold_ms)

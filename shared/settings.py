@@ -162,20 +162,15 @@ class LapsSettings(_Group):
 class SchedulerSettings(_Group):
     micro_batches: PositiveInt = 1
     policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
-    # lp-sjf and laps-sd need one; "oracle" is max_tokens, exact only where requests run to it
-    length_predictor: Literal["oracle"] | None = None
+    # for lp-sjf and laps-sd: "learned" (trained on the target's answers, from a committed file)
+    # or "oracle" (max_tokens: exact only where requests run to it; for experiments)
+    length_predictor: Literal["learned", "oracle"] = "learned"
     laps: LapsSettings = LapsSettings()
     draft_chooser: Literal["fixed"] = "fixed"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: Literal["goodput", "global-greedy"] = "goodput"
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64
-
-    @model_validator(mode="after")
-    def _policy_has_lengths(self) -> SchedulerSettings:
-        if self.policy in ("lp-sjf", "laps-sd") and self.length_predictor is None:
-            raise ValueError(f"policy {self.policy} needs length_predictor (oracle)")
-        return self
 
 
 class GatewaySettings(_Group):

@@ -164,11 +164,13 @@ def test_las_preempts_for_less_attained_service_and_lp_sjf_never() -> None:
     assert sjf.preempt([long_], [short], PolicyContext(0.0, None, 1)) == []
 
 
-def test_policies_that_need_lengths_refuse_to_start_without_a_predictor() -> None:
+def test_policies_that_need_lengths_use_the_learned_predictor_by_default() -> None:
     for name in ("lp-sjf", "laps-sd"):
-        with pytest.raises(ValueError, match="length predictor"):
-            make_policy(name)
-        assert make_policy(name, "oracle").name == name
+        policy = make_policy(name)
+        assert isinstance(policy, LPSJF | LAPSSD) and policy.predictor.name == "learned"
+        assert make_policy(name, "oracle").predictor.name == "oracle"  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="unknown output-length predictor"):
+            make_policy(name, "psychic")
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         make_policy("sjf")
 
@@ -183,7 +185,7 @@ def test_greedy_output_is_unchanged_by_preemption(
 ) -> None:
     # two running slots for five requests: LAS (and LAPS-SD) preempt all along. A roomy cache
     # keeps the preempted requests' KV in place; a tight one swaps it out to make room
-    lengths = "oracle" if policy in ("lp-sjf", "laps-sd") else None
+    lengths = "oracle" if policy == "lp-sjf" else None  # laps-sd: the learned one (default)
     method = DraftMethod("chain", k=3)
     engine = make_engine(
         tiny_target_dir, tiny_draft_dir, method, target_kv_bytes=kv_blocks * PER_BLOCK,

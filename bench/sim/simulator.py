@@ -59,7 +59,7 @@ class SimConfig:
     max_running: int = 64  # as `scheduler.max_running_requests`
     micro_batches: int = 1  # as `scheduler.micro_batches`
     policy: str = "fcfs"
-    length_predictor: str | None = None  # lp-sjf and laps-sd need one ("oracle")
+    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = field(default_factory=LapsSettings)
     selector: str = "goodput"
     draft_chooser: str = "fixed"

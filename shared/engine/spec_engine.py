@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
     max_tokens_per_step: int = Field(512, ge=1)  # B: prompt chunks and trees of one forward
     max_running: int = Field(64, ge=1)
     policy: str = "fcfs"
-    length_predictor: str | None = None  # lp-sjf and laps-sd need one
+    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = LapsSettings()
     draft_chooser: str = "fixed"
     tree_selection: str = "goodput"

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from shared.scheduling.lengths import LearnedLength
 from shared.scheduling.request import RequestState
 from shared.settings import LapsSettings
 
@@ -55,6 +56,10 @@ class LengthPredictor(Protocol):
         """The request's total output length in tokens."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what was kept of it."""
+        ...
+
 
 class OracleLength:
     """The request's `max_tokens`: its true length where requests run to it (`ignore_eos`, as in
@@ -65,8 +70,12 @@ class OracleLength:
     def predict(self, request: RequestState) -> float:
         return float(request.params.max_tokens)
 
+    def forget(self, request_id: str) -> None:
+        pass
 
-PREDICTORS: dict[str, type[LengthPredictor]] = {"oracle": OracleLength}
+
+# "learned" (the default) is trained on the target's own answers (shared/scheduling/lengths.py)
+PREDICTORS: dict[str, type[LengthPredictor]] = {"learned": LearnedLength, "oracle": OracleLength}
 
 
 def remaining_tokens(request: RequestState, predictor: LengthPredictor) -> float:
@@ -123,7 +132,7 @@ class LPSJF:
         self.predictor = predictor
 
     def forget(self, request_id: str) -> None:
-        pass
+        self.predictor.forget(request_id)
 
     def order(self, requests: Sequence[RequestState], ctx: PolicyContext) -> list[RequestState]:
         return sorted(
@@ -213,6 +222,7 @@ class LAPSSD:
 
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
+        self.predictor.forget(request_id)
 
     # ---- the policy ----------------------------------------------------------------------------
     def _key(self, request: RequestState, ctx: PolicyContext) -> tuple[int, int, int, float]:

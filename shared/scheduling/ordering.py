@@ -75,7 +75,8 @@ NEEDS_LENGTHS = ("lp-sjf", "laps-sd")
 def make_policy(
     name: str, predictor: str | None = None, laps: LapsSettings | None = None
 ) -> SchedulingPolicy:
-    """The policy called `name`; LP-SJF and LAPS-SD need a length predictor by name."""
+    """The policy called `name`; LP-SJF and LAPS-SD use the length predictor named (None: the
+    learned one)."""
     from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS
 
     if name not in POLICIES:
@@ -84,9 +85,10 @@ def make_policy(
         return FCFS()
     if name == "las":
         return LAS()
+    predictor = predictor or "learned"
     if predictor not in PREDICTORS:
         raise ValueError(
-            f"policy {name!r} needs an output-length predictor (known: {sorted(PREDICTORS)}; "
+            f"unknown output-length predictor {predictor!r} (known: {sorted(PREDICTORS)}; "
             "the oracle is for experiments where requests run to max_tokens)"
         )
     lengths = PREDICTORS[predictor]()
