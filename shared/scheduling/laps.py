@@ -175,10 +175,13 @@ class LAPSSD:
         acceptance = self.acceptance(request)
         if acceptance is not None and ctx is not None and ctx.cost is not None:
             service += self.estimated_ms(request, acceptance, ctx)
+        return self._queue_of(service)
+
+    def _queue_of(self, service_ms: float) -> int:
         p = self.params
         threshold = p.first_threshold_ms
         for j in range(1, p.num_queues):
-            if service < threshold:
+            if service_ms < threshold:
                 return j
             threshold *= p.threshold_base
         return p.num_queues
@@ -227,14 +230,13 @@ class LAPSSD:
     # ---- the policy ----------------------------------------------------------------------------
     def _key(self, request: RequestState, ctx: PolicyContext) -> tuple[int, int, int, float]:
         acceptance = self.acceptance(request)
+        service = request.attained_service_ms
         if acceptance is None:  # non-perceptible: first come, first served, after perceptible
-            return (request.priority, self.queue(request), 1, float(request.arrival))
-        return (
-            request.priority,
-            self.queue(request, ctx),
-            0,
-            self.estimated_ms(request, acceptance, ctx),
-        )
+            return (request.priority, self._queue_of(service), 1, float(request.arrival))
+        estimate = self.estimated_ms(request, acceptance, ctx)
+        if ctx.cost is not None:  # else the estimate counts steps, not milliseconds
+            service += estimate
+        return (request.priority, self._queue_of(service), 0, estimate)
 
     def order(self, requests: Sequence[RequestState], ctx: PolicyContext) -> list[RequestState]:
         return sorted(requests, key=lambda r: self._key(r, ctx))
@@ -248,7 +250,8 @@ class LAPSSD:
         ordered = self.order([*running, *waiting], ctx)
         victims = [r for r in _outside_top(running, waiting, ordered, ctx.max_running)
                    if not self._track(r).is_committed]  # fmt: skip
+        preempted = {id(r) for r in victims}
         for request in running:  # a perceptible request that runs on is committed to
-            if request not in victims and self.acceptance(request) is not None:
+            if id(request) not in preempted and self.acceptance(request) is not None:
                 self._track(request).is_committed = True
         return victims
