@@ -1,0 +1,185 @@
+"""LAPS-SD and its baselines measured: simulated (the paper's experiments and a load sweep), on
+the real engine (Eq. 6's error) and as real replays through the services.
+
+    python -m bench.scheduling paper  [--sizes 10 20 30 40 50] [--draws 5] [--workloads ...]
+    python -m bench.scheduling queues [--sizes 10 30 50] [--queues 2 3 4 5 6 7 8 9 10]
+    python -m bench.scheduling load   [--batch-size 8] [--loads 0.8 0.9 1.0] [--requests 200]
+    python -m bench.scheduling estimate [--requests 30] [--workload mix]
+    python -m bench.scheduling real   [--requests 24] [--workload mix] [--policies ...]
+
+Results go to `--out` (default `docs/results/scheduling/`): one JSON per experiment with the
+command that made it, a markdown table, and a plot. Simulations use every committed cost profile
+of the default target (`--profile` to choose) and the committed acceptance recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shared.model.model_set import REPO_ROOT
+from shared.settings import LapsSettings
+
+OUT = REPO_ROOT / "docs" / "results" / "scheduling"
+PROFILES = REPO_ROOT / "profiles"
+TARGET = "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from bench.scheduling.experiments import POLICY_RUNS
+    from bench.scheduling.workloads import WORKLOADS
+    from shared.engine.presets import DEFAULT_DRAFT
+
+    parser = argparse.ArgumentParser(prog="python -m bench.scheduling", description=__doc__)
+    sub = parser.add_subparsers(dest="experiment", required=True)
+    labels = [run.label for run in POLICY_RUNS]
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--out", type=Path, default=OUT)
+        p.add_argument("--draft", default=DEFAULT_DRAFT)
+        p.add_argument("--seed", type=int, default=0)
+        laps = LapsSettings()
+        p.add_argument("--laps-queues", type=int, default=laps.num_queues)
+        p.add_argument("--laps-first-threshold-ms", type=float, default=laps.first_threshold_ms)
+        p.add_argument("--laps-threshold-base", type=float, default=laps.threshold_base)
+        p.add_argument("--laps-stable-rounds", type=int, default=laps.stable_rounds)
+        p.add_argument("--laps-stable-delta", type=float, default=laps.stable_delta)
+
+    def simulated(p: argparse.ArgumentParser) -> None:
+        common(p)
+        p.add_argument(
+            "--profile", type=Path, action="append", help="cost profile(s); default: committed"
+        )
+        p.add_argument(
+            "--step-overhead-ms", type=float, default=0.0,
+            help="per-step time outside the forwards, on CPU profiles (bench.sim.calibrate)",
+        )  # fmt: skip
+        p.add_argument("--request-overhead-ms", type=float, default=0.0)
+        p.add_argument("--draws", type=int, default=5, help="random draws of the requests")
+        p.add_argument("--policies", nargs="+", default=labels, choices=labels)
+
+    p = sub.add_parser("paper", help="B = 1, 10 to 50 requests at once (the paper's Fig. 5)")
+    simulated(p)
+    p.add_argument("--workloads", nargs="+", default=["chat", "code", "long"], choices=WORKLOADS)
+    p.add_argument("--sizes", nargs="+", type=int, default=[10, 20, 30, 40, 50])
+
+    p = sub.add_parser("queues", help="LAPS-SD's K from 2 to 10 (the paper's Fig. 6)")
+    simulated(p)
+    p.add_argument("--workloads", nargs="+", default=["chat", "code", "long"], choices=WORKLOADS)
+    p.add_argument("--sizes", nargs="+", type=int, default=[10, 30, 50])
+    p.add_argument("--queues", nargs="+", type=int, default=list(range(2, 11)))
+
+    p = sub.add_parser("load", help="B > 1 under Poisson arrivals near capacity")
+    simulated(p)
+    p.add_argument("--workload", default="mix", choices=WORKLOADS)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--loads", nargs="+", type=float, default=[0.8, 0.9, 1.0])
+
+    p = sub.add_parser("estimate", help="Eq. 6 against real execution times (the engine, B = 1)")
+    common(p)
+    p.add_argument("--workload", default="mix", choices=WORKLOADS)
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+
+    p = sub.add_parser("real", help="real replays through the services, one policy at a time")
+    common(p)
+    p.add_argument("--workload", default="mix", choices=WORKLOADS)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--policies", nargs="+", default=["fcfs", "las", "lp-sjf", "laps-sd"])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=1800)
+    return parser.parse_args(argv)
+
+
+def laps_settings(args: argparse.Namespace) -> LapsSettings:
+    return LapsSettings(
+        num_queues=args.laps_queues,
+        first_threshold_ms=args.laps_first_threshold_ms,
+        threshold_base=args.laps_threshold_base,
+        stable_rounds=args.laps_stable_rounds,
+        stable_delta=args.laps_stable_delta,
+    )
+
+
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from shared.model.model_set import target_dir
+
+    return AutoTokenizer.from_pretrained(target_dir())
+
+
+def machines(args: argparse.Namespace) -> list[Any]:
+    from bench.scheduling.experiments import Machine
+    from shared.scheduling.cost_model import CostModel, CostProfile
+
+    paths = args.profile or sorted(PROFILES.glob(f"{TARGET}-*.json"))
+    out = []
+    for path in paths:
+        cost = CostModel(CostProfile.load(path))
+        key = cost.profile.target.key
+        on_cpu = key.device.startswith("cpu")
+        out.append(
+            Machine(
+                f"{key.device}",
+                cost,
+                args.step_overhead_ms if on_cpu else 0.0,
+                args.request_overhead_ms if on_cpu else 0.0,
+            )
+        )
+    return out
+
+
+def acceptance_model() -> Any:
+    from bench.sim.acceptance import AcceptanceModel
+
+    return AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def write(out: Path, name: str, result: dict[str, Any], argv: Sequence[str]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": "python -m bench.scheduling " + " ".join(argv), **result}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.experiment in ("paper", "queues", "load"):
+        from bench.scheduling import reports
+
+        result = reports.SIMULATED[args.experiment](args, machines(args), acceptance_model())
+    elif args.experiment == "estimate":
+        from bench.scheduling.estimate import estimate
+
+        result = estimate(args)
+    else:
+        from bench.scheduling.real import real
+
+        result = real(args)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    path = write(args.out, args.experiment, result, argv)
+    from bench.scheduling.reports import markdown
+
+    table = markdown(args.experiment, result)
+    (args.out / f"{args.experiment}.md").write_text(table)
+    print(table)
+    progress(f"wrote {path} in {result['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The policies as real replays through the services, beside the simulator's account of them.
+
+For each policy the services start fresh (`python -m services all`, in a cell of their own on
+the system Redis) with `scheduler.policy` set, `scheduler.length_predictor = learned` where the
+policy needs lengths, and a running set of `--batch-size`; the same held-out requests are sent
+together (50 ms apart, so that arrival order is fixed), each with `max_tokens` = the target's
+true answer length and `ignore_eos`. The client measures each request's latency; the preemption
+totals come from the scheduler's Redis hash (what /metrics exports). The simulator then serves
+the same requests with the cost profile the services published and the per-step overhead
+measured from the scheduler's DEBUG log of these runs, and the two rankings are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.load.client import replay
+from bench.load.records import RequestRecord
+from bench.load.trace import TraceRequest
+from bench.scheduling.experiments import (
+    BY_LABEL,
+    mean_latency_s,
+    p99_latency_s,
+    simulate,
+)
+from bench.scheduling.workloads import burst, draw, load_heldout, pool, trace_requests
+from shared.model.model_set import REPO_ROOT
+from shared.scheduling.cost_model import CostModel, ModelProfile
+
+SPACING_S = 0.05
+READY_TIMEOUT_S = 600.0
+LOGS = REPO_ROOT / ".cache" / "bench-scheduling"
+REDIS_URL = os.environ.get("AUGURY_REDIS__URL", "redis://127.0.0.1:6379/0")  # the system's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until /health/ready answers 200 (a one-token generation went through)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the services exited with {process.returncode}")
+            try:
+                async with session.get(f"{base_url}/health/ready") as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"the services were not ready in {timeout_s:g} s")
+            await asyncio.sleep(1.0)
+
+
+async def read_cell(cell: str) -> tuple[dict[str, int], dict[str, ModelProfile]]:
+    """The cell's preemption totals (what /metrics exports) and its published cost profiles;
+    then the cell's keys are deleted."""
+    from shared.bus import Bus
+    from shared.bus.preemptions import read_preemptions
+    from shared.bus.profiles import read_profiles
+    from shared.settings import RedisSettings
+
+    bus = Bus(REDIS_URL, RedisSettings(url=REDIS_URL), "bench-scheduling")
+    try:
+        found = dict(await read_preemptions(bus, cell)), await read_profiles(bus, cell)
+        keys = [key async for key in bus.redis.scan_iter(f"augury:{cell}:*", 200)]
+        if keys:  # the run's streams and hashes: nothing else reads them
+            await bus.redis.delete(*keys)
+        return found
+    finally:
+        await bus.close()
+
+
+def start_services(
+    policy: str, args: argparse.Namespace, cell: str, port: int, log: Path
+) -> subprocess.Popen[bytes]:
+    run = BY_LABEL[policy]
+    env = dict(os.environ)
+    env.update(
+        {
+            "AUGURY_REDIS__URL": REDIS_URL,
+            "AUGURY_SERVICE__CELL": cell,
+            "AUGURY_GATEWAY__PORT": str(port),
+            # one request at a time: a queued request waits for minutes without a token
+            "AUGURY_GATEWAY__OUTPUT_IDLE_TIMEOUT_S": str(args.timeout_s),
+            "AUGURY_SCHEDULER__POLICY": run.policy,
+            "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(args.batch_size),
+            "AUGURY_SCHEDULER__LAPS__NUM_QUEUES": str(args.laps_queues),
+            "AUGURY_SCHEDULER__LAPS__FIRST_THRESHOLD_MS": str(args.laps_first_threshold_ms),
+            "AUGURY_SCHEDULER__LAPS__THRESHOLD_BASE": str(args.laps_threshold_base),
+            "AUGURY_SCHEDULER__LAPS__STABLE_ROUNDS": str(args.laps_stable_rounds),
+            "AUGURY_SCHEDULER__LAPS__STABLE_DELTA": str(args.laps_stable_delta),
+        }
+    )
+    if run.predictor is not None:
+        env["AUGURY_SCHEDULER__LENGTH_PREDICTOR"] = run.predictor
+    command = [sys.executable, "-m", "services", "all", "--drafts", args.draft, "--threads", "2"]
+    command += ["--log-level", "DEBUG"]  # the per-micro-batch timings the simulator calibrates on
+    with log.open("wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Served:
+    records: list[RequestRecord]
+    preemptions: dict[str, int]
+    cost: CostModel  # the profile the services published (what they measured or loaded)
+    log: Path
+
+
+def serve(policy: str, args: argparse.Namespace, trace: list[TraceRequest]) -> Served:
+    from shared.bus.profiles import assemble
+
+    cell = f"bench-{policy}-{secrets.token_hex(3)}"
+    port = free_port()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / f"{policy}.log"  # DEBUG: large, kept out of the results
+    process = start_services(policy, args, cell, port, log)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(base_url, process, READY_TIMEOUT_S))
+        records = asyncio.run(replay(trace, base_url, request_timeout_s=args.timeout_s))
+        preemptions, profiles = asyncio.run(read_cell(cell))
+    finally:
+        stop(process)
+    failed = [r for r in records if not r.is_completed]
+    if failed:
+        raise RuntimeError(f"{policy}: {len(failed)} requests failed: {failed[0].error}")
+    profile = assemble(profiles)
+    if profile is None:
+        raise RuntimeError(f"{policy}: the services published no cost profile")
+    return Served(records, preemptions, CostModel(profile), log)
+
+
+def real(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from bench.load.report import write_report
+    from bench.scheduling.__main__ import acceptance_model, laps_settings
+    from bench.scheduling.experiments import Machine
+    from bench.sim.calibrate import mean_overhead, parse_log
+    from shared.model.model_set import target_dir
+
+    items = draw(
+        pool(load_heldout(AutoTokenizer.from_pretrained(target_dir())), args.workload),
+        args.requests,
+        seed=args.seed,
+    )
+    arrivals = burst(len(items), SPACING_S)
+    trace = trace_requests(items, arrivals)
+    laps = laps_settings(args)
+    served = {}
+    for policy in args.policies:
+        served[policy] = serve(policy, args, trace)
+        run = served[policy]
+        write_report(args.out / "real" / policy, run.records, meta={"policy": policy}, plots=False)
+        print(f"{policy}: mean {mean_latency_s(run.records):.2f} s", file=sys.stderr)
+    # the simulator on the services' own profile, with their per-step overhead measured from
+    # the scheduler's DEBUG log of every run (one request at a time: one number, no fit)
+    cost = next(iter(served.values())).cost
+    steps = [s for run in served.values() for s in parse_log(run.log.read_text().splitlines())]
+    overhead = mean_overhead(steps, cost)
+    machine = Machine("services' profile", cost, step_overhead_ms=overhead)
+    acceptance = acceptance_model()
+    out: dict[str, Any] = {
+        "workload": args.workload,
+        "requests": len(items),
+        "batch_size": args.batch_size,
+        "laps": laps.model_dump(),
+        "device": cost.profile.target.key.device,
+        "step_overhead_ms": overhead,
+        "policies": {},
+    }
+    for policy, run in served.items():
+        simulated = simulate(
+            items, arrivals, machine, acceptance, BY_LABEL[policy],
+            batch_size=args.batch_size, laps=laps, draft=args.draft,
+        )  # fmt: skip
+        out["policies"][policy] = {
+            "mean_s": mean_latency_s(run.records),
+            "p99_s": p99_latency_s(run.records),
+            "simulated_mean_s": mean_latency_s(simulated),
+            "preemptions": run.preemptions,
+        }
+    rows = out["policies"]
+    out["ranking_real"] = sorted(rows, key=lambda p: rows[p]["mean_s"])
+    out["ranking_sim"] = sorted(rows, key=lambda p: rows[p]["simulated_mean_s"])
+    return out

@@ -1,0 +1,95 @@
+"""The scheduling experiments' pieces: the committed labelled requests, and the policies on the
+simulator doing what they are for (deterministic: a virtual clock, recorded acceptance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scheduling import experiments as ex
+from bench.scheduling.reports import markdown
+from bench.scheduling.workloads import (
+    HELDOUT,
+    WORKLOADS,
+    burst,
+    draw,
+    load_heldout,
+    pool,
+    sim_requests,
+    trace_requests,
+)
+from bench.sim.acceptance import AcceptanceModel
+from shared.scheduling.cost_model import CostModel, CostProfile
+from shared.settings import LapsSettings
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@pytest.fixture(scope="module")
+def items() -> list[Any]:
+    from transformers import AutoTokenizer
+
+    from shared.model.model_set import target_dir
+
+    return load_heldout(AutoTokenizer.from_pretrained(target_dir()))
+
+
+@pytest.fixture(scope="module")
+def machine() -> ex.Machine:
+    path = sorted(PROFILES.glob("SmolLM2-135M-Instruct-cpu-*.json"))[0]
+    return ex.Machine("cpu", CostModel(CostProfile.load(path)), step_overhead_ms=30.0)
+
+
+@pytest.fixture(scope="module")
+def acceptance() -> AcceptanceModel:
+    return AcceptanceModel.load(PROFILES / "acceptance-SmolLM2-135M-Instruct.json.gz")
+
+
+def test_the_labelled_requests_load_with_their_prompts(items: list[Any]) -> None:
+    rows = HELDOUT.read_text().splitlines()
+    assert len(items) == sum(1 for r in rows if '"num_output_tokens": 0' not in r) > 100
+    assert {i.kind for i in items} == set(WORKLOADS["mix"])
+    for item in items:
+        assert item.prompt_ids and item.num_output_tokens >= 1
+    chosen = draw(pool(items, "code"), 5, seed=3)
+    assert chosen == draw(pool(items, "code"), 5, seed=3) and {i.kind for i in chosen} == {"code"}
+    sim = sim_requests(chosen, burst(5))
+    assert [r.prompt_tokens for r in sim] == [i.prompt_ids for i in chosen]
+    assert [r.session_key for r in sim] == [i.index for i in chosen]
+    trace = trace_requests(chosen, burst(5, 0.05))
+    assert [t.num_output_tokens for t in trace] == [i.num_output_tokens for i in chosen]
+    with pytest.raises(ValueError, match="unknown workload"):
+        pool(items, "poetry")
+
+
+def test_laps_sd_beats_fcfs_and_las_one_at_a_time(
+    items: list[Any], machine: ex.Machine, acceptance: AcceptanceModel
+) -> None:
+    # ten chat requests arriving together, served one at a time (the paper's set-up): with
+    # true lengths LAPS-SD is close to shortest-first, FCFS and LAS are not
+    chosen = draw(pool(items, "chat"), 10, seed=10)
+    means = {}
+    for label in ("fcfs", "las", "laps-sd/oracle", "lp-sjf/oracle"):
+        records = ex.simulate(
+            chosen, burst(10), machine, acceptance, ex.BY_LABEL[label],
+            batch_size=1, laps=LapsSettings(), draft="draft-s",
+        )  # fmt: skip
+        lengths = [r.num_output_tokens for r in records]
+        assert lengths == [i.num_output_tokens for i in chosen]
+        means[label] = ex.mean_latency_s(records)
+    assert means["laps-sd/oracle"] < 0.9 * means["fcfs"]
+    assert means["laps-sd/oracle"] < 0.9 * means["las"]
+    assert means["lp-sjf/oracle"] < means["fcfs"]  # the upper bound it is measured against
+
+
+def test_tables_render(items: list[Any], machine: ex.Machine, acceptance: AcceptanceModel) -> None:
+    result = ex.paper(
+        items, machine, acceptance,
+        workloads=["code"], sizes=[3], draws=1, runs=[ex.BY_LABEL["fcfs"], ex.BY_LABEL["las"],
+        ex.BY_LABEL["lp-sjf"], ex.BY_LABEL["laps-sd"]], laps=LapsSettings(), draft="draft-s",
+        progress=lambda line: None,
+    )  # fmt: skip
+    table = markdown("paper", {"draws": 1, "machines": {"cpu": result}})
+    assert "| code | 3 |" in table and "LAPS-SD vs LP-SJF" in table
