@@ -78,10 +78,15 @@ def pool(items: Sequence[Labelled], workload: str) -> list[Labelled]:
 
 
 def draw(items: Sequence[Labelled], n: int, seed: int) -> list[Labelled]:
-    """`n` distinct prompts in a random order (the order they arrive in)."""
-    if n > len(items):
-        raise ValueError(f"{n} requests asked of a pool of {len(items)}")
-    return random.Random(seed).sample(list(items), n)
+    """`n` prompts in a random order (the order they arrive in): distinct while the pool lasts,
+    then the pool again, reshuffled (the code pool holds 40 prompts)."""
+    if not items:
+        raise ValueError("no prompts to draw from")
+    rng = random.Random(seed)
+    out: list[Labelled] = []
+    while len(out) < n:
+        out += rng.sample(list(items), min(n - len(out), len(items)))
+    return out
 
 
 def sim_requests(items: Sequence[Labelled], arrivals: Sequence[float]) -> list[SimRequest]:
