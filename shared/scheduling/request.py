@@ -69,7 +69,7 @@ class AcceptanceStats:
         return 1.0 + self.num_accepted / self.num_target_forwards
 
 
-@dataclass
+@dataclass(eq=False)  # a request is equal only to itself: `in` checks stay O(1) each
 class RequestState:
     request_id: str
     prompt: list[int]
