@@ -265,7 +265,6 @@ class SchedulerCore:
         batch = MicroBatch(next(self._batch_ids), now)
         ctx = PolicyContext(now, self.cost, self.config.max_running)
         idle = [r for r in self.running if not r.in_flight]
-        # blocks the policy's preemptions release: the executor frees them after this call
         # a request the policy preempts keeps its KV in the cache (it resumes at no cost);
         # memory pressure moves a kept request's KV out later (`_evict_kept`)
         for victim in self.policy.preempt(idle, self.waiting, ctx):
