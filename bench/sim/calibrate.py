@@ -60,20 +60,28 @@ def parse_log(lines: Iterable[str]) -> list[StepTiming]:
     return steps
 
 
+def unexplained_ms(steps: Sequence[StepTiming], cost: CostModel) -> np.ndarray:
+    """Per step: its time minus the drafters' and what the profile says its verify takes."""
+    return np.array(
+        [
+            s.step_ms
+            - s.draft_ms
+            - cost.verify_ms(
+                s.num_tree_nodes + s.num_prefill_tokens,
+                s.context,
+                s.num_decoding + s.num_prefilling,
+            )
+            for s in steps
+        ]
+    )
+
+
 def fit_overheads(steps: Sequence[StepTiming], cost: CostModel) -> tuple[float, float]:
     """(a, b): least squares of step - draft - predicted verify on a + b * sqrt(decoding)."""
     if len({s.num_decoding for s in steps}) < 2:
         raise ValueError("need steps with at least two different numbers of decoding requests")
-    residual = [
-        s.step_ms
-        - s.draft_ms
-        - cost.verify_ms(
-            s.num_tree_nodes + s.num_prefill_tokens, s.context, s.num_decoding + s.num_prefilling
-        )
-        for s in steps
-    ]
     design = np.c_[np.ones(len(steps)), np.sqrt([s.num_decoding for s in steps])]
-    (a, b), *_ = np.linalg.lstsq(design, np.asarray(residual), rcond=None)
+    (a, b), *_ = np.linalg.lstsq(design, unexplained_ms(steps, cost), rcond=None)
     return float(a), float(b)
 
 
@@ -83,15 +91,7 @@ def mean_overhead(steps: Sequence[StepTiming], cost: CostModel) -> float:
     nothing to fit."""
     if not steps:
         raise ValueError("no micro-batch timings in the log (was it at DEBUG level?)")
-    residual = [
-        s.step_ms
-        - s.draft_ms
-        - cost.verify_ms(
-            s.num_tree_nodes + s.num_prefill_tokens, s.context, s.num_decoding + s.num_prefilling
-        )
-        for s in steps
-    ]
-    return float(np.mean(residual))
+    return float(np.mean(unexplained_ms(steps, cost)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
