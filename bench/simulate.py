@@ -39,6 +39,26 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+def add_laps_arguments(parser: argparse.ArgumentParser) -> None:
+    """LAPS-SD's parameters as flags, defaulting to the services' settings."""
+    parser.add_argument("--laps-queues", type=int, default=LAPS.num_queues, help="K")
+    parser.add_argument("--laps-first-threshold-ms", type=float, default=LAPS.first_threshold_ms)
+    parser.add_argument("--laps-threshold-base", type=float, default=LAPS.threshold_base)
+    parser.add_argument("--laps-stable-rounds", type=int, default=LAPS.stable_rounds)
+    parser.add_argument("--laps-stable-delta", type=float, default=LAPS.stable_delta)
+
+
+def laps_settings(args: argparse.Namespace) -> LapsSettings:
+    """The settings `add_laps_arguments`' flags give (validated as the services' are)."""
+    return LapsSettings(
+        num_queues=args.laps_queues,
+        first_threshold_ms=args.laps_first_threshold_ms,
+        threshold_base=args.laps_threshold_base,
+        stable_rounds=args.laps_stable_rounds,
+        stable_delta=args.laps_stable_delta,
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from shared.engine.presets import DEFAULT_DRAFT
 
@@ -60,11 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="output lengths for lp-sjf and laps-sd: learned (from the prompt's tokens; a "
         "length-only trace has none to read) or oracle (the trace's, an upper bound)",
     )
-    parser.add_argument("--laps-queues", type=int, default=LAPS.num_queues, help="K")
-    parser.add_argument("--laps-first-threshold-ms", type=float, default=LAPS.first_threshold_ms)
-    parser.add_argument("--laps-threshold-base", type=float, default=LAPS.threshold_base)
-    parser.add_argument("--laps-stable-rounds", type=int, default=LAPS.stable_rounds)
-    parser.add_argument("--laps-stable-delta", type=float, default=LAPS.stable_delta)
+    add_laps_arguments(parser)
     parser.add_argument("--selector", default="goodput", choices=sorted(SELECTORS))
     parser.add_argument("--draft-chooser", default="fixed", choices=sorted(CHOOSERS))
     parser.add_argument("--planner", default="goodput", choices=["goodput", "fixed"])
@@ -245,13 +261,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         micro_batches=args.micro_batches,
         policy=args.policy,
         length_predictor=args.length_predictor,
-        laps=LapsSettings(
-            num_queues=args.laps_queues,
-            first_threshold_ms=args.laps_first_threshold_ms,
-            threshold_base=args.laps_threshold_base,
-            stable_rounds=args.laps_stable_rounds,
-            stable_delta=args.laps_stable_delta,
-        ),
+        laps=laps_settings(args),
         selector=args.selector,
         draft_chooser=args.draft_chooser,
         planner=args.planner,

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.simulate import add_laps_arguments, laps_settings
 from shared.model.model_set import REPO_ROOT
-from shared.settings import LapsSettings
 
 OUT = REPO_ROOT / "docs" / "results" / "scheduling"
 PROFILES = REPO_ROOT / "profiles"
@@ -43,12 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--out", type=Path, default=OUT)
         p.add_argument("--draft", default=DEFAULT_DRAFT)
         p.add_argument("--seed", type=int, default=0)
-        laps = LapsSettings()
-        p.add_argument("--laps-queues", type=int, default=laps.num_queues)
-        p.add_argument("--laps-first-threshold-ms", type=float, default=laps.first_threshold_ms)
-        p.add_argument("--laps-threshold-base", type=float, default=laps.threshold_base)
-        p.add_argument("--laps-stable-rounds", type=int, default=laps.stable_rounds)
-        p.add_argument("--laps-stable-delta", type=float, default=laps.stable_delta)
+        add_laps_arguments(p)
 
     def simulated(p: argparse.ArgumentParser) -> None:
         common(p)
@@ -97,16 +92,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def laps_settings(args: argparse.Namespace) -> LapsSettings:
-    return LapsSettings(
-        num_queues=args.laps_queues,
-        first_threshold_ms=args.laps_first_threshold_ms,
-        threshold_base=args.laps_threshold_base,
-        stable_rounds=args.laps_stable_rounds,
-        stable_delta=args.laps_stable_delta,
-    )
-
-
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
@@ -142,10 +127,6 @@ def acceptance_model() -> Any:
     return AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
 
 
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def write(out: Path, name: str, result: dict[str, Any], argv: Sequence[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m bench.scheduling " + " ".join(argv), **result}
@@ -158,26 +139,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     started = time.perf_counter()
-    if args.experiment in ("paper", "queues", "load"):
-        from bench.scheduling import reports
+    from bench.scheduling.reports import SIMULATED, markdown
+    from bench.scheduling.workloads import load_heldout
 
-        result = reports.SIMULATED[args.experiment](args, machines(args), acceptance_model())
+    laps = laps_settings(args)
+    items = load_heldout(tokenizer())
+    if args.experiment in SIMULATED:
+        result = SIMULATED[args.experiment](args, machines(args), acceptance_model(), items, laps)
     elif args.experiment == "estimate":
         from bench.scheduling.estimate import estimate
 
-        result = estimate(args)
+        result = estimate(args, items, laps)
     else:
         from bench.scheduling.real import real
 
-        result = real(args)
+        result = real(args, items, laps, acceptance_model())
     result["wall_s"] = round(time.perf_counter() - started, 1)
     path = write(args.out, args.experiment, result, argv)
-    from bench.scheduling.reports import markdown
-
     table = markdown(args.experiment, result)
     (args.out / f"{args.experiment}.md").write_text(table)
     print(table)
-    progress(f"wrote {path} in {result['wall_s']} s")
+    print(f"wrote {path} in {result['wall_s']} s", file=sys.stderr)
     return 0
 
 

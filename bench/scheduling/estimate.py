@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
-from bench.scheduling.workloads import draw, load_heldout, pool
+from bench.scheduling.workloads import Labelled, draw, pool
 from shared.engine.sampling import SamplingParams
 from shared.scheduling.laps import LAPSSD, OracleLength, remaining_tokens
 from shared.scheduling.lengths import LearnedLength
 from shared.scheduling.ordering import PolicyContext
+from shared.settings import LapsSettings
 
 
-def serve(args: argparse.Namespace) -> list[dict[str, Any]]:
+def serve(
+    args: argparse.Namespace, heldout: Sequence[Labelled], laps: LapsSettings
+) -> list[dict[str, Any]]:
     """One run with the oracle's lengths: every request's estimates at perceptibility (with the
     true remaining length, and with the learned predictor's) and its real remaining time."""
     import torch
-    from transformers import AutoTokenizer
 
-    from bench.scheduling.__main__ import laps_settings
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
     from shared.engine.spec_engine import EngineConfig, SpecEngine
@@ -41,17 +43,14 @@ def serve(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     torch.set_num_threads(args.threads)
     tdir = target_dir()
-    items = draw(pool(load_heldout(AutoTokenizer.from_pretrained(tdir)), args.workload),
-                 args.requests, seed=args.seed)  # fmt: skip
+    items = draw(pool(heldout, args.workload), args.requests, seed=args.seed)
     target = load_model(tdir)
     verifier = Verifier(ModelRunner(target))
     drafter = Drafter(
         ModelRunner(load_model(draft_dirs()[args.draft], target_path=tdir)), name=args.draft
     )
     cost = load_or_measure(verifier.runner, {args.draft: drafter.runner}, target_name=tdir.name)
-    config = EngineConfig(
-        max_running=1, policy="laps-sd", length_predictor="oracle", laps=laps_settings(args)
-    )
+    config = EngineConfig(max_running=1, policy="laps-sd", length_predictor="oracle", laps=laps)
     engine = SpecEngine(
         verifier, drafter, DEFAULT_METHOD, config,
         eos_token_ids=target.cfg.eos_token_ids, cost=cost,
@@ -106,8 +105,10 @@ def summary(rows: list[dict[str, Any]], lengths: str) -> dict[str, Any]:
     }
 
 
-def estimate(args: argparse.Namespace) -> dict[str, Any]:
-    rows = serve(args)
+def estimate(
+    args: argparse.Namespace, heldout: Sequence[Labelled], laps: LapsSettings
+) -> dict[str, Any]:
+    rows = serve(args, heldout, laps)
     if not rows:
         raise RuntimeError("no request became perceptible: nothing to compare")
     return {

@@ -16,6 +16,7 @@ clock whose step times come from a cost profile and whose acceptance replays rec
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,33 @@ def p99_latency_s(records: Sequence[RequestRecord]) -> float:
 Progress = Callable[[str], None]
 
 
+def log_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def burst_mean_s(
+    candidates: Sequence[Labelled],
+    n: int,
+    draws: int,
+    machine: Machine,
+    acceptance: AcceptanceModel,
+    run: PolicyRun,
+    *,
+    laps: LapsSettings,
+    draft: str,
+) -> float:
+    """Mean latency (s) of `n` requests arriving together, one running at a time, averaged
+    over `draws` draws of them (the same draws for every policy and parameter)."""
+    means = []
+    for d in range(draws):
+        chosen = draw(candidates, n, seed=1000 * n + d)
+        records = simulate(
+            chosen, burst(n), machine, acceptance, run, batch_size=1, laps=laps, draft=draft
+        )
+        means.append(mean_latency_s(records))
+    return statistics.fmean(means)
+
+
 def paper(
     items: Sequence[Labelled],
     machine: Machine,
@@ -125,17 +153,14 @@ def paper(
         candidates = pool(items, workload)
         table[workload] = {}
         for n in sizes:
-            per_run: dict[str, list[float]] = {run.label: [] for run in runs}
-            for d in range(draws):
-                chosen = draw(candidates, n, seed=1000 * n + d)
-                for run in runs:
-                    records = simulate(
-                        chosen, burst(n), machine, acceptance, run,
-                        batch_size=1, laps=laps, draft=draft,
-                    )  # fmt: skip
-                    per_run[run.label].append(mean_latency_s(records))
-            table[workload][str(n)] = {k: statistics.fmean(v) for k, v in per_run.items()}
-            progress(f"{machine.label} {workload} n={n}: " + _row(table[workload][str(n)]))
+            row = {
+                run.label: burst_mean_s(
+                    candidates, n, draws, machine, acceptance, run, laps=laps, draft=draft
+                )
+                for run in runs
+            }
+            table[workload][str(n)] = row
+            progress(f"{machine.label} {workload} n={n}: " + _row(row))
     return table
 
 
@@ -159,18 +184,19 @@ def queues(
         candidates = pool(items, workload)
         table[workload] = {}
         for n in sizes:
-            row: dict[str, float] = {}
-            for k in num_queues:
-                params = laps.model_copy(update={"num_queues": k})
-                means = []
-                for d in range(draws):
-                    chosen = draw(candidates, n, seed=1000 * n + d)
-                    records = simulate(
-                        chosen, burst(n), machine, acceptance, run,
-                        batch_size=1, laps=params, draft=draft,
-                    )  # fmt: skip
-                    means.append(mean_latency_s(records))
-                row[str(k)] = statistics.fmean(means)
+            row = {
+                str(k): burst_mean_s(
+                    candidates,
+                    n,
+                    draws,
+                    machine,
+                    acceptance,
+                    run,
+                    laps=laps.model_copy(update={"num_queues": k}),
+                    draft=draft,
+                )  # fmt: skip
+                for k in num_queues
+            }
             table[workload][str(n)] = row
             progress(f"{machine.label} {workload} n={n}: K -> " + _row(row))
     return table

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,11 @@ from bench.scheduling.experiments import (
     p99_latency_s,
     simulate,
 )
-from bench.scheduling.workloads import burst, draw, load_heldout, pool, trace_requests
+from bench.scheduling.workloads import Labelled, burst, draw, pool, trace_requests
+from bench.sim.acceptance import AcceptanceModel
 from shared.model.model_set import REPO_ROOT
 from shared.scheduling.cost_model import CostModel, ModelProfile
+from shared.settings import LapsSettings
 
 SPACING_S = 0.05
 READY_TIMEOUT_S = 600.0
@@ -89,7 +92,7 @@ async def read_cell(cell: str) -> tuple[dict[str, int], dict[str, ModelProfile]]
 
 
 def start_services(
-    policy: str, args: argparse.Namespace, cell: str, port: int, log: Path
+    policy: str, args: argparse.Namespace, laps: LapsSettings, cell: str, port: int, log: Path
 ) -> subprocess.Popen[bytes]:
     run = BY_LABEL[policy]
     env = dict(os.environ)
@@ -102,13 +105,10 @@ def start_services(
             "AUGURY_GATEWAY__OUTPUT_IDLE_TIMEOUT_S": str(args.timeout_s),
             "AUGURY_SCHEDULER__POLICY": run.policy,
             "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(args.batch_size),
-            "AUGURY_SCHEDULER__LAPS__NUM_QUEUES": str(args.laps_queues),
-            "AUGURY_SCHEDULER__LAPS__FIRST_THRESHOLD_MS": str(args.laps_first_threshold_ms),
-            "AUGURY_SCHEDULER__LAPS__THRESHOLD_BASE": str(args.laps_threshold_base),
-            "AUGURY_SCHEDULER__LAPS__STABLE_ROUNDS": str(args.laps_stable_rounds),
-            "AUGURY_SCHEDULER__LAPS__STABLE_DELTA": str(args.laps_stable_delta),
         }
     )
+    for name, value in laps.model_dump().items():
+        env[f"AUGURY_SCHEDULER__LAPS__{name.upper()}"] = str(value)
     if run.predictor is not None:
         env["AUGURY_SCHEDULER__LENGTH_PREDICTOR"] = run.predictor
     command = [sys.executable, "-m", "services", "all", "--drafts", args.draft, "--threads", "2"]
@@ -135,14 +135,16 @@ class Served:
     log: Path
 
 
-def serve(policy: str, args: argparse.Namespace, trace: list[TraceRequest]) -> Served:
+def serve(
+    policy: str, args: argparse.Namespace, laps: LapsSettings, trace: list[TraceRequest]
+) -> Served:
     from shared.bus.profiles import assemble
 
     cell = f"bench-{policy}-{secrets.token_hex(3)}"
     port = free_port()
     LOGS.mkdir(parents=True, exist_ok=True)
     log = LOGS / f"{policy}.log"  # DEBUG: large, kept out of the results
-    process = start_services(policy, args, cell, port, log)
+    process = start_services(policy, args, laps, cell, port, log)
     try:
         base_url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_ready(base_url, process, READY_TIMEOUT_S))
@@ -159,26 +161,22 @@ def serve(policy: str, args: argparse.Namespace, trace: list[TraceRequest]) -> S
     return Served(records, preemptions, CostModel(profile), log)
 
 
-def real(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
+def real(
+    args: argparse.Namespace,
+    heldout: Sequence[Labelled],
+    laps: LapsSettings,
+    acceptance: AcceptanceModel,
+) -> dict[str, Any]:
     from bench.load.report import write_report
-    from bench.scheduling.__main__ import acceptance_model, laps_settings
     from bench.scheduling.experiments import Machine
     from bench.sim.calibrate import mean_overhead, parse_log
-    from shared.model.model_set import target_dir
 
-    items = draw(
-        pool(load_heldout(AutoTokenizer.from_pretrained(target_dir())), args.workload),
-        args.requests,
-        seed=args.seed,
-    )
+    items = draw(pool(heldout, args.workload), args.requests, seed=args.seed)
     arrivals = burst(len(items), SPACING_S)
     trace = trace_requests(items, arrivals)
-    laps = laps_settings(args)
     served = {}
     for policy in args.policies:
-        served[policy] = serve(policy, args, trace)
+        served[policy] = serve(policy, args, laps, trace)
         run = served[policy]
         write_report(args.out / "real" / policy, run.records, meta={"policy": policy}, plots=False)
         print(f"{policy}: mean {mean_latency_s(run.records):.2f} s", file=sys.stderr)
@@ -188,7 +186,6 @@ def real(args: argparse.Namespace) -> dict[str, Any]:
     steps = [s for run in served.values() for s in parse_log(run.log.read_text().splitlines())]
     overhead = mean_overhead(steps, cost)
     machine = Machine("services' profile", cost, step_overhead_ms=overhead)
-    acceptance = acceptance_model()
     out: dict[str, Any] = {
         "workload": args.workload,
         "requests": len(items),

@@ -9,83 +9,79 @@ from pathlib import Path
 from typing import Any
 
 from bench.scheduling import experiments as ex
-from bench.scheduling.workloads import Labelled, load_heldout
+from bench.scheduling.workloads import Labelled
 from bench.sim.acceptance import AcceptanceModel
-
-
-def _items(args: argparse.Namespace) -> list[Labelled]:
-    from bench.scheduling.__main__ import tokenizer
-
-    return load_heldout(tokenizer())
+from shared.settings import LapsSettings
 
 
 def _runs(args: argparse.Namespace) -> list[ex.PolicyRun]:
     return [ex.BY_LABEL[label] for label in args.policies]
 
 
-def run_paper(
-    args: argparse.Namespace, machines: Sequence[ex.Machine], acceptance: AcceptanceModel
+def _per_machine(
+    args: argparse.Namespace,
+    machines: Sequence[ex.Machine],
+    laps: LapsSettings,
+    experiment: Callable[[ex.Machine], dict[str, Any]],
 ) -> dict[str, Any]:
-    from bench.scheduling.__main__ import laps_settings, progress
+    """The parameters every simulated result records, and the experiment on each machine."""
+    by_machine = {machine.label: experiment(machine) for machine in machines}
+    return {"laps": laps.model_dump(), "draws": args.draws, "machines": by_machine}
 
-    items = _items(args)
-    laps = laps_settings(args)
-    result: dict[str, Any] = {"laps": laps.model_dump(), "draws": args.draws, "machines": {}}
-    for machine in machines:
-        result["machines"][machine.label] = ex.paper(
-            items, machine, acceptance,
-            workloads=args.workloads, sizes=args.sizes, draws=args.draws, runs=_runs(args),
-            laps=laps, draft=args.draft, progress=progress,
-        )  # fmt: skip
+
+def run_paper(
+    args: argparse.Namespace,
+    machines: Sequence[ex.Machine],
+    acceptance: AcceptanceModel,
+    items: Sequence[Labelled],
+    laps: LapsSettings,
+) -> dict[str, Any]:
+    result = _per_machine(args, machines, laps, lambda machine: ex.paper(
+        items, machine, acceptance,
+        workloads=args.workloads, sizes=args.sizes, draws=args.draws, runs=_runs(args),
+        laps=laps, draft=args.draft, progress=ex.log_progress,
+    ))  # fmt: skip
     plot_paper(args.out / "paper.png", result)
     return result
 
 
 def run_queues(
-    args: argparse.Namespace, machines: Sequence[ex.Machine], acceptance: AcceptanceModel
+    args: argparse.Namespace,
+    machines: Sequence[ex.Machine],
+    acceptance: AcceptanceModel,
+    items: Sequence[Labelled],
+    laps: LapsSettings,
 ) -> dict[str, Any]:
-    from bench.scheduling.__main__ import laps_settings, progress
-
-    items = _items(args)
-    laps = laps_settings(args)
-    result: dict[str, Any] = {"laps": laps.model_dump(), "draws": args.draws, "machines": {}}
-    for machine in machines:
-        result["machines"][machine.label] = ex.queues(
-            items, machine, acceptance,
-            workloads=args.workloads, sizes=args.sizes, num_queues=args.queues,
-            draws=args.draws, laps=laps, draft=args.draft, progress=progress,
-        )  # fmt: skip
+    result = _per_machine(args, machines, laps, lambda machine: ex.queues(
+        items, machine, acceptance,
+        workloads=args.workloads, sizes=args.sizes, num_queues=args.queues, draws=args.draws,
+        laps=laps, draft=args.draft, progress=ex.log_progress,
+    ))  # fmt: skip
     plot_queues(args.out / "queues.png", result)
     return result
 
 
 def run_load(
-    args: argparse.Namespace, machines: Sequence[ex.Machine], acceptance: AcceptanceModel
+    args: argparse.Namespace,
+    machines: Sequence[ex.Machine],
+    acceptance: AcceptanceModel,
+    items: Sequence[Labelled],
+    laps: LapsSettings,
 ) -> dict[str, Any]:
-    from bench.scheduling.__main__ import laps_settings, progress
-
-    items = _items(args)
-    laps = laps_settings(args)
-    result: dict[str, Any] = {
-        "laps": laps.model_dump(),
-        "draws": args.draws,
-        "batch_size": args.batch_size,
-        "workload": args.workload,
-        "machines": {},
-    }
-    for machine in machines:
-        result["machines"][machine.label] = ex.load(
-            items, machine, acceptance,
-            workload=args.workload, num_requests=args.requests, batch_size=args.batch_size,
-            loads=args.loads, draws=args.draws, runs=_runs(args), laps=laps, draft=args.draft,
-            progress=progress,
-        )  # fmt: skip
-    return result
+    result = _per_machine(args, machines, laps, lambda machine: ex.load(
+        items, machine, acceptance,
+        workload=args.workload, num_requests=args.requests, batch_size=args.batch_size,
+        loads=args.loads, draws=args.draws, runs=_runs(args), laps=laps, draft=args.draft,
+        progress=ex.log_progress,
+    ))  # fmt: skip
+    return {"batch_size": args.batch_size, "workload": args.workload, **result}
 
 
-SIMULATED: dict[
-    str, Callable[[argparse.Namespace, Sequence[ex.Machine], AcceptanceModel], dict[str, Any]]
-] = {"paper": run_paper, "queues": run_queues, "load": run_load}
+SIMULATED: dict[str, Callable[..., dict[str, Any]]] = {
+    "paper": run_paper,
+    "queues": run_queues,
+    "load": run_load,
+}
 
 
 # ---- tables ------------------------------------------------------------------------------------
