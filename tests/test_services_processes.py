@@ -46,16 +46,29 @@ def service_env(target: Path, draft: Path, cell: str, **extra: str) -> dict[str,
 
 
 def launch(*args: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "services", *args, "--threads", "1"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    # stderr goes to a file: a pipe nobody drains blocks a process that logs more than it holds
+    with tempfile.NamedTemporaryFile(prefix="augury-service-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services", *args, "--threads", "1"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    LOGS[process.pid] = Path(log.name)
+    return process
 
 
-def stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> list[int]:
+LOGS: dict[int, Path] = {}
+
+
+def log_tail(process: subprocess.Popen[bytes], num_chars: int = 3000) -> str:
+    return LOGS[process.pid].read_text(errors="replace")[-num_chars:]
+
+
+def stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> list[int]:
+    """SIGTERM each, then its exit code (SIGKILL past `timeout_s`: each service of a process
+    has its own stop bound, so a loaded machine may need more than one of them)."""
     for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -67,6 +80,11 @@ def stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> l
             process.kill()
             codes.append(process.wait())
     return codes
+
+
+def assert_stopped_cleanly(processes: list[subprocess.Popen[bytes]]) -> None:
+    codes = stop(processes)
+    assert codes == [0] * len(processes), "\n\n".join(log_tail(p) for p in processes)
 
 
 @pytest.fixture
@@ -88,7 +106,7 @@ async def serve_and_check(
         deadline = time.monotonic() + 120
         while not all(o.done for o in client.outcomes.values()):
             for process in processes:
-                assert process.poll() is None, process.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+                assert process.poll() is None, log_tail(process)
             assert time.monotonic() < deadline, "no answer from the services"
             await client.poll()
     finally:
@@ -104,7 +122,7 @@ async def test_all_services_in_one_process(
         env = service_env(tiny_target_dir, tiny_draft_dir, "all", AUGURY_REDIS__URL=server.url)
         processes.append(launch("all", "--no-gateway", env=env))
         await serve_and_check(server.url, "all", tiny_target_dir, processes)
-        assert stop(processes) == [0]  # SIGTERM: a clean shutdown
+        assert_stopped_cleanly(processes)  # SIGTERM: a clean shutdown
 
 
 async def test_one_service_per_process_with_a_shared_embedded_redis(
@@ -124,4 +142,4 @@ async def test_one_service_per_process_with_a_shared_embedded_redis(
         probe_env = {**env, "AUGURY_REDIS__URL": server.url}
         probe = [sys.executable, "-m", "services", "health", "verifier"]
         await until(lambda: subprocess.run(probe, env=probe_env, cwd=ROOT).returncode == 0)
-        assert stop(processes) == [0, 0, 0]
+        assert_stopped_cleanly(processes)
