@@ -159,6 +159,38 @@ class LapsSettings(_Group):
     stable_delta: Annotated[float, Field(gt=0, lt=1)] = 0.05  # delta
 
 
+class SloSettings(_Group):
+    """Per-request TPOT objectives and the SLO-aware tree selectors (shared/scheduling/slo.py).
+
+    A request names a class (`augury.slo_class`) or gives `augury.tpot_slo_ms`. A class's TPOT is
+    a multiple of the machine's baseline latency: one plain-decoding step at batch 8, read from
+    the target's cost profile (or `baseline_latency_ms` where set), so classes carry across
+    machines. The defaults follow AdaServe's three categories (1.0x, 2.4x and 8x baseline).
+    """
+
+    classes: dict[KeySafeName, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: {"urgent": 1.0, "standard": 2.4, "relaxed": 8.0}
+    )
+    default_class: KeySafeName | None = None  # for requests that name neither (None: best effort)
+    baseline_latency_ms: Annotated[float, Field(gt=0)] | None = None  # None: from the profile
+    # When the budget cannot meet every request's A(r): "urgent-first" (AdaServe) serves the
+    # largest A(r) first, hopeless ones included; "feasible-first" serves first those that can
+    # still meet their objective this step, then the rest. Both give every request its root.
+    admission: Literal["urgent-first", "feasible-first"] = "urgent-first"
+    max_slo_nodes: PositiveInt = 16  # AdaServe's n_max: nodes one request may take for its SLO
+    slack: Annotated[float, Field(ge=0)] = 0.5  # the thesis's lambda: tokens above A(r) it aims for
+    max_depth: PositiveInt = 8  # D_max of Eq. 8: the candidate beam's depth cap
+    max_width: PositiveInt = 4  # W_max of Eq. 9: the candidate beam's width cap
+
+    @model_validator(mode="after")
+    def _default_is_a_class(self) -> SloSettings:
+        if self.default_class is not None and self.default_class not in self.classes:
+            raise ValueError(
+                f"slo.default_class {self.default_class!r} is not one of {sorted(self.classes)}"
+            )
+        return self
+
+
 class SchedulerSettings(_Group):
     micro_batches: PositiveInt = 1
     policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
@@ -168,7 +200,17 @@ class SchedulerSettings(_Group):
     laps: LapsSettings = LapsSettings()
     draft_chooser: Literal["fixed"] = "fixed"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
-    tree_selection: Literal["goodput", "global-greedy"] = "goodput"
+    # goodput (default), global-greedy, equal-greedy, adaserve, thesis-slo, static, incremental
+    tree_selection: Literal[
+        "goodput",
+        "global-greedy",
+        "equal-greedy",
+        "adaserve",
+        "thesis-slo",
+        "static",
+        "incremental",
+    ] = "goodput"
+    slo: SloSettings = SloSettings()
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64
 

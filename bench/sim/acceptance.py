@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import sys
 import time
 import zlib
@@ -40,6 +41,9 @@ from shared.engine.tree import TokenTree
 FORMAT_VERSION = 1
 TOKEN_BASE = 16  # node i of a recorded tree is token TOKEN_BASE + i in the simulator
 LOGQ_DECIMALS = 3
+# static trees' nodes beyond the recording: tokens no recorded node has, never accepted
+FILLER_TOKEN = 1 << 20
+FILLER_LOGQ = math.log(0.05)
 
 
 @dataclass(frozen=True)
@@ -123,15 +127,19 @@ class AcceptanceModel:
         return pool[zlib.crc32(str(key).encode()) % len(pool)]
 
     def drafted(
-        self, session: Session, step: int, max_depth: int
+        self, session: Session, step: int, max_depth: int, method: DraftMethod | None = None
     ) -> tuple[TokenTree, tuple[int, ...]]:
         """What the drafter proposes at the session's `step` (wrapping round), `max_depth` deep,
-        and its nodes at each depth 1, 2, ... (what each draft layer costs)."""
+        shaped by `method` where it differs from the recording's (`shape_tree`), and its nodes
+        at each depth 1, 2, ... (what each draft layer costs)."""
         index = step % len(session.steps)
-        key = (id(session), index, max_depth)  # the simulator asks for the same trees often
+        shape = None if method is None or method == self.method else method
+        key = (id(session), index, max_depth, shape)  # the simulator asks for the same trees often
         found = self._trees.get(key)
         if found is None:
             tree = session.steps[index].tree(max_depth)
+            if shape is not None:
+                tree = shape_tree(tree, shape, max_depth)
             layers = tuple(int(n) for n in np.bincount(tree.depths())[1:])
             found = self._trees[key] = (tree, layers)
         return found
@@ -209,6 +217,55 @@ class AcceptanceModel:
 
 
 # ---- recording from the real engine ------------------------------------------------------------
+def shape_tree(tree: TokenTree, method: DraftMethod, max_depth: int) -> TokenTree:
+    """A recorded tree as a drafter of `method` would have grown it `max_depth` deep, as far
+    as the recording knows: a beam keeps, layer by layer, the w children of kept nodes with
+    the highest path probability; a static expansion keeps each node's k_i most probable
+    children and fills the rest with nodes the target never accepts (SpecInfer drafts them
+    whatever their probability, and the verifier pays for them). Chains and dynamic trees are
+    the recorded tree.
+
+    Nodes the recording lacks had a path probability under its `min_path_prob`: a beam with
+    the same cut-off would not have drafted them either; the filler nodes of a static tree
+    stand for them."""
+    if method.kind not in ("beam", "static"):
+        return tree
+    lp = tree.path_logprob()
+    kids = tree.children()
+    tokens, parents, logq = [int(tree.tokens[0])], [-1], [0.0]
+    layer = [(0, 0)]  # (node in `tree` or -1 for filler, its index in the new tree)
+    filler = FILLER_TOKEN
+    for depth in range(1, min(method.num_layers, max_depth) + 1):
+        nxt: list[tuple[int, int]] = []
+        if method.kind == "beam":
+            children = [(c, i) for node, i in layer if node >= 0 for c in kids[node]]
+            children.sort(key=lambda ci: -lp[ci[0]])
+            for child, parent in children[: method.width]:
+                nxt.append((child, len(tokens)))
+                tokens.append(int(tree.tokens[child]))
+                parents.append(parent)
+                logq.append(float(tree.logq[child]))
+        else:
+            per_node = method.expansion[depth - 1]
+            for node, i in layer:
+                recorded = sorted(kids[node], key=lambda c: -lp[c]) if node >= 0 else []
+                for child in recorded[:per_node]:
+                    nxt.append((child, len(tokens)))
+                    tokens.append(int(tree.tokens[child]))
+                    parents.append(i)
+                    logq.append(float(tree.logq[child]))
+                for _ in range(per_node - min(per_node, len(recorded))):
+                    nxt.append((-1, len(tokens)))
+                    tokens.append(filler)
+                    filler += 1
+                    parents.append(i)
+                    logq.append(FILLER_LOGQ)
+        if not nxt:
+            break
+        layer = nxt
+    return TokenTree.build(tokens, parents, logq)
+
+
 def accepted_node(tree: TokenTree, accepted_tokens: Sequence[int]) -> int:
     """The node reached by following `accepted_tokens` down from the root."""
     kids = tree.children()

@@ -45,7 +45,7 @@ from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import RequestState
 from shared.scheduling.tree_selection import make_selector
-from shared.settings import LapsSettings
+from shared.settings import LapsSettings, SloSettings
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
@@ -62,6 +62,7 @@ class SimConfig:
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = field(default_factory=LapsSettings)
     selector: str = "goodput"
+    slo: SloSettings = field(default_factory=SloSettings)  # for the SLO-aware selectors
     draft_chooser: str = "fixed"
     planner: str = "goodput"
     drafts: tuple[str, ...] = ("draft-s",)
@@ -122,7 +123,7 @@ class Simulator:
             ),
             policy=make_policy(config.policy, config.length_predictor, config.laps),
             chooser=make_chooser(config.draft_chooser, list(config.drafts)),
-            selector=make_selector(config.selector),
+            selector=make_selector(config.selector, config.slo),
             cost=cost,
         )
         self.core.set_drafters({name: ["sim"] for name in config.drafts})
@@ -211,7 +212,7 @@ class Simulator:
             for rid in rids:
                 plan = batch.drafts[rid]
                 session, step = self._session_step(rid, model)
-                tree, sizes = self.acceptance.drafted(session, step, plan.max_depth)
+                tree, sizes = self.acceptance.drafted(session, step, plan.max_depth, plan.method)
                 drafted[rid] = tree
                 sessions[rid] = (session, step)
                 root_tokens += len(plan.new_tokens)

@@ -456,7 +456,21 @@ class SchedulerCore:
 
     def _tree_capacity(self, request: RequestState) -> int:
         """Nodes (root included) the request's tree may take this step."""
-        return tree_capacity(self._method(request))
+        method = self._method(request)
+        if request.method is None:  # the selector may resize the configured method per step
+            method = self.selector.method_bound(method)
+        return tree_capacity(method)
+
+    def _step_method(self, request: RequestState, num_requests: int) -> DraftMethod | None:
+        """This step's drafting method: the request's own, else the selector's choice for a
+        step of `num_requests` under the hardware budget."""
+        method = self._method(request)
+        if request.method is not None:
+            return method
+        budget = self.config.token_budget
+        if self.cost is not None:
+            budget = min(budget, self.cost.hardware_budget())
+        return self.selector.draft_method(method, num_requests, budget)
 
     def _method(self, request: RequestState) -> DraftMethod | None:
         if not request.speculate or request.tokens_left <= 1:
@@ -472,7 +486,7 @@ class SchedulerCore:
         queries: list[DepthQuery] = []
         placed: dict[str, tuple[str, str, DraftMethod]] = {}
         for request in batch.decode:
-            method = self._method(request)
+            method = self._step_method(request, len(batch.decode))
             if method is None or not self.drafters or self.max_depth(request) < 1:
                 continue
             model = self._choose_model(request)
@@ -493,7 +507,7 @@ class SchedulerCore:
             )
         if not queries:
             return
-        if self.config.planner == "goodput" and self.cost is not None:
+        if self.config.planner == "goodput" and self.cost is not None and self.selector.plans_depth:
             step = {
                 "prefill_tokens": 0,  # planned before prompt chunks (they do not weigh on it)
                 "budget": self.config.token_budget,

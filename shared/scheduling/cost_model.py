@@ -37,6 +37,9 @@ SCHEMA_VERSION = 1
 DEFAULT_PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 # The per-request context at which the convenience numbers (per-token draft cost, knee) are read.
 TYPICAL_CONTEXT = 256
+# AdaServe's baseline latency is measured by plain decoding at batch 8, 32 + 128 tokens.
+BASELINE_BATCH = 8
+BASELINE_CONTEXT = 96
 
 # ModelConfig fields that decide a forward's cost. `num_output_tokens` (a draft's reduced output
 # vocabulary) and `embedding_rank` (a factorized input embedding) change the cost too; None means
@@ -459,6 +462,28 @@ class CostModel:
     def draft_cost_per_token_ms(self, model: str, context: int = TYPICAL_CONTEXT) -> float:
         """A draft forward of one token at context `context` (default 256)."""
         return self.draft_forward_ms(model, 1, context)
+
+    def baseline_latency_ms(
+        self, batch: int = BASELINE_BATCH, context: int = BASELINE_CONTEXT
+    ) -> float:
+        """AdaServe's baseline latency: one plain-decoding step of `batch` requests (one token
+        each) at per-request context `context` (their profiling: batch 8, 32 prompt tokens, 128
+        generated, so 96 on average). SLO classes are multiples of it."""
+        return self.verify_ms(batch, context, batch)
+
+    def hardware_budget(self, growth: float = 1.5, context: int = TYPICAL_CONTEXT) -> int:
+        """AdaServe's budget B: tokens one verifier forward takes before it turns compute-bound.
+
+        The largest power of two n (up to the measured maximum) such that every doubling up to
+        it costs at most `growth` times the forward of half as many tokens: memory-bound, a
+        doubling costs little; compute-bound, nearly twice. (A tolerance over the one-token
+        forward, `knee_tokens`, finds 1 on a CPU, where every token costs something.)"""
+        budget = 1
+        while budget * 2 <= self.max_tokens:
+            if self.verify_ms(budget * 2, context) > growth * self.verify_ms(budget, context):
+                break
+            budget *= 2
+        return budget
 
     def knee_tokens(self, tolerance: float = 0.1, context: int = TYPICAL_CONTEXT) -> int:
         """AdaServe's hardware budget: the largest n (up to the measured maximum) where

@@ -69,7 +69,7 @@ def build_core(
         policy=make_policy(config.policy, config.length_predictor, config.laps),
         chooser=make_chooser(config.draft_chooser, draft_models),
         matcher=make_matcher(config.replica_matcher),
-        selector=make_selector(config.tree_selection),
+        selector=make_selector(config.tree_selection, config.slo),
         cost=cost,
         first_batch_id=first_batch_id,
     )

@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from shared.engine.methods import DraftMethod
 from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.scheduling.speculation import select_by_goodput, take_best_first
+from shared.settings import SloSettings
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,36 @@ class SelectionContext:
 
 class TreeSelector(Protocol):
     name: str
+    plans_depth: bool  # False: every request drafts its method's whole tree (no goodput planner)
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        """The drafting method for a step of `num_requests` decoding requests under `budget`."""
+        ...
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        """The largest method `draft_method` can return: what a request's KV must allow for."""
+        ...
 
     def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
         """A subtree per request (root always kept), all nodes together within the budget."""
         ...
+
+
+class SelectorDrafting:
+    """What a selector asks of the drafters: by default the configured method, sized by the
+    goodput planner where that is on (GlobalGreedy, Goodput)."""
+
+    plans_depth = True  # False: every request drafts its method's whole tree
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        return configured
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        return configured
 
 
 def _subtrees(
@@ -50,7 +78,7 @@ def _subtrees(
     }
 
 
-class GlobalGreedy:
+class GlobalGreedy(SelectorDrafting):
     name = "global-greedy"
 
     def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
@@ -58,7 +86,7 @@ class GlobalGreedy:
         return _subtrees(trees, take_best_first(trees, ctx.max_depth, {}, count))
 
 
-class Goodput:
+class Goodput(SelectorDrafting):
     name = "goodput"
 
     def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
@@ -78,11 +106,34 @@ class Goodput:
         return _subtrees(trees, kept)
 
 
-SELECTORS: dict[str, type[TreeSelector]] = {"global-greedy": GlobalGreedy, "goodput": Goodput}
+SELECTORS = (
+    "goodput",
+    "global-greedy",
+    "equal-greedy",
+    "adaserve",
+    "thesis-slo",
+    "static",
+    "incremental",
+)
 
 
-def make_selector(name: str) -> TreeSelector:
-    try:
-        return SELECTORS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tree selection {name!r}; known: {sorted(SELECTORS)}") from None
+def make_selector(name: str, slo: SloSettings | None = None) -> TreeSelector:
+    """A selector by its settings name; the SLO-aware ones read `slo` (None: the defaults)."""
+    from shared.scheduling import slo as slo_selection  # it builds on this module
+
+    match name:
+        case "goodput":
+            return Goodput()
+        case "global-greedy":
+            return GlobalGreedy()
+        case "equal-greedy":
+            return slo_selection.EqualGreedy()
+        case "adaserve":
+            return slo_selection.AdaServe(slo)
+        case "thesis-slo":
+            return slo_selection.ThesisSlo(slo)
+        case "static":
+            return slo_selection.StaticTree()
+        case "incremental":
+            return slo_selection.Incremental()
+    raise ValueError(f"unknown tree selection {name!r}; known: {list(SELECTORS)}")

@@ -1,0 +1,371 @@
+"""SLO-customized tree selection: AdaServe's (§4.3, Alg. 2) and the CMU thesis's Alg. 2, with the
+baselines both compare against.
+
+Every selector sees each request's candidate tree (what its drafter proposed) and keeps a subtree
+per request, roots always kept, all nodes together within the step's budget B. A node's value is
+its path probability f(v): the product of the draft's probabilities from the root, scaled by the
+request's observed calibration (accepted / predicted, the same correction the goodput selector
+uses), so that sum_v f(v) over a tree, root included, is the tokens the step is expected to
+commit for that request (AdaServe's Theorem 3.1).
+
+A request with a TPOT objective t_TPOT needs, for its TPOT to stay within it after this step,
+
+    A(r) = (l + t_spec) / t_TPOT - o
+
+tokens committed now, where l is the time since its first token, o the tokens it has emitted
+since then and t_spec this step's expected duration (drafting and verifying, from the cost model).
+
+- `adaserve`: candidates by a beam of depth d and width w sized by the load (Eq. 8-9); then
+  SLO-customized selection (requests in order of urgency, each grows by its best nodes until
+  sum f reaches min(A(r), d + 1), at most n_max nodes each); then throughput-optimized selection
+  (the best remaining nodes of all requests until B is spent).
+- `thesis-slo`: candidates by the thesis's dynamic tree (Alg. 1); then one node at a time to the
+  request with the highest importance: the next node's f, plus 1 while the request's sum f is
+  short of its target A(r) + lambda (the slack).
+- `equal-greedy`: B split evenly; each request takes its best nodes within its share.
+- `static`: SpecInfer's fixed expansion <1,1,3,1,1,1,1,1>, verified whole (no budget).
+- `incremental`: no speculation at all.
+
+The budget of the budget-aware selectors is the hardware budget of the verifier's cost profile
+(`CostModel.hardware_budget`), within `engine.max_tokens_per_step`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shared.engine.methods import DraftMethod
+from shared.engine.tree import TokenTree
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.request import RequestState
+from shared.scheduling.speculation import node_scores
+from shared.scheduling.tree_selection import SelectionContext, SelectorDrafting
+from shared.settings import SloSettings
+
+# SpecInfer's default expansion in AdaServe's evaluation (§6.1)
+SPECINFER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)
+
+
+# ---- the quantities of the papers ------------------------------------------------------------
+def acceptance_target(request: RequestState, now: float, step_ms: float) -> float | None:
+    """A(r): tokens this step must commit for the request's TPOT to meet its objective once the
+    step ends (None: no objective, or no first token yet)."""
+    slo = request.tpot_slo_ms
+    if slo is None or request.first_token_time is None or not request.output:
+        return None
+    elapsed_ms = 1000.0 * (now - request.first_token_time)
+    emitted = len(request.output) - 1  # tokens after the first: what TPOT divides by
+    return (elapsed_ms + step_ms) / slo - emitted
+
+
+def beam_shape(budget: int, num_requests: int, max_depth: int, max_width: int) -> tuple[int, int]:
+    """AdaServe's Eq. 8-9: the candidate beam's depth d and width w for n requests under B."""
+    n = max(1, num_requests)
+    depth = max(1, min(max_depth, math.ceil(budget / n)))
+    width = max(1, min(max_width, budget // n))
+    return depth, width
+
+
+def step_budget(
+    ctx_budget: int, prefill_tokens: int, num_trees: int, cost: CostModel | None
+) -> int:
+    """Nodes the trees may use: the hardware budget less prompt chunks, within the step's
+    budget, and never below one root per request."""
+    budget = ctx_budget
+    if cost is not None:
+        budget = min(budget, cost.hardware_budget() - prefill_tokens)
+    return max(num_trees, budget)
+
+
+def estimated_step_ms(
+    trees: Mapping[str, TokenTree],
+    requests: Mapping[str, RequestState],
+    cost: CostModel | None,
+    budget: int,
+    prefill_tokens: int,
+    context: int,
+) -> float | None:
+    """t_spec: drafting the candidate trees (per draft model, layer by layer) and verifying a
+    full budget, from the cost model (None without one)."""
+    if cost is None:
+        return None
+    verify = cost.verify_ms(budget + prefill_tokens, context, len(trees) or None)
+    layers: dict[str, list[int]] = {}  # draft model -> nodes at depth 1, 2, ...
+    roots: dict[str, int] = {}
+    for rid, tree in trees.items():
+        model = requests[rid].draft_model
+        if model is None or tree.num_nodes == 1 or not cost.has_draft(model):
+            continue
+        roots[model] = roots.get(model, 0) + 1
+        counts = layers.setdefault(model, [])
+        for depth in tree.depths()[1:]:
+            counts.extend([0] * (int(depth) - len(counts)))
+            counts[int(depth) - 1] += 1
+    draft = sum(
+        cost.draft_tree_ms(model, roots[model], counts, context, roots[model])
+        for model, counts in layers.items()
+    )
+    return verify + draft
+
+
+# ---- path probabilities and growth -----------------------------------------------------------
+@dataclass
+class _Growing:
+    """One request's subtree being selected: kept nodes and the frontier of candidates (nodes
+    whose parent is kept), best first."""
+
+    tree: TokenTree
+    probs: dict[int, float]  # node -> calibrated f(v), nodes within the depth limit
+    children: list[list[int]]
+    kept: list[int]
+    expected: float  # sum of f over kept nodes, root's 1 included
+    frontier: list[tuple[float, int, int]]  # (-f, depth, node)
+
+    @classmethod
+    def start(cls, tree: TokenTree, max_depth: int, calibration: float) -> _Growing:
+        probs = {
+            node: min(1.0, calibration * math.exp(score))
+            for score, _, node in node_scores(tree, max_depth)
+        }
+        grown = cls(tree, probs, tree.children(), [0], 1.0, [])
+        grown._open(0)
+        return grown
+
+    def _open(self, node: int) -> None:
+        for child in self.children[node]:
+            if child in self.probs:
+                depth = len(self.tree.path_to(child)) - 1
+                heapq.heappush(self.frontier, (-self.probs[child], depth, child))
+
+    @property
+    def best(self) -> float | None:
+        return -self.frontier[0][0] if self.frontier else None
+
+    def take(self) -> None:
+        _, _, node = heapq.heappop(self.frontier)
+        self.kept.append(node)
+        self.expected += self.probs[node]
+        self._open(node)
+
+    @property
+    def depth(self) -> int:
+        """The candidate tree's depth within the limit: the most tokens it can commit, less 1."""
+        depths = self.tree.depths()
+        return max((int(depths[n]) for n in self.probs), default=0)
+
+
+def _grow_all(
+    trees: Mapping[str, TokenTree],
+    max_depth: Mapping[str, int],
+    calibration: Mapping[str, float],
+) -> dict[str, _Growing]:
+    return {
+        rid: _Growing.start(tree, max_depth.get(rid, 1 << 30), calibration.get(rid, 1.0))
+        for rid, tree in trees.items()
+    }
+
+
+def _subtrees(grown: Mapping[str, _Growing]) -> dict[str, TokenTree]:
+    return {
+        rid: g.tree if len(g.kept) == g.tree.num_nodes else g.tree.subtree(g.kept)
+        for rid, g in grown.items()
+    }
+
+
+def take_globally(grown: Iterable[tuple[str, _Growing]], count: int) -> int:
+    """Throughput-optimized selection: the best frontier node across all requests, `count`
+    times (fewer when the candidates run out); returns how many were taken."""
+    by_rid = dict(grown)
+    heap = [(-g.best, rid) for rid, g in by_rid.items() if g.best is not None]
+    heapq.heapify(heap)
+    taken = 0
+    while taken < count and heap:
+        _, rid = heapq.heappop(heap)
+        g = by_rid[rid]
+        g.take()
+        taken += 1
+        if g.best is not None:
+            heapq.heappush(heap, (-g.best, rid))
+    return taken
+
+
+# ---- the selectors ---------------------------------------------------------------------------
+class AdaServe(SelectorDrafting):
+    name = "adaserve"
+    plans_depth = False
+
+    def __init__(self, slo: SloSettings | None = None) -> None:
+        self.slo = slo or SloSettings()
+        self.at_risk: set[str] = set()  # requests whose objective this step could not reach
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        if configured is None:
+            return None
+        depth, width = beam_shape(budget, num_requests, self.slo.max_depth, self.slo.max_width)
+        return DraftMethod("beam", depth=depth, width=width, min_path_prob=configured.min_path_prob)
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        if configured is None:
+            return None
+        return DraftMethod("beam", depth=self.slo.max_depth, width=self.slo.max_width)
+
+    def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
+        budget = step_budget(ctx.budget, ctx.prefill_tokens, len(trees), ctx.cost)
+        grown = _grow_all(trees, ctx.max_depth, ctx.calibration)
+        step_ms = estimated_step_ms(
+            trees, ctx.requests, ctx.cost, budget, ctx.prefill_tokens, ctx.context
+        )
+        left = budget - len(trees)
+        self.at_risk = set()
+        for rid, target in self._by_urgency(grown, ctx, step_ms):
+            g = grown[rid]
+            cap = min(target, g.depth + 1)
+            while g.expected < cap and len(g.kept) < self.slo.max_slo_nodes and left > 0:
+                if g.best is None:
+                    break
+                g.take()
+                left -= 1
+            if g.expected < target:
+                self.at_risk.add(rid)
+        take_globally(grown.items(), left)
+        return _subtrees(grown)
+
+    def _by_urgency(
+        self, grown: Mapping[str, _Growing], ctx: SelectionContext, step_ms: float | None
+    ) -> list[tuple[str, float]]:
+        """Requests with an objective and their A(r), in the order the admission setting
+        serves them: urgent-first by A(r) descending (AdaServe); feasible-first puts those whose
+        A(r) a tree of their depth can still meet ahead of the rest."""
+        targets = []
+        for rid in grown:
+            request = ctx.requests[rid]
+            slo_step = step_ms if step_ms is not None else request.tpot_slo_ms or 0.0
+            target = acceptance_target(request, ctx.now, slo_step)
+            if target is not None and target > 1.0:  # the root alone meets at most 1
+                targets.append((rid, target))
+        if self.slo.admission == "feasible-first":
+            return sorted(targets, key=lambda t: (t[1] > grown[t[0]].depth + 1, -t[1]))
+        return sorted(targets, key=lambda t: -t[1])
+
+
+class ThesisSlo(SelectorDrafting):
+    name = "thesis-slo"
+    plans_depth = False
+
+    def __init__(self, slo: SloSettings | None = None) -> None:
+        self.slo = slo or SloSettings()
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        """Alg. 1's dynamic tree, each at least as large as the whole budget could use."""
+        if configured is None:
+            return None
+        size = max(1, budget - num_requests)
+        return DraftMethod(
+            "dynamic",
+            budget=size * max(1, num_requests),
+            max_size=size,
+            max_depth=self.slo.max_depth,
+            max_width=self.slo.max_width,
+            min_path_prob=configured.min_path_prob,
+        )
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        if configured is None:
+            return None
+        return DraftMethod(
+            "dynamic",
+            max_size=self.slo.max_depth * self.slo.max_width,
+            max_depth=self.slo.max_depth,
+            max_width=self.slo.max_width,
+        )
+
+    def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
+        budget = step_budget(ctx.budget, ctx.prefill_tokens, len(trees), ctx.cost)
+        grown = _grow_all(trees, ctx.max_depth, ctx.calibration)
+        step_ms = estimated_step_ms(
+            trees, ctx.requests, ctx.cost, budget, ctx.prefill_tokens, ctx.context
+        )
+        targets: dict[str, float] = {}
+        for rid, g in grown.items():
+            request = ctx.requests[rid]
+            slo_step = step_ms if step_ms is not None else request.tpot_slo_ms or 0.0
+            target = acceptance_target(request, ctx.now, slo_step)
+            if target is not None:
+                targets[rid] = min(target + self.slo.slack, g.depth + 1)
+        left = budget - len(trees)
+        while left > 0:
+            best_rid, best_score = None, -1.0
+            for rid, g in grown.items():
+                f = g.best
+                if f is None:
+                    continue
+                score = f + 1.0 if g.expected < targets.get(rid, 0.0) else f
+                if score > best_score:
+                    best_rid, best_score = rid, score
+            if best_rid is None:
+                break
+            grown[best_rid].take()
+            left -= 1
+        return _subtrees(grown)
+
+
+class EqualGreedy(SelectorDrafting):
+    name = "equal-greedy"
+
+    def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
+        budget = step_budget(ctx.budget, ctx.prefill_tokens, len(trees), ctx.cost)
+        share = budget // max(1, len(trees))  # nodes per request, root included
+        grown = _grow_all(trees, ctx.max_depth, ctx.calibration)
+        for g in grown.values():
+            while len(g.kept) < share and g.best is not None:
+                g.take()
+        return _subtrees(grown)
+
+
+class StaticTree(SelectorDrafting):
+    """SpecInfer as AdaServe runs it: a fixed expansion, every drafted node verified."""
+
+    name = "static"
+    plans_depth = False
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        return self.method_bound(configured)
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        if configured is None:
+            return None
+        return DraftMethod("static", expansion=SPECINFER_EXPANSION)
+
+    def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
+        grown = _grow_all(trees, ctx.max_depth, {})
+        take_globally(grown.items(), sum(t.num_nodes for t in trees.values()))
+        return _subtrees(grown)
+
+
+class Incremental(SelectorDrafting):
+    """Plain decoding: nothing drafted, one token per request per step."""
+
+    name = "incremental"
+    plans_depth = False
+
+    def draft_method(
+        self, configured: DraftMethod | None, num_requests: int, budget: int
+    ) -> DraftMethod | None:
+        return None
+
+    def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
+        return None
+
+    def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
+        return {
+            rid: tree.subtree([0]) if tree.num_nodes > 1 else tree for rid, tree in trees.items()
+        }
