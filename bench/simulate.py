@@ -284,8 +284,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "simulated": True,
         "device": device,
-        "config": {k: v for k, v in vars(config).items() if k not in ("method", "laps")}
-        | {"laps": config.laps.model_dump()},
+        "config": {k: v for k, v in vars(config).items() if k not in ("method", "laps", "slo")}
+        | {"laps": config.laps.model_dump(), "slo": config.slo.model_dump()},
         "wall_s": round(wall, 2),
     }
     summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)

@@ -178,6 +178,10 @@ class SloSettings(_Group):
     # still meet their objective this step, then the rest. Both give every request its root.
     admission: Literal["urgent-first", "feasible-first"] = "urgent-first"
     max_slo_nodes: PositiveInt = 16  # AdaServe's n_max: nodes one request may take for its SLO
+    # AdaServe's throughput phase: "budget" spends the rest of the hardware budget (the paper:
+    # tokens up to B are free on a GPU); "goodput" stops where a node costs more verification
+    # time than it is expected to commit (where they are not free, as on a CPU)
+    throughput_phase: Literal["budget", "goodput"] = "budget"
     slack: Annotated[float, Field(ge=0)] = 0.5  # the thesis's lambda: tokens above A(r) it aims for
     max_depth: PositiveInt = 8  # D_max of Eq. 8: the candidate beam's depth cap
     max_width: PositiveInt = 4  # W_max of Eq. 9: the candidate beam's width cap

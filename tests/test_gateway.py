@@ -27,6 +27,7 @@ from shared.wire.streams import SCHEDULER, requests_stream
 pytestmark = pytest.mark.anyio
 
 REPLY = " Hello world, from the stand-in scheduler!"
+MEASURED_TPOT_MS = 30.0  # what the stand-in reports as each request's TPOT
 FAST = RedisSettings(block_ms=100, claim_idle_ms=1000)
 
 
@@ -45,6 +46,7 @@ def tokenizer() -> Any:
 class StandInScheduler:
     """Answers each Submit with REPLY in two steps (the first one sent twice, as a redelivery
     would), a RequestError for prompts containing "fail", and nothing for prompts with "hang".
+    The last step echoes the Submit's SLO class and objective, with MEASURED_TPOT_MS.
     """
 
     def __init__(self, bus: Bus, tokenizer: Any) -> None:
@@ -71,7 +73,20 @@ class StandInScheduler:
         ids = self.reply_ids[: message.sampling.max_tokens]
         finish = FinishReason.LENGTH if len(ids) < len(self.reply_ids) else FinishReason.STOP
         first = Tokens(message.request_id, 0, 0, tuple(ids[:1]))
-        rest = Tokens(message.request_id, 1, 1, tuple(ids[1:]), finish, 1, 4, 3, "draft-s")
+        rest = Tokens(
+            message.request_id,
+            1,
+            1,
+            tuple(ids[1:]),
+            finish,
+            1,
+            4,
+            3,
+            "draft-s",
+            slo_class=message.slo_class,
+            tpot_slo_ms=message.tpot_slo_ms,
+            tpot_ms=MEASURED_TPOT_MS,
+        )
         await self.bus.publish_all(
             [(message.reply_to, first), (message.reply_to, first), (message.reply_to, rest)]
         )
@@ -183,6 +198,9 @@ async def test_completion(running: tuple[TestClient, StandInScheduler], tokenize
     assert out["augury"]["acceptance_rate"] == 0.75
     assert out["augury"]["mean_accepted_length"] == 4.0
     assert out["augury"]["steps_by_draft"] == {"draft-s": 1}
+    assert out["augury"]["tpot_ms"] == MEASURED_TPOT_MS
+    assert out["augury"]["slo_class"] is None and out["augury"]["tpot_slo_ms"] is None
+    assert out["augury"]["slo_met"] is None  # no objective
     (submit,) = scheduler.submits
     assert submit.prompt == tuple(tokenizer.encode("Say hello"))
     assert submit.sampling.max_tokens == 50 and submit.sampling.temperature == 0.0
@@ -199,7 +217,12 @@ async def test_chat_stream_with_usage(
         "stream": True,
         "stream_options": {"include_usage": True},
         "priority": 3,
-        "augury": {"tpot_slo_ms": 40, "draft_model": "tiny", "speculate": True},
+        "augury": {
+            "tpot_slo_ms": 40,
+            "slo_class": "relaxed",
+            "draft_model": "tiny",
+            "speculate": True,
+        },
     }
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status == 200
@@ -212,6 +235,10 @@ async def test_chat_stream_with_usage(
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == REPLY
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    stats = chunks[-2]["augury"]
+    assert (stats["slo_class"], stats["tpot_slo_ms"]) == ("relaxed", 40.0)
+    assert (stats["tpot_ms"], stats["slo_met"]) == (MEASURED_TPOT_MS, True)
+    assert all("augury" not in c for c in chunks[:-2])  # statistics come once, at the end
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == len(scheduler.reply_ids)
     (submit,) = scheduler.submits
@@ -220,6 +247,7 @@ async def test_chat_stream_with_usage(
     )
     assert tokenizer.decode(submit.prompt) == templated
     assert (submit.priority, submit.tpot_slo_ms, submit.draft_model) == (3, 40.0, "tiny")
+    assert submit.slo_class == "relaxed"
 
 
 async def test_openai_client_conformance(running: tuple[TestClient, StandInScheduler]) -> None:
@@ -296,6 +324,13 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
             400,
             "augury.tpot_slo_ms",
         ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "augury": {"slo_class": "platinum"}},
+            400,
+            "augury.slo_class",
+        ),
+        ("/v1/completions", {"prompt": "x", "augury": {"slo_class": 2}}, 400, "augury.slo_class"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         (
             "/v1/chat/completions",
@@ -471,6 +506,23 @@ async def test_metrics_are_exposed(running: tuple[TestClient, StandInScheduler])
     assert 'augury_request_success_total{finished_reason="stop"} 1.0' in text
     assert "augury_num_requests_running 0.0" in text
     assert 'augury_num_preemptions_total{kind="kept"} 0.0' in text
+
+
+async def test_slo_attainment_is_counted(running: tuple[TestClient, StandInScheduler]) -> None:
+    client, _ = running
+    bodies = [
+        {"tpot_slo_ms": 40, "slo_class": "urgent"},  # met: 30 <= 40
+        {"tpot_slo_ms": 40, "slo_class": "urgent"},
+        {"tpot_slo_ms": 20},  # missed, and no class: custom
+        {},  # no objective: not counted
+    ]
+    for augury in bodies:
+        body = {"model": model_name(), "prompt": "hi", "augury": augury}
+        assert (await client.post("/v1/completions", json=body)).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert 'augury_slo_requests_total{attained="true",slo_class="urgent"} 2.0' in text
+    assert 'augury_slo_requests_total{attained="false",slo_class="custom"} 1.0' in text
+    assert text.count("augury_slo_requests_total{") == 2
 
 
 async def test_preemption_totals_come_from_redis(

@@ -200,6 +200,51 @@ GOLDEN_V1: dict[str, str] = {
 }
 
 
+def added_in_v1() -> dict[str, WireMessage]:
+    """Messages using the optional fields added within version 1 (written only when set, so
+    canonical_v1() still encodes as GOLDEN_V1): Submit.slo_class; Tokens.draft_model and the
+    SLO statistics of a request's last Tokens."""
+    return {
+        "submit": Submit(
+            "req-1", (1, 2, 300), GREEDY, "augury:out:gw-1", 1700000000.5, slo_class="standard"
+        ),
+        "tokens": Tokens(
+            "req-1",
+            3,
+            5,
+            (9, 10),
+            FinishReason.STOP,
+            drafts=1,
+            draft_tokens=4,
+            accepted_tokens=1,
+            draft_model="tiny",
+            slo_class="standard",
+            tpot_slo_ms=120.0,
+            tpot_ms=87.5,
+        ),
+    }
+
+
+# Payload bytes of added_in_v1(): frozen like GOLDEN_V1.
+GOLDEN_V1_ADDED: dict[str, str] = {
+    "submit": (
+        "8aaa726571756573745f6964a57265712d31a670726f6d7074c40c01000000020000002c010000a873616d70"
+        "6c696e6787ab74656d7065726174757265cb0000000000000000a5746f705f70cb3ff0000000000000a5746f"
+        "705f6b00a473656564c0aa6d61785f746f6b656e7308ae73746f705f746f6b656e5f696473c400aa69676e6f"
+        "72655f656f73c2a87265706c795f746faf6175677572793a6f75743a67772d31ac6172726976616c5f74696d"
+        "65cb41d954fc40200000a87072696f7269747900ab74706f745f736c6f5f6d73c0ab64726166745f6d6f6465"
+        "6cc0a973706563756c617465c3a9736c6f5f636c617373a87374616e64617264"
+    ),
+    "tokens": (
+        "8caa726571756573745f6964a57265712d31a47374657003a66f666673657405a9746f6b656e5f696473c408"
+        "090000000a000000a666696e697368a473746f70a664726166747301ac64726166745f746f6b656e7304af61"
+        "636365707465645f746f6b656e7301ab64726166745f6d6f64656ca474696e79a9736c6f5f636c617373a873"
+        "74616e64617264ab74706f745f736c6f5f6d73cb405e000000000000a774706f745f6d73cb4055e000000000"
+        "00"
+    ),
+}
+
+
 def entry_of(type_name: str, payload: bytes, version: bytes = b"1") -> dict[bytes, bytes]:
     """Fields as redis-py returns them (bytes keys)."""
     return {b"v": version, b"t": type_name.encode(), b"b": payload}
@@ -255,6 +300,23 @@ def test_golden_decode_restores_values_not_just_bytes() -> None:
     assert isinstance(result, VerifyResult)
     assert result.entries[0].new_tokens == (11, 13, 4)
     assert result.entries[1].finish is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("type_name", sorted(GOLDEN_V1_ADDED))
+def test_added_fields_match_golden_bytes_and_decode_back(type_name: str) -> None:
+    message = added_in_v1()[type_name]
+    golden = bytes.fromhex(GOLDEN_V1_ADDED[type_name])
+    assert message.to_entry() == {"v": b"1", "t": type_name.encode(), "b": golden}
+    assert decode_entry(entry_of(type_name, golden)) == message
+
+
+def test_unset_added_fields_are_not_written() -> None:
+    plain = Tokens("req-1", 3, 5, (9, 10), FinishReason.STOP)
+    assert set(msgpack.unpackb(plain.to_entry()["b"])) == {
+        "request_id", "step", "offset", "token_ids", "finish", "drafts", "draft_tokens",
+        "accepted_tokens",
+    }  # fmt: skip
+    assert "slo_class" not in msgpack.unpackb(canonical_v1()["submit"].to_entry()["b"])
 
 
 # ---- round trips -------------------------------------------------------------------------------
@@ -314,6 +376,7 @@ def round_trip(message: WireMessage) -> WireMessage:
     slo=st.none() | st.floats(0.5, 1e4),
     draft=st.none() | st.text(max_size=64),
     speculate=st.booleans(),
+    slo_class=st.none() | st.text(min_size=1, max_size=64),
 )
 def test_submit_round_trips(
     request_id: str,
@@ -323,9 +386,19 @@ def test_submit_round_trips(
     slo: float | None,
     draft: str | None,
     speculate: bool,
+    slo_class: str | None,
 ) -> None:
     submit = Submit(
-        request_id, prompt, sampling, "augury:out:g", 1.7e9, priority, slo, draft, speculate
+        request_id,
+        prompt,
+        sampling,
+        "augury:out:g",
+        1.7e9,
+        priority,
+        slo,
+        draft,
+        speculate,
+        slo_class,
     )
     assert round_trip(submit) == submit
 
@@ -371,6 +444,12 @@ def test_tokens_and_results_round_trip(
     assert round_trip(out) == out
     named = Tokens("r", 7, 12, tokens, finish, *stats, draft_model="draft-s")
     assert round_trip(named) == named
+    last = Tokens(
+        "r", 7, 12, tokens, finish, *stats, slo_class="urgent", tpot_slo_ms=12.5, tpot_ms=0.0
+    )
+    assert round_trip(last) == last
+    measured_only = Tokens("r", 7, 12, tokens, finish, *stats, tpot_ms=30.25)
+    assert round_trip(measured_only) == measured_only
     result = VerifyResult(3, 1.25, (VerifiedRequest("r", 7, tokens, 5, finish, None),))
     assert round_trip(result) == result
 
@@ -482,6 +561,13 @@ def repack(type_name: str, **changes: object) -> dict[bytes, bytes]:
         ("submit", {"prompt": [1, 2]}, "prompt: expected bytes"),
         ("submit", {"priority": True}, "priority: expected int"),
         ("submit", {"sampling": {"temperature": 9.0}}, "sampling"),
+        ("submit", {"slo_class": "x" * 65}, "slo_class: longer than 64"),
+        ("submit", {"slo_class": ""}, "SLO class names are 1 to 64"),
+        ("submit", {"slo_class": 3}, "slo_class: expected str"),
+        ("tokens", {"tpot_ms": -1.0}, "tpot_ms must be >= 0"),
+        ("tokens", {"tpot_ms": float("nan")}, "tpot_ms must be >= 0"),
+        ("tokens", {"tpot_slo_ms": 0}, "tpot_slo_ms must be positive"),
+        ("tokens", {"tpot_slo_ms": "fast"}, "tpot_slo_ms: expected float or int"),
         ("tokens", {"step": -1}, "step: must be >= 0"),
         ("tokens", {"finish": "exploded"}, "unknown finish reason"),
         ("draft_job", {"entries": ["x"]}, r"entries\[0\]: expected map"),
@@ -548,10 +634,13 @@ def test_fields_with_defaults_may_be_missing() -> None:
         None,
         True,
     )
+    assert submit.slo_class is None
     tokens = msgpack.unpackb(bytes.fromhex(GOLDEN_V1["tokens"]), raw=False)
     minimal = {k: tokens[k] for k in ("request_id", "step", "offset", "token_ids")}
     decoded = decode_entry(entry_of("tokens", msgpack.packb(minimal, use_bin_type=True)))
     assert decoded == Tokens("req-1", 3, 5, (9, 10))
+    assert isinstance(decoded, Tokens)
+    assert (decoded.slo_class, decoded.tpot_slo_ms, decoded.tpot_ms) == (None, None, None)
 
 
 def test_from_entry_of_the_wrong_class_is_refused() -> None:

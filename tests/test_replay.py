@@ -85,7 +85,12 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def serving(
-    server: EmbeddedRedis, models: ModelPaths, cell: str, **gateway: Any
+    server: EmbeddedRedis,
+    models: ModelPaths,
+    cell: str,
+    *,
+    scheduler: dict[str, Any] | None = None,
+    **gateway: Any,
 ) -> AsyncIterator[tuple[Stack, str]]:
     """All services with the gateway; yields the stack and the gateway's base URL."""
     port = free_port()
@@ -94,6 +99,7 @@ async def serving(
         cell,
         gateway={"port": port, **gateway},
         models={"target_dir": models.target},
+        scheduler=scheduler or {},
     )
     stack = await start_stack(settings, server.url, models)
     base = f"http://127.0.0.1:{port}"
@@ -354,7 +360,9 @@ async def test_replay_a_trace_against_the_services(
         rows.append(row)
     trace = write_jsonl(tmp_path / "trace.jsonl", rows)
     out = tmp_path / "run"
-    async with serving(server, models, "replay") as (_, base):
+    # the trace's class "s": 5 x a 100 ms baseline (the tests measure no cost profile)
+    slo = {"classes": {"s": 5.0}, "baseline_latency_ms": 100.0}
+    async with serving(server, models, "replay", scheduler={"slo": slo}) as (_, base):
         argv = ["run", "--trace", str(trace), "--base-url", f"{base}/v1", "--out", str(out)]
         argv += ["--rate-scale", "2", "--target", str(models.target), "--label", "tiny"]
         argv += ["--no-progress", "--no-plots"]

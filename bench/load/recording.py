@@ -123,6 +123,7 @@ def _to_request(stream: str, entry_id: str, record: dict[str, Any], start: float
             prompt=record.get("prompt"),
             messages=_messages(record.get("messages")),
             tpot_slo_ms=_optional_float(record.get("tpot_slo_ms")),
+            slo_class=record.get("slo_class"),
             priority=int(record.get("priority") or 0),
             temperature=_optional_float(record.get("temperature")),
         )

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
 from services.gateway.metrics import GatewayMetrics, export_profiles
 from services.gateway.outputs import OutputRouter
-from services.gateway.progress import Progress, follow
+from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
 from shared.bus.preemptions import read_preemptions
@@ -269,6 +269,7 @@ class Gateway:
             max_context=self.max_context,
             max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
             max_messages=self.settings.gateway.max_messages,
+            slo_classes=tuple(self.settings.scheduler.slo.classes),
         )
         # templating and tokenizing a long prompt must not stall every other stream
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
@@ -284,6 +285,7 @@ class Gateway:
             tpot_slo_ms=gen.tpot_slo_ms,
             draft_model=gen.draft_model,
             speculate=gen.speculate,
+            slo_class=gen.slo_class,
         )
         try:
             await self.bus.publish(requests_stream(self.settings.service.cell), submit)
@@ -305,6 +307,7 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
+        count_slo(self.metrics, progress)
 
     # ---- responses -----------------------------------------------------------------------------
     @staticmethod
@@ -352,7 +355,7 @@ class Gateway:
                 "model": self.model_name,
                 "choices": [choice],
                 "usage": self._usage(gen, progress),
-                "augury": progress.acceptance(),
+                "augury": progress.statistics(),
             }
         )
 
@@ -398,7 +401,7 @@ class Gateway:
             sent_tokens = 0
             async for delta in deltas:
                 finish = self._finish_reason(progress)
-                extra = {"augury": progress.acceptance()} if finish else {}
+                extra = {"augury": progress.statistics()} if finish else {}
                 # with continuous usage, tokens that made no text yet still get their chunk
                 counted = gen.continuous_usage and len(progress.token_ids) > sent_tokens
                 if delta or finish or counted:

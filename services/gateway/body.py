@@ -3,11 +3,19 @@
 Besides OpenAI's fields we take vLLM's `top_k`, `ignore_eos`, `stop_token_ids` and `priority`
 (lower runs sooner), and our own extension object:
 
-    "augury": {"tpot_slo_ms": 50, "draft_model": "tiny", "speculate": true}
+    "augury": {"slo_class": "standard", "tpot_slo_ms": 50, "draft_model": "tiny",
+               "speculate": true}
 
-`tpot_slo_ms` is the time-per-output-token objective the scheduler plans for (none: best effort),
-`draft_model` picks one configured draft model (none: the scheduler chooses), and
+`slo_class` names one of `scheduler.slo.classes`: its time-per-output-token objective is that
+class's multiple of the machine's baseline latency (shared/scheduling/slo_classes.py).
+`tpot_slo_ms` gives the objective in ms and wins over the class's (the class still names the
+request's class in metrics); with neither, `scheduler.slo.default_class` applies (none: best
+effort). `draft_model` picks one configured draft model (none: the scheduler chooses), and
 `speculate: false` turns speculation off for the request.
+
+The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
+speculation statistics, and `slo_class`, `tpot_slo_ms` (resolved), `tpot_ms` (measured by the
+scheduler) and `slo_met` (null without an objective or with fewer than 2 tokens).
 
 In streams, vLLM's `stream_options: {"continuous_usage_stats": true}` puts `usage` (prompt,
 completion so far, total) on every chunk; `include_usage` adds the final usage-only chunk.
@@ -15,18 +23,21 @@ completion so far, total) on every chunk; `include_usage` adds the final usage-o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.engine.sampling import SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
+from shared.settings import SloSettings
 from shared.wire.requests import MAX_DRAFT_NAME_LEN
 
 DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
 MAX_MESSAGES = 256  # default of gateway.max_messages
+SLO_CLASSES = tuple(SloSettings().classes)  # default of scheduler.slo.classes
 
 
 class Tokenizer(Protocol):
@@ -86,6 +97,7 @@ class GenerationRequest:
     # the prompt as the client sent it, for recording: chat turns, or a completion's text
     messages: tuple[tuple[str, str], ...] | None = None
     prompt_text: str | None = None
+    slo_class: str | None = None  # one of scheduler.slo.classes
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -221,6 +233,7 @@ def parse_generation(
     max_context: int,
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS,
     max_messages: int = MAX_MESSAGES,
+    slo_classes: Collection[str] = SLO_CLASSES,
 ) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
@@ -260,8 +273,13 @@ def parse_generation(
     if not isinstance(extension, dict):
         raise bad_request("augury must be an object", "augury")
     slo = extension.get("tpot_slo_ms")
-    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, int | float) or slo <= 0):
+    if slo is not None and (
+        isinstance(slo, bool)
+        or not isinstance(slo, int | float)
+        or not 0 < slo < math.inf  # NaN fails too
+    ):
         raise bad_request("augury.tpot_slo_ms must be a positive number", "augury.tpot_slo_ms")
+    slo_class = _slo_class(extension, slo_classes)
     draft = extension.get("draft_model")
     if draft is not None and not isinstance(draft, str):
         raise bad_request("augury.draft_model must be a string", "augury.draft_model")
@@ -286,7 +304,22 @@ def parse_generation(
         continuous_usage=_flag(options, "continuous_usage_stats", False),
         messages=_turns(conversation),
         prompt_text=None if chat else _prompt_text(body.get("prompt")),
+        slo_class=slo_class,
     )
+
+
+def _slo_class(extension: Mapping[str, Any], known: Collection[str]) -> str | None:
+    name = extension.get("slo_class")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise bad_request("augury.slo_class must be a string", "augury.slo_class")
+    if name not in known:
+        raise bad_request(
+            f"unknown SLO class {name[:64]!r}; known: {', '.join(sorted(known))}",
+            "augury.slo_class",
+        )
+    return name
 
 
 def _turns(conversation: list[dict[str, str]] | None) -> tuple[tuple[str, str], ...] | None:

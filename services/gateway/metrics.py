@@ -105,6 +105,13 @@ class GatewayMetrics:
             "Finished requests that could not be recorded (gateway.record_requests).",
             registry=r,
         )
+        self.slo_requests = Counter(
+            "augury_slo_requests",
+            "Finished requests with a TPOT objective, by SLO class (custom: an objective in ms "
+            "only) and whether their TPOT met it (fewer than 2 tokens: met).",
+            ["slo_class", "attained"],
+            registry=r,
+        )
         self.spec_drafts = Counter(
             "augury_spec_decode_num_drafts", "Verification steps that checked a draft.", registry=r
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.body import APIError, Tokenizer
 from services.gateway.metrics import GatewayMetrics
+from shared.scheduling.slo_classes import CUSTOM_CLASS
 from shared.wire import FinishReason, RequestError, Tokens
 
 # How the scheduler's error codes answer over HTTP.
@@ -33,6 +34,26 @@ class Progress:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps_by_draft: dict[str, int] = field(default_factory=dict)  # draft model -> steps it drafted
+    # from the scheduler's last message: the request's class, objective and measured TPOT
+    slo_class: str | None = None
+    tpot_slo_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def slo_met(self) -> bool | None:
+        """Whether the measured TPOT met the objective (None: no objective, or no TPOT)."""
+        if self.tpot_slo_ms is None or self.tpot_ms is None:
+            return None
+        return self.tpot_ms <= self.tpot_slo_ms
+
+    def statistics(self) -> dict[str, Any]:
+        """The `augury` block of a finished answer: speculation and the TPOT objective."""
+        return self.acceptance() | {
+            "slo_class": self.slo_class,
+            "tpot_slo_ms": self.tpot_slo_ms,
+            "tpot_ms": self.tpot_ms,
+            "slo_met": self.slo_met,
+        }
 
     def acceptance(self) -> dict[str, Any]:
         """Per-request speculation statistics, as vLLM defines them."""
@@ -52,6 +73,23 @@ def _error(message: RequestError) -> APIError:
     status = ERROR_STATUS.get(message.code, 500)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return APIError(status, message.message, kind=kind, param=message.param, code=message.code)
+
+
+def count_slo(metrics: GatewayMetrics, progress: Progress) -> None:
+    """Count a finished request against its objective (nothing without one)."""
+    if progress.tpot_slo_ms is None:
+        return
+    attained = progress.slo_met is not False  # no TPOT with fewer than 2 tokens: nothing missed
+    label = progress.slo_class or CUSTOM_CLASS
+    metrics.slo_requests.labels(slo_class=label, attained=str(attained).lower()).inc()
+
+
+def _note_objective(message: Tokens, progress: Progress) -> None:
+    if message.finish is None:
+        return
+    progress.slo_class = message.slo_class
+    progress.tpot_slo_ms = message.tpot_slo_ms
+    progress.tpot_ms = message.tpot_ms
 
 
 def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetrics) -> None:
@@ -113,6 +151,7 @@ async def follow(
             continue  # a redelivered step
         fresh = list(message.token_ids[have - message.offset :])
         _count(message, len(fresh), progress, metrics)
+        _note_objective(message, progress)
         progress.token_ids.extend(fresh)
         progress.finish = message.finish
         if message.finish is FinishReason.ABORT:

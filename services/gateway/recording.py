@@ -9,8 +9,8 @@ An entry has two fields: `v`, the record format ("1"), and `record`, a JSON obje
     finish_reason    stop, length, abort (the scheduler aborted it), error (answered with an
                      error) or cancelled (the client left, or the gateway stopped)
     chat             true for /v1/chat/completions, false for /v1/completions
-    max_tokens, temperature, top_p, top_k, ignore_eos, priority, tpot_slo_ms, draft_model,
-    speculate, stream                the request's options
+    max_tokens, temperature, top_p, top_k, ignore_eos, priority, tpot_slo_ms, slo_class,
+    draft_model, speculate, stream   the request's options
     ttft_s, e2e_s    seconds to the first token (null without one) and to the end
     messages         with gateway.record_prompts, chat: [{"role", "content"}, ...]
     prompt           with gateway.record_prompts, completions: the text (none for token ids)
@@ -97,6 +97,7 @@ def build_record(
         "ignore_eos": sampling.ignore_eos,
         "priority": gen.priority,
         "tpot_slo_ms": gen.tpot_slo_ms,
+        "slo_class": gen.slo_class,
         "draft_model": gen.draft_model,
         "speculate": gen.speculate,
         "stream": gen.stream,

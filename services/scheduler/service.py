@@ -24,8 +24,9 @@ import logging
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -47,6 +48,7 @@ from shared.scheduling.core import (
 )
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
+from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.settings import AugurySettings
 from shared.wire import (
     Cancel,
@@ -109,6 +111,17 @@ class SchedulerStats:
         return (self.wall_ms - self.draft_ms - self.verify_ms) / self.iterations
 
 
+def _slo_statistics(out: StepOutput, request: RequestState | None) -> dict[str, Any]:
+    """A finishing request's class, objective and measured TPOT, as Tokens fields."""
+    if request is None or out.finish_reason not in ("stop", "length"):
+        return {}
+    return {
+        "slo_class": request.slo_class,
+        "tpot_slo_ms": request.tpot_slo_ms,
+        "tpot_ms": request.tpot_ms,
+    }
+
+
 class SchedulerService:
     def __init__(
         self,
@@ -124,6 +137,7 @@ class SchedulerService:
         self.bus = bus
         self.cell = settings.service.cell
         self.draft_models = list(draft_models)
+        self.slo = config.slo
         # no cost model yet: the directory builds it from the profiles the model services publish
         self.core = build_core(
             settings, target, self.draft_models, cost=None, first_batch_id=secrets.randbits(40) + 1
@@ -232,25 +246,8 @@ class SchedulerService:
             )
             self._remember(rid)
             return
-        seed = submit.sampling.seed
-        request = RequestState(
-            rid,
-            list(submit.prompt),
-            submit.sampling,
-            seed if seed is not None else secrets.randbits(SEED_BITS),
-            arrival_time=submit.arrival_time,
-            priority=submit.priority,
-            tpot_slo_ms=submit.tpot_slo_ms,
-            requested_draft=submit.draft_model,
-            speculate=submit.speculate,
-        )
         try:
-            if submit.draft_model is not None and submit.draft_model not in self.draft_models:
-                raise InvalidRequestError(
-                    f"unknown draft model {submit.draft_model!r}; known: {self.draft_models}",
-                    param="augury.draft_model",
-                )
-            self.core.add(request)
+            self.core.add(self._request_of(submit))
         except InvalidRequestError as error:
             self._remember(rid)
             code = (
@@ -263,6 +260,31 @@ class SchedulerService:
             return
         self.reply_to[rid] = submit.reply_to
         self._notify()
+
+    def _request_of(self, submit: Submit) -> RequestState:
+        """The core's state of a new request; InvalidRequestError for what cannot be served."""
+        if submit.draft_model is not None and submit.draft_model not in self.draft_models:
+            raise InvalidRequestError(
+                f"unknown draft model {submit.draft_model!r}; known: {self.draft_models}",
+                param="augury.draft_model",
+            )
+        # the cost model may still be None: a class objective then needs slo.baseline_latency_ms
+        tpot_slo_ms = resolve_tpot_slo(
+            submit.slo_class, submit.tpot_slo_ms, self.slo, self.core.cost
+        )
+        seed = submit.sampling.seed
+        return RequestState(
+            submit.request_id,
+            list(submit.prompt),
+            submit.sampling,
+            seed if seed is not None else secrets.randbits(SEED_BITS),
+            arrival_time=submit.arrival_time,
+            priority=submit.priority,
+            tpot_slo_ms=tpot_slo_ms,
+            slo_class=effective_class(submit.slo_class, submit.tpot_slo_ms, self.slo),
+            requested_draft=submit.draft_model,
+            speculate=submit.speculate,
+        )
 
     def cancel(self, request_id: str) -> list[tuple[str, WireMessage]]:
         """Stop a request; free its state now, or when its micro-batch comes back."""
@@ -325,7 +347,8 @@ class SchedulerService:
                 for e in result.entries
             }
             outputs = self.core.observe(batch, results, time.time())
-            await self._publish(self._outputs(outputs) + self._releases())
+            members = {r.request_id: r for r in batch.members}
+            await self._publish(self._outputs(outputs, members) + self._releases())
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
             self._results.settle(batch.id)
@@ -441,8 +464,11 @@ class SchedulerService:
         return VerifyResult(job.micro_batch_id, 0.0, failed)
 
     # ---- committing ------------------------------------------------------------------------------
-    def _outputs(self, outputs: list[StepOutput]) -> list[tuple[str, WireMessage]]:
-        """Each output as its client sees it: Tokens, or a RequestError for a failure."""
+    def _outputs(
+        self, outputs: list[StepOutput], requests: Mapping[str, RequestState] | None = None
+    ) -> list[tuple[str, WireMessage]]:
+        """Each output as its client sees it: Tokens, or a RequestError for a failure. A finished
+        request found in `requests` gets its SLO statistics on its last Tokens."""
         messages: list[tuple[str, WireMessage]] = []
         for out in outputs:
             reply_to = self.reply_to.get(out.request_id)
@@ -462,6 +488,7 @@ class SchedulerService:
                     draft_tokens=out.num_draft_tokens,
                     accepted_tokens=out.num_accepted,
                     draft_model=out.draft_model or "",
+                    **_slo_statistics(out, (requests or {}).get(out.request_id)),
                 )
                 messages.append((reply_to, tokens))
         return messages

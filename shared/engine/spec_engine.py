@@ -35,8 +35,9 @@ from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import AcceptanceStats, RequestState
+from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.scheduling.tree_selection import make_selector
-from shared.settings import LapsSettings
+from shared.settings import LapsSettings, SloSettings
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
@@ -55,6 +56,7 @@ class EngineConfig(BaseModel):
     draft_chooser: str = "fixed"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
+    slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
 
 
 class RunnerKV:
@@ -110,7 +112,7 @@ class SpecEngine:
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters)),
-            selector=make_selector(self.config.tree_selection),
+            selector=make_selector(self.config.tree_selection, self.config.slo),
             cost=cost,
         )
         self.core.set_drafters({name: ["local"] for name in self.drafters})
@@ -141,8 +143,13 @@ class SpecEngine:
         draft_model: str | None = None,
         speculate: bool = True,
         method: DraftMethod | None = None,
+        slo_class: str | None = None,
     ) -> str:
-        """Queue a request; bad input raises an `AuguryError` naming the limit."""
+        """Queue a request; bad input raises an `AuguryError` naming the limit.
+
+        `slo_class` names one of `config.slo.classes`: the objective is its multiple of the
+        baseline latency (`config.slo.baseline_latency_ms`, else the cost model's); an explicit
+        `tpot_slo_ms` wins over it."""
         self.core.check(prompt, params.max_tokens)
         runner = self.verifier.runner
         capacity = tree_capacity(self.core.config.method)
@@ -156,6 +163,8 @@ class SpecEngine:
                 f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
                 param="draft_model",
             )
+        slo = self.config.slo
+        objective_ms = resolve_tpot_slo(slo_class, tpot_slo_ms, slo, self.core.cost)
         if request_id is None:
             request_id = f"req-{self._ids}"
             self._ids += 1
@@ -167,7 +176,8 @@ class SpecEngine:
             seed,
             arrival_time=self.clock(),
             priority=priority,
-            tpot_slo_ms=tpot_slo_ms,
+            tpot_slo_ms=objective_ms,
+            slo_class=effective_class(slo_class, tpot_slo_ms, slo),
             requested_draft=draft_model,
             speculate=speculate,
             method=method,

@@ -79,6 +79,7 @@ class RequestState:
     arrival_time: float = 0.0  # seconds, the executor's clock (the gateway's for the services)
     priority: int = 0  # lower runs sooner (vLLM's convention)
     tpot_slo_ms: float | None = None  # time-per-output-token objective; None: best effort
+    slo_class: str | None = None  # the SLO class the request named (or the default class)
     requested_draft: str | None = None  # a draft model the client asked for
     speculate: bool = True  # False: plain decoding for this request
     method: DraftMethod | None = None  # this request's drafting method; None: the core's default

@@ -18,7 +18,8 @@ since then and t_spec this step's expected duration (drafting and verifying, fro
 - `adaserve`: candidates by a beam of depth d and width w sized by the load (Eq. 8-9); then
   SLO-customized selection (requests in order of urgency, each grows by its best nodes until
   sum f reaches min(A(r), d + 1), at most n_max nodes each); then throughput-optimized selection
-  (the best remaining nodes of all requests until B is spent).
+  (the best remaining nodes of all requests until B is spent, or, with `slo.throughput_phase =
+  goodput`, only as many as raise expected committed tokens per millisecond of verification).
 - `thesis-slo`: candidates by the thesis's dynamic tree (Alg. 1); then one node at a time to the
   request with the highest importance: the next node's f, plus 1 while the request's sum f is
   short of its target A(r) + lambda (the slack).
@@ -37,11 +38,13 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from shared.engine.methods import DraftMethod
 from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
-from shared.scheduling.speculation import node_scores
+from shared.scheduling.speculation import node_scores, verify_shares
 from shared.scheduling.tree_selection import SelectionContext, SelectorDrafting
 from shared.settings import SloSettings
 
@@ -150,6 +153,11 @@ class _Growing:
         self.expected += self.probs[node]
         self._open(node)
 
+    def remaining(self) -> list[float]:
+        """f of the candidate nodes not kept."""
+        kept = set(self.kept)
+        return [p for node, p in self.probs.items() if node not in kept]
+
     @property
     def depth(self) -> int:
         """The candidate tree's depth within the limit: the most tokens it can commit, less 1."""
@@ -192,6 +200,22 @@ def take_globally(grown: Iterable[tuple[str, _Growing]], count: int) -> int:
     return taken
 
 
+def paying_nodes(grown: Mapping[str, _Growing], ctx: SelectionContext, room: int) -> int:
+    """How many of the best remaining nodes (at most `room`) to add so that expected committed
+    tokens per millisecond of verification is highest: the throughput phase where extra tokens
+    are not free (on a CPU every token of a forward costs)."""
+    assert ctx.cost is not None
+    taken = sum(len(g.kept) for g in grown.values())  # roots and SLO-phase nodes
+    expected = sum(g.expected for g in grown.values())
+    remaining = sorted((p for g in grown.values() for p in g.remaining()), reverse=True)[:room]
+    verify = verify_shares(
+        ctx.cost, ctx.prefill_tokens, ctx.prefill_tokens + taken, len(remaining) + 1,
+        ctx.context, ctx.num_requests,
+    )  # fmt: skip
+    goodput = (expected + np.cumsum([0.0, *remaining])) / verify
+    return int(np.argmax(goodput))
+
+
 # ---- the selectors ---------------------------------------------------------------------------
 class AdaServe(SelectorDrafting):
     name = "adaserve"
@@ -232,6 +256,8 @@ class AdaServe(SelectorDrafting):
                 left -= 1
             if g.expected < target:
                 self.at_risk.add(rid)
+        if self.slo.throughput_phase == "goodput" and ctx.cost is not None:
+            left = paying_nodes(grown, ctx, left)
         take_globally(grown.items(), left)
         return _subtrees(grown)
 

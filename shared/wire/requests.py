@@ -22,12 +22,24 @@ from shared.wire.values import (
 
 MAX_ID_LEN = 128
 MAX_DRAFT_NAME_LEN = 64  # a draft model's name in a Submit
+MAX_SLO_CLASS_LEN = 64  # an SLO class's name in a Submit or Tokens
 MAX_MESSAGE_LEN = 4096
 
 
 def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > MAX_ID_LEN:
         raise ValueError(f"request ids are 1 to {MAX_ID_LEN} characters")
+
+
+def check_slo_class(slo_class: str | None) -> None:
+    if slo_class is not None and not 0 < len(slo_class) <= MAX_SLO_CLASS_LEN:
+        raise ValueError(f"SLO class names are 1 to {MAX_SLO_CLASS_LEN} characters")
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """Optional fields added to a message type after its first release, written only when set:
+    a message that does not use them encodes byte for byte as before (schema version 1)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Submit(WireMessage):
     tpot_slo_ms: float | None = None  # time-per-output-token objective; None: best effort
     draft_model: str | None = None  # a configured draft model's name; None: scheduler picks
     speculate: bool = True  # False: plain decoding, no drafts
+    slo_class: str | None = None  # a configured SLO class's name (written only when set)
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -51,6 +64,7 @@ class Submit(WireMessage):
             raise ValueError("a prompt has at least one token")
         if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
             raise ValueError("tpot_slo_ms must be positive")
+        check_slo_class(self.slo_class)
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -63,7 +77,7 @@ class Submit(WireMessage):
             "tpot_slo_ms": None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             "draft_model": self.draft_model,
             "speculate": bool(self.speculate),
-        }
+        } | _present(slo_class=self.slo_class)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -78,6 +92,7 @@ class Submit(WireMessage):
             tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
             draft_model=fields.optional_text("draft_model", max_len=MAX_DRAFT_NAME_LEN),
             speculate=fields.flag("speculate", True),
+            slo_class=fields.optional_text("slo_class", max_len=MAX_SLO_CLASS_LEN),
         )
 
 
@@ -110,7 +125,9 @@ class Tokens(WireMessage):
 
     `offset` is the number of completion tokens emitted before these: a reader drops what it has
     already seen (redelivery) and detects gaps. The statistics count this step only
-    (vLLM's counters): drafts is 1 when the step verified a draft, else 0.
+    (vLLM's counters): drafts is 1 when the step verified a draft, else 0. The message that
+    finishes a request also carries its SLO class, its resolved TPOT objective and its measured
+    TPOT (scheduler clock), each written only when known.
     """
 
     TYPE: ClassVar[str] = "tokens"
@@ -123,11 +140,19 @@ class Tokens(WireMessage):
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_model: str = ""
+    slo_class: str | None = None
+    tpot_slo_ms: float | None = None
+    tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
         if self.step < 0 or self.offset < 0:
             raise ValueError("step and offset are >= 0")
+        check_slo_class(self.slo_class)
+        if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
+            raise ValueError("tpot_slo_ms must be positive")
+        if self.tpot_ms is not None and not self.tpot_ms >= 0:
+            raise ValueError("tpot_ms must be >= 0")
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -139,7 +164,12 @@ class Tokens(WireMessage):
             "drafts": int(self.drafts),
             "draft_tokens": int(self.draft_tokens),
             "accepted_tokens": int(self.accepted_tokens),
-        } | ({"draft_model": self.draft_model} if self.draft_model else {})
+        } | _present(
+            draft_model=self.draft_model or None,
+            slo_class=self.slo_class,
+            tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
+            tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
+        )
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -154,6 +184,9 @@ class Tokens(WireMessage):
             draft_tokens=fields.integer("draft_tokens", 0, minimum=0),
             accepted_tokens=fields.integer("accepted_tokens", 0, minimum=0),
             draft_model=fields.text("draft_model", "", max_len=MAX_ID_LEN),
+            slo_class=fields.optional_text("slo_class", max_len=MAX_SLO_CLASS_LEN),
+            tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
+            tpot_ms=fields.optional_number("tpot_ms"),
         )
 
 

@@ -1,0 +1,172 @@
+"""SLO-customized speculation measured: every tree selector under AdaServe's three-class mix,
+simulated (rate sweep and urgent-share sweep) and as real replays through the services.
+
+    python -m bench.slo rates  [--rates 0.25 0.5 1 2 4] [--requests 120] [--draws 3]
+    python -m bench.slo urgent [--rate 1] [--shares 0.2 0.4 0.6 0.8]
+    python -m bench.slo real   [--rates 0.2 0.4 0.8] [--requests 24] [--selectors ...]
+
+Results go to `--out` (default `docs/results/slo/`): one JSON per experiment and machine with the
+command that made it, and a markdown table. Simulations use every committed cost profile of the
+default target (`--profile` to choose) and the committed acceptance recording; the classes'
+objectives are 1.0x, 2.4x and 8x each profile's baseline latency (one plain-decoding step at
+batch 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shared.model.model_set import REPO_ROOT
+
+OUT = REPO_ROOT / "docs" / "results" / "slo"
+PROFILES = REPO_ROOT / "profiles"
+TARGET = "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from bench.slo.experiments import SELECTORS
+    from shared.engine.presets import DEFAULT_DRAFT
+
+    parser = argparse.ArgumentParser(prog="python -m bench.slo", description=__doc__)
+    sub = parser.add_subparsers(dest="experiment", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--out", type=Path, default=OUT)
+        p.add_argument("--draft", default=DEFAULT_DRAFT)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--batch-size", type=int, default=16, help="running-set limit")
+        p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
+        p.add_argument(
+            "--admission", choices=("urgent-first", "feasible-first"), default="urgent-first"
+        )
+        p.add_argument(
+            "--throughput-phase", choices=("budget", "goodput"), default="budget",
+            help="adaserve's throughput phase: spend the hardware budget (the paper) or stop "
+            "where nodes stop paying for their verification",
+        )  # fmt: skip
+
+    def simulated(p: argparse.ArgumentParser) -> None:
+        common(p)
+        p.add_argument(
+            "--profile", type=Path, action="append", help="cost profile(s); default: committed"
+        )
+        p.add_argument(
+            "--step-overhead-ms", type=float, default=0.0,
+            help="per-step time outside the forwards, on CPU profiles (bench.sim.calibrate)",
+        )  # fmt: skip
+        p.add_argument("--requests", type=int, default=120, help="requests per trace")
+        p.add_argument("--draws", type=int, default=3, help="random draws of the trace")
+
+    p = sub.add_parser("rates", help="AdaServe Fig. 4-5: attainment and goodput per rate")
+    simulated(p)
+    p.add_argument("--rates", type=float, nargs="+", help="req/s (default: per machine)")
+
+    p = sub.add_parser("urgent", help="AdaServe Fig. 6: the urgent share swept")
+    simulated(p)
+    p.add_argument("--rate", type=float, help="req/s (default: per machine)")
+    p.add_argument("--shares", type=float, nargs="+", default=[0.2, 0.4, 0.6, 0.8])
+
+    p = sub.add_parser("real", help="the rate sweep as real replays through the services")
+    common(p)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.4, 0.8])
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.set_defaults(batch_size=8)
+    return parser.parse_args(argv)
+
+
+# Rates that run from light load to overload on each kind of machine (requests per second).
+DEFAULT_RATES = {"cpu": [0.125, 0.25, 0.5, 1.0, 2.0], "cuda": [8.0, 16.0, 32.0, 64.0, 128.0]}
+DEFAULT_URGENT_RATE = {"cpu": 0.25, "cuda": 32.0}
+
+
+def machines(args: argparse.Namespace) -> list[Any]:
+    from bench.scheduling.experiments import Machine
+    from shared.scheduling.cost_model import CostModel, CostProfile
+
+    paths = args.profile or sorted(PROFILES.glob(f"{TARGET}-*.json"))
+    out = []
+    for path in paths:
+        cost = CostModel(CostProfile.load(path))
+        is_cpu = cost.profile.target.key.device.startswith("cpu")
+        overhead = args.step_overhead_ms if is_cpu else 0.0
+        out.append(Machine(Path(path).stem.removeprefix(f"{TARGET}-"), cost, overhead))
+    return out
+
+
+def machine_kind(machine: Any) -> str:
+    return "cpu" if machine.shared_device else "cuda"
+
+
+def write(args: argparse.Namespace, name: str, result: dict[str, Any]) -> Path:
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["command"] = "python -m bench.slo " + " ".join(sys.argv[1:])
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from bench.scheduling.experiments import log_progress
+    from bench.scheduling.workloads import load_heldout
+    from bench.sim.acceptance import AcceptanceModel
+    from bench.slo import experiments, reports
+    from bench.slo.workloads import Workload
+    from shared.model.model_set import target_dir
+    from shared.settings import SloSettings
+
+    args = parse_args(argv)
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    workload = Workload(tokenizer, load_heldout(tokenizer), seed=args.seed)
+    acceptance = AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
+    slo = SloSettings(admission=args.admission, throughput_phase=args.throughput_phase)
+    if args.experiment == "real":
+        from bench.slo.real import real
+
+        result = real(
+            args.selectors, args.rates, num_requests=args.requests, batch_size=args.batch_size,
+            draft=args.draft, seed=args.seed, timeout_s=args.timeout_s, out_dir=args.out,
+            acceptance=acceptance, progress=log_progress,
+        )  # fmt: skip
+        write(args, "real", result)
+        reports.write_markdown(args.out / "real.md", reports.real_markdown(result))
+        return 0
+    for machine in machines(args):
+        setup = experiments.Setup(
+            machine, acceptance, batch_size=args.batch_size, draft=args.draft, slo=slo,
+            requests=args.requests, draws=args.draws,
+        )  # fmt: skip
+        kind = machine_kind(machine)
+        if args.experiment == "rates":
+            rates = args.rates or DEFAULT_RATES[kind]
+            result = experiments.rates(workload, setup, rates, args.selectors, log_progress)
+        else:
+            rate = args.rate or DEFAULT_URGENT_RATE[kind]
+            shares = args.shares
+            result = experiments.urgent(workload, setup, rate, shares, args.selectors, log_progress)
+        result["machine"] = machine.label
+        result["step_overhead_ms"] = machine.step_overhead_ms
+        if args.experiment == "rates":
+            markdown = reports.rates_markdown(machine.label, result)
+        else:
+            markdown = reports.urgent_markdown(machine.label, result)
+        name = f"{args.experiment}-{machine.label}"
+        write(args, name, result)
+        reports.write_markdown(args.out / f"{name}.md", markdown)
+        reports.plot(args.out / f"{name}.png", args.experiment, machine.label, result)
+    print(f"done in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
