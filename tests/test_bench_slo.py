@@ -1,0 +1,117 @@
+"""The SLO experiments' pieces: AdaServe's class mix, the objectives, and the selectors on the
+simulator doing what they are for (deterministic: a virtual clock, recorded acceptance)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scheduling.experiments import Machine
+from bench.sim.acceptance import AcceptanceModel
+from bench.slo import experiments as ex
+from bench.slo.reports import rates_markdown, urgent_markdown
+from bench.slo.workloads import (
+    CLASSES,
+    Mix,
+    Workload,
+    sim_requests,
+    trace_requests,
+    urgent_share_mix,
+)
+from shared.scheduling.cost_model import CostModel, CostProfile
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@pytest.fixture(scope="module")
+def workload() -> Workload:
+    from transformers import AutoTokenizer
+
+    from bench.scheduling.workloads import load_heldout
+    from shared.model.model_set import target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    return Workload(tokenizer, load_heldout(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Machine:
+    path = PROFILES / "SmolLM2-135M-Instruct-cuda-nvidia-h100-80gb-hbm3-bfloat16-t0.json"
+    return Machine("h100", CostModel(CostProfile.load(path)))
+
+
+@pytest.fixture(scope="module")
+def acceptance() -> AcceptanceModel:
+    return AcceptanceModel.load(PROFILES / "acceptance-SmolLM2-135M-Instruct.json.gz")
+
+
+def test_the_mix_draws_classes_by_their_shares_with_their_objectives(workload: Workload) -> None:
+    requests = workload.requests(rate=2.0, count=400, baseline_ms=20.0, seed=1)
+    counts = Counter(r.slo_class for r in requests)
+    assert set(counts) == set(CLASSES)
+    assert counts["urgent"] / 400 == pytest.approx(0.6, abs=0.07)
+    assert {r.slo_class: r.tpot_slo_ms for r in requests} == {
+        "urgent": 20.0,
+        "standard": 48.0,
+        "relaxed": 160.0,
+    }
+    for r in requests:
+        if r.slo_class == "standard":  # summarization-like: long prompt, fixed answer
+            assert r.kind == "summary" and r.num_output_tokens == Mix().summary_tokens
+            assert abs(r.num_prompt_tokens - Mix().summary_prompt_tokens) <= 16
+        else:
+            assert r.kind == "chat" and r.num_output_tokens >= 1
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    assert requests == workload.requests(rate=2.0, count=400, baseline_ms=20.0, seed=1)
+    sim, trace = sim_requests(requests), trace_requests(requests)
+    assert [s.tpot_slo_ms for s in sim] == [t.tpot_slo_ms for t in trace]
+    assert [t.slo_class for t in trace] == [r.slo_class for r in requests]
+
+
+def test_the_urgent_share_sweep_keeps_the_other_two_even() -> None:
+    assert urgent_share_mix(0.4).shares == pytest.approx((0.4, 0.3, 0.3))
+    with pytest.raises(ValueError, match="urgent share"):
+        urgent_share_mix(1.5)
+
+
+def test_slo_aware_selection_meets_more_objectives_where_the_budget_is_free(
+    workload: Workload, gpu: Machine, acceptance: AcceptanceModel
+) -> None:
+    """On the GPU profile a forward's tokens are free up to B: AdaServe attains at least what
+    plain decoding and SpecInfer's static tree do, and urgent requests, which plain decoding
+    cannot serve within one baseline step, are met by speculation."""
+    setup = ex.Setup(gpu, acceptance, batch_size=16, requests=40, draws=1)
+    row = ex.sweep(workload, setup, 16.0, Mix(), ("adaserve", "incremental", "static"))
+    assert row["adaserve"]["attainment"] > row["incremental"]["attainment"] + 0.2
+    assert row["adaserve"]["per_class"]["urgent"] > 0.5 > row["incremental"]["per_class"]["urgent"]
+    assert row["adaserve"]["goodput_tok_s"] > row["static"]["goodput_tok_s"]
+    table = rates_markdown(
+        "h100",
+        {
+            "baseline_latency_ms": 21.5,
+            "hardware_budget": 512,
+            "step_overhead_ms": 0.0,
+            "rates": {16.0: row},
+            "verdict": ex.verdict({16.0: row}),
+        },
+    )
+    assert any("adaserve" in line for line in table)
+    assert urgent_markdown("h100", {"rate": 16.0, "shares": {0.6: row}})
+
+
+def test_the_verdict_compares_with_the_best_baseline_where_one_still_attains_half() -> None:
+    def row(ada: float, best: float, goodput: float) -> dict[str, Any]:
+        summary = {"per_class": {}}
+        return {
+            "adaserve": {**summary, "attainment": ada, "goodput_tok_s": goodput},
+            "goodput": {**summary, "attainment": best, "goodput_tok_s": 10.0},
+            "incremental": {**summary, "attainment": best / 2, "goodput_tok_s": 5.0},
+        }
+
+    v = ex.verdict({1.0: row(0.9, 0.8, 20.0), 2.0: row(0.75, 0.5, 15.0), 4.0: row(0.4, 0.2, 9.0)})
+    assert v["rate"] == 2.0 and v["attainment_ratio"] == pytest.approx(1.5)
+    assert v["best_goodput_everywhere"] is False  # 9 < 10 at 4 req/s
