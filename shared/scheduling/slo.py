@@ -292,7 +292,8 @@ class ThesisSlo(SelectorDrafting):
         """Alg. 1's dynamic tree, each at least as large as the whole budget could use."""
         if configured is None:
             return None
-        size = max(1, budget - num_requests)
+        # one request could take the whole budget, but a tree holds at most depth x width nodes
+        size = max(1, min(budget - num_requests, self.slo.max_depth * self.slo.max_width))
         return DraftMethod(
             "dynamic",
             budget=size * max(1, num_requests),
