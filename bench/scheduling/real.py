@@ -20,7 +20,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,10 +92,31 @@ async def read_cell(cell: str) -> tuple[dict[str, int], dict[str, ModelProfile]]
         await bus.close()
 
 
-def start_services(
-    policy: str, args: argparse.Namespace, laps: LapsSettings, cell: str, port: int, log: Path
-) -> subprocess.Popen[bytes]:
+def policy_env(policy: str, batch_size: int, laps: LapsSettings) -> dict[str, str]:
+    """The settings (as environment variables) of a policy's run."""
     run = BY_LABEL[policy]
+    env = {
+        "AUGURY_SCHEDULER__POLICY": run.policy,
+        "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(batch_size),
+    }
+    for name, value in laps.model_dump().items():
+        env[f"AUGURY_SCHEDULER__LAPS__{name.upper()}"] = str(value)
+    if run.predictor is not None:
+        env["AUGURY_SCHEDULER__LENGTH_PREDICTOR"] = run.predictor
+    return env
+
+
+def start_services(
+    overrides: Mapping[str, str],
+    *,
+    draft: str,
+    timeout_s: float,
+    cell: str,
+    port: int,
+    log: Path,
+) -> subprocess.Popen[bytes]:
+    """`python -m services all` in `cell` on the system Redis, gateway on `port`, the settings
+    `overrides` (environment variables) on top; its output (DEBUG) goes to `log`."""
     env = dict(os.environ)
     env.update(
         {
@@ -102,16 +124,11 @@ def start_services(
             "AUGURY_SERVICE__CELL": cell,
             "AUGURY_GATEWAY__PORT": str(port),
             # one request at a time: a queued request waits for minutes without a token
-            "AUGURY_GATEWAY__OUTPUT_IDLE_TIMEOUT_S": str(args.timeout_s),
-            "AUGURY_SCHEDULER__POLICY": run.policy,
-            "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(args.batch_size),
+            "AUGURY_GATEWAY__OUTPUT_IDLE_TIMEOUT_S": str(timeout_s),
         }
     )
-    for name, value in laps.model_dump().items():
-        env[f"AUGURY_SCHEDULER__LAPS__{name.upper()}"] = str(value)
-    if run.predictor is not None:
-        env["AUGURY_SCHEDULER__LENGTH_PREDICTOR"] = run.predictor
-    command = [sys.executable, "-m", "services", "all", "--drafts", args.draft, "--threads", "2"]
+    env.update(overrides)
+    command = [sys.executable, "-m", "services", "all", "--drafts", draft, "--threads", "2"]
     command += ["--log-level", "DEBUG"]  # the per-micro-batch timings the simulator calibrates on
     with log.open("wb") as out:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -135,30 +152,70 @@ class Served:
     log: Path
 
 
-def serve(
-    policy: str, args: argparse.Namespace, laps: LapsSettings, trace: list[TraceRequest]
-) -> Served:
-    from shared.bus.profiles import assemble
+@dataclass(frozen=True)
+class Running:
+    """Services started by `running`, ready."""
 
-    cell = f"bench-{policy}-{secrets.token_hex(3)}"
+    cell: str
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@contextmanager
+def running(
+    name: str,
+    overrides: Mapping[str, str],
+    *,
+    draft: str,
+    timeout_s: float,
+    logs: Path = LOGS,
+) -> Iterator[Running]:
+    """Fresh services (a cell of their own, `overrides` set), ready; stopped on leaving."""
+    cell = f"bench-{slug(name)}-{secrets.token_hex(3)}"
     port = free_port()
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log = LOGS / f"{policy}.log"  # DEBUG: large, kept out of the results
-    process = start_services(policy, args, laps, cell, port, log)
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{slug(name)}.log"  # DEBUG: large, kept out of the results
+    process = start_services(
+        overrides, draft=draft, timeout_s=timeout_s, cell=cell, port=port, log=log
+    )
     try:
         base_url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_ready(base_url, process, READY_TIMEOUT_S))
-        records = asyncio.run(replay(trace, base_url, request_timeout_s=args.timeout_s))
-        preemptions, profiles = asyncio.run(read_cell(cell))
+        yield Running(cell, base_url, process, log)
     finally:
         stop(process)
+
+
+def slug(name: str) -> str:
+    """A name fit for a cell and a file name (`lp-sjf/oracle` -> `lp-sjf-oracle`)."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def replay_and_read(
+    name: str, services: Running, trace: list[TraceRequest], timeout_s: float, *, strict: bool
+) -> Served:
+    """Replay `trace` through ready `services` and read their cell (then emptied); with
+    `strict`, a failed request raises, else the failures stay in the records."""
+    from shared.bus.profiles import assemble
+
+    records = asyncio.run(replay(trace, services.base_url, request_timeout_s=timeout_s))
+    preemptions, profiles = asyncio.run(read_cell(services.cell))
     failed = [r for r in records if not r.is_completed]
-    if failed:
-        raise RuntimeError(f"{policy}: {len(failed)} requests failed: {failed[0].error}")
+    if failed and strict:
+        raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[0].error}")
     profile = assemble(profiles)
     if profile is None:
-        raise RuntimeError(f"{policy}: the services published no cost profile")
-    return Served(records, preemptions, CostModel(profile), log)
+        raise RuntimeError(f"{name}: the services published no cost profile")
+    return Served(records, preemptions, CostModel(profile), services.log)
+
+
+def serve(
+    policy: str, args: argparse.Namespace, laps: LapsSettings, trace: list[TraceRequest]
+) -> Served:
+    overrides = policy_env(policy, args.batch_size, laps)
+    with running(policy, overrides, draft=args.draft, timeout_s=args.timeout_s) as services:
+        return replay_and_read(policy, services, trace, args.timeout_s, strict=True)
 
 
 def real(

@@ -69,24 +69,40 @@ def urgent_markdown(machine: str, result: dict[str, Any]) -> list[str]:
 
 
 def real_markdown(result: dict[str, Any]) -> list[str]:
-    lines = ["### Real replays through the services (attainment / goodput tok/s; simulated)", ""]
+    """`bench.slo.real.real`'s result: per rate, each selector really and simulated."""
+    lines = [
+        "### Real replays through the services: attainment / goodput (tok/s), real and simulated",
+        "",
+        f"{result['requests']} requests per rate, running set {result['batch_size']}, objectives "
+        + ", ".join(f"{c} {ms:.0f} ms" for c, ms in result["objectives_ms"].items())
+        + f"; simulated with a per-step overhead of {result['step_overhead_ms']:.1f} + "
+        f"{result['request_overhead_ms']:.1f} x sqrt(decoding requests) ms fitted on the runs.",
+        "",
+    ]
+    rows = []
     for rate, row in result["rates"].items():
-        selectors = list(row["selectors"]) if "selectors" in row else list(row)
-        lines.append(f"{rate} req/s:")
-        lines.append("")
-        table_rows = []
-        for s in selectors:
-            r = row["selectors"][s] if "selectors" in row else row[s]
-            table_rows.append(
+        for name, r in row["selectors"].items():
+            rows.append(
                 [
-                    s,
-                    f"{r['real']['attainment']:.0%} / {r['real']['goodput_tok_s']:.1f}",
-                    f"{r['sim']['attainment']:.0%} / {r['sim']['goodput_tok_s']:.1f}",
+                    f"{float(rate):g}",
+                    name,
+                    f"{r['attainment']:.0%} / {r['goodput_tok_s']:.1f}",
+                    f"{r['sim_attainment']:.0%} / {r['sim_goodput_tok_s']:.1f}",
+                    f"{r['mean_tpot_ms']:.0f} / {r['sim_mean_tpot_ms']:.0f}",
                 ]
             )
-        lines += _table(["selector", "real", "simulated"], table_rows)
-        lines.append("")
-    return lines
+    lines += _table(["req/s", "selector", "real", "simulated", "mean TPOT ms (real / sim)"], rows)
+    lines += ["", "Rankings (by attainment, ties by goodput):", ""]
+    rows = [
+        [
+            f"{float(rate):g}",
+            ", ".join(row["ranking_real"]),
+            ", ".join(row["ranking_sim"]),
+            f"{row['kendall_tau']:.2f}",
+        ]
+        for rate, row in result["rates"].items()
+    ]
+    return lines + _table(["req/s", "real", "simulated", "Kendall tau"], rows)
 
 
 def write_markdown(path: Path, lines: Sequence[str]) -> Path:
