@@ -159,6 +159,12 @@ class LapsSettings(_Group):
     stable_delta: Annotated[float, Field(gt=0, lt=1)] = 0.05  # delta
 
 
+# The tree selectors by name (shared/scheduling/tree_selection.py, shared/scheduling/slo.py)
+TreeSelection = Literal[
+    "goodput", "global-greedy", "equal-greedy", "adaserve", "thesis-slo", "static", "incremental"
+]
+
+
 class SloSettings(_Group):
     """Per-request TPOT objectives and the SLO-aware tree selectors (shared/scheduling/slo.py).
 
@@ -204,16 +210,7 @@ class SchedulerSettings(_Group):
     laps: LapsSettings = LapsSettings()
     draft_chooser: Literal["fixed"] = "fixed"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
-    # goodput (default), global-greedy, equal-greedy, adaserve, thesis-slo, static, incremental
-    tree_selection: Literal[
-        "goodput",
-        "global-greedy",
-        "equal-greedy",
-        "adaserve",
-        "thesis-slo",
-        "static",
-        "incremental",
-    ] = "goodput"
+    tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, get_args
 
 from shared.engine.methods import DraftMethod
 from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.scheduling.speculation import select_by_goodput, take_best_first
-from shared.settings import SloSettings
+from shared.settings import SloSettings, TreeSelection
 
 
 @dataclass(frozen=True)
@@ -106,15 +106,7 @@ class Goodput(SelectorDrafting):
         return _subtrees(trees, kept)
 
 
-SELECTORS = (
-    "goodput",
-    "global-greedy",
-    "equal-greedy",
-    "adaserve",
-    "thesis-slo",
-    "static",
-    "incremental",
-)
+SELECTORS: tuple[str, ...] = get_args(TreeSelection)
 
 
 def make_selector(name: str, slo: SloSettings | None = None) -> TreeSelector:
