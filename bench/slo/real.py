@@ -50,6 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from scipy import stats
+
 from bench.load.records import RequestRecord
 from bench.load.report import tpot_ms
 from bench.scheduling.real import REDIS_URL, Served, replay_and_read, running
@@ -139,45 +141,33 @@ def ranking(rows: Mapping[str, Mapping[str, Any]], prefix: str = "") -> list[str
     )
 
 
-def kendall_tau(a: Sequence[str], b: Sequence[str]) -> float | None:
-    """Kendall's tau between two orderings of the same names (1: same order, -1: reversed)."""
+def _positions(a: Sequence[str], b: Sequence[str]) -> tuple[list[int], list[int]] | None:
+    """Each name's place in `a` and in `b` (None: fewer than two names to compare)."""
     if sorted(a) != sorted(b):
         raise ValueError(f"not the same names: {a} and {b}")
-    n = len(a)
-    if n < 2:
+    if len(a) < 2:
         return None
-    pos = {name: i for i, name in enumerate(b)}
-    concordant = sum(pos[a[i]] < pos[a[j]] for i in range(n) for j in range(i + 1, n))
-    pairs = n * (n - 1) // 2
-    return (2 * concordant - pairs) / pairs
+    place = {name: i for i, name in enumerate(b)}
+    return list(range(len(a))), [place[name] for name in a]
+
+
+def kendall_tau(a: Sequence[str], b: Sequence[str]) -> float | None:
+    """Kendall's tau between two orderings of the same names (1: same order, -1: reversed)."""
+    places = _positions(a, b)
+    return None if places is None else float(stats.kendalltau(*places).statistic)
 
 
 def spearman_rho(a: Sequence[str], b: Sequence[str]) -> float | None:
     """Spearman's rho between two orderings of the same names."""
-    if sorted(a) != sorted(b):
-        raise ValueError(f"not the same names: {a} and {b}")
-    n = len(a)
-    if n < 2:
-        return None
-    pos = {name: i for i, name in enumerate(b)}
-    d2 = sum((i - pos[name]) ** 2 for i, name in enumerate(a))
-    return 1 - 6 * d2 / (n * (n * n - 1))
+    places = _positions(a, b)
+    return None if places is None else float(stats.spearmanr(*places).statistic)
 
 
 def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> float | None:
     """Kendall's tau-b between paired values, ties counted as ties (None: either is constant)."""
-    n = len(x)
-    concordant = discordant = ties_x = ties_y = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            dx, dy = x[i] - x[j], y[i] - y[j]
-            ties_x += dx == 0
-            ties_y += dy == 0
-            concordant += dx * dy > 0
-            discordant += dx * dy < 0
-    pairs = n * (n - 1) // 2
-    denominator = ((pairs - ties_x) * (pairs - ties_y)) ** 0.5
-    return (concordant - discordant) / denominator if denominator else None
+    if len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    return float(stats.kendalltau(x, y, variant="b").statistic)
 
 
 def agreement(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
