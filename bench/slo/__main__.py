@@ -42,6 +42,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--batch-size", type=int, default=16, help="running-set limit")
         p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
+
+    def simulated(p: argparse.ArgumentParser) -> None:
+        common(p)
         p.add_argument(
             "--admission", choices=("urgent-first", "feasible-first"), default="urgent-first"
         )
@@ -50,9 +53,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             help="adaserve's throughput phase: spend the hardware budget (the paper) or stop "
             "where nodes stop paying for their verification",
         )  # fmt: skip
-
-    def simulated(p: argparse.ArgumentParser) -> None:
-        common(p)
         p.add_argument(
             "--profile", type=Path, action="append", help="cost profile(s); default: committed"
         )
@@ -129,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_dir())
     workload = Workload(tokenizer, load_heldout(tokenizer), seed=args.seed)
     acceptance = AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
-    slo = SloSettings(admission=args.admission, throughput_phase=args.throughput_phase)
+    slo = SloSettings()
+    if args.experiment != "real":  # the services take their defaults
+        slo = SloSettings(admission=args.admission, throughput_phase=args.throughput_phase)
     if args.experiment == "real":
         from bench.slo.real import real
 
