@@ -3,6 +3,7 @@ simulator doing what they are for (deterministic: a virtual clock, recorded acce
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -115,3 +116,22 @@ def test_the_verdict_compares_with_the_best_baseline_where_one_still_attains_hal
     v = ex.verdict({1.0: row(0.9, 0.8, 20.0), 2.0: row(0.75, 0.5, 15.0), 4.0: row(0.4, 0.2, 9.0)})
     assert v["rate"] == 2.0 and v["attainment_ratio"] == pytest.approx(1.5)
     assert v["best_goodput_everywhere"] is False  # 9 < 10 at 4 req/s
+
+
+def test_the_command_writes_results_tables_and_plots(tmp_path: Path) -> None:
+    from bench.slo.__main__ import main
+
+    profile = PROFILES / "SmolLM2-135M-Instruct-cuda-nvidia-h100-80gb-hbm3-bfloat16-t0.json"
+    args = ["--requests", "8", "--draws", "1", "--selectors", "adaserve", "incremental"]
+    args += ["--out", str(tmp_path), "--profile", str(profile)]
+    assert main(["rates", "--rates", "16", *args]) == 0
+    assert main(["urgent", "--rate", "16", "--shares", "0.2", "0.8", *args]) == 0
+    stem = "cuda-nvidia-h100-80gb-hbm3-bfloat16-t0"
+    rates = json.loads((tmp_path / f"rates-{stem}.json").read_text())
+    assert set(rates["rates"]["16.0"]) == {"adaserve", "incremental"}
+    assert rates["command"].startswith("python -m bench.slo")
+    urgent = json.loads((tmp_path / f"urgent-{stem}.json").read_text())
+    assert set(urgent["shares"]) == {"0.2", "0.8"}
+    for name in (f"rates-{stem}", f"urgent-{stem}"):
+        assert (tmp_path / f"{name}.md").read_text().startswith("###")
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
