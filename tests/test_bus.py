@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -358,3 +359,32 @@ def test_embedded_redis_gives_a_url_and_stops() -> None:
 def test_a_configured_url_is_used_as_is() -> None:
     with redis_url(RedisSettings(url="redis://example:6379/0")) as url:
         assert url == "redis://example:6379/0"
+
+
+async def test_a_heartbeat_stops_even_when_its_command_swallows_the_cancellation(
+    server: EmbeddedRedis | _External, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py can swallow a cancellation that lands mid-command; stopping must not then wait
+    forever for a loop that keeps beating (it once held a service's shutdown past its bound)."""
+    bus = Bus(server.url, FAST, consumer_name="swallower")
+    heartbeater = Heartbeater(bus, service="drafter", cell=f"hbc{_run}", model="tiny")
+    await heartbeater.start()
+    beating = asyncio.Event()
+
+    async def swallowing_beat() -> None:
+        beating.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.5)  # a command in flight when the cancel arrives
+
+    monkeypatch.setattr(heartbeater, "beat", swallowing_beat)
+    await asyncio.wait_for(beating.wait(), 2.0)  # the loop is inside a beat: stop now
+    stopping = asyncio.create_task(heartbeater.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=3.0)
+    if stopping not in done:  # let the runaway loop end before failing, or the test would hang
+
+        async def cancelled_beat() -> None:
+            raise asyncio.CancelledError
+
+        monkeypatch.setattr(heartbeater, "beat", cancelled_beat)
+        pytest.fail("the heartbeat loop kept beating after its task was cancelled")
+    await bus.close()

@@ -12,6 +12,7 @@ from collections import defaultdict
 from redis.exceptions import RedisError
 
 from shared.bus import Bus, live_replicas
+from shared.bus.client import raise_if_cancelled
 from shared.bus.profiles import assemble, read_profiles
 from shared.scheduling.core import SchedulerCore
 from shared.scheduling.cost_model import CostModel
@@ -64,7 +65,9 @@ class DrafterDirectory:
             try:
                 await self.refresh()
             except (RedisError, OSError) as error:
+                raise_if_cancelled()
                 log.warning("could not read drafter heartbeats: %s", error)
+            raise_if_cancelled()
 
     async def start(self) -> None:
         await self.refresh()

@@ -6,6 +6,7 @@ consumer gets its own single-connection client whose socket timeout exceeds the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -128,3 +129,15 @@ class Bus:
         for rows in await pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 0)
         return counts
+
+
+def raise_if_cancelled() -> None:
+    """End a loop whose task was cancelled while a Redis command ran.
+
+    redis-py can swallow a cancellation that lands mid-command (the command's connection is
+    dropped and the call returns or fails with a connection error), so a loop that catches Redis
+    errors and is stopped by `Task.cancel` would keep going forever; it calls this after each
+    command."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from shared.bus.client import Bus
+from shared.bus.client import Bus, raise_if_cancelled
 from shared.wire.codec import ProtocolError
 from shared.wire.requests import Heartbeat
 from shared.wire.streams import heartbeat_key, heartbeat_pattern
@@ -70,7 +70,9 @@ class Heartbeater:
             try:
                 await self.beat()
             except (RedisError, OSError) as error:
+                raise_if_cancelled()
                 log.warning("heartbeat %s failed: %s", self.key, error)
+            raise_if_cancelled()
             await asyncio.sleep(self.bus.settings.heartbeat_interval_s)
 
     async def start(self) -> None:
