@@ -122,6 +122,7 @@ class _Growing:
 
     tree: TokenTree
     probs: dict[int, float]  # node -> calibrated f(v), nodes within the depth limit
+    depths: dict[int, int]  # node -> its depth, the same nodes
     children: list[list[int]]
     kept: list[int]
     expected: float  # sum of f over kept nodes, root's 1 included
@@ -129,19 +130,17 @@ class _Growing:
 
     @classmethod
     def start(cls, tree: TokenTree, max_depth: int, calibration: float) -> _Growing:
-        probs = {
-            node: min(1.0, calibration * math.exp(score))
-            for score, _, node in node_scores(tree, max_depth)
-        }
-        grown = cls(tree, probs, tree.children(), [0], 1.0, [])
+        scores = node_scores(tree, max_depth)
+        probs = {node: min(1.0, calibration * math.exp(score)) for score, _, node in scores}
+        depths = {node: depth for _, depth, node in scores}
+        grown = cls(tree, probs, depths, tree.children(), [0], 1.0, [])
         grown._open(0)
         return grown
 
     def _open(self, node: int) -> None:
         for child in self.children[node]:
             if child in self.probs:
-                depth = len(self.tree.path_to(child)) - 1
-                heapq.heappush(self.frontier, (-self.probs[child], depth, child))
+                heapq.heappush(self.frontier, (-self.probs[child], self.depths[child], child))
 
     @property
     def best(self) -> float | None:
@@ -161,8 +160,7 @@ class _Growing:
     @property
     def depth(self) -> int:
         """The candidate tree's depth within the limit: the most tokens it can commit, less 1."""
-        depths = self.tree.depths()
-        return max((int(depths[n]) for n in self.probs), default=0)
+        return max(self.depths.values(), default=0)
 
 
 def _grow_all(
