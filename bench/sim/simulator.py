@@ -51,6 +51,11 @@ PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
 
 
+def step_overhead_ms(fixed_ms: float, per_request_ms: float, num_decoding: int) -> float:
+    """A micro-batch's time outside the forwards: fixed + per_request * sqrt(decoding)."""
+    return fixed_ms + per_request_ms * math.sqrt(num_decoding)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     vocab_size: int = 49152
@@ -236,8 +241,8 @@ class Simulator:
         return _InFlight(done, next(self._order), batch, results)
 
     def overhead_ms(self, num_decoding: int) -> float:
-        return self.config.step_overhead_ms + self.config.request_overhead_ms * math.sqrt(
-            num_decoding
+        return step_overhead_ms(
+            self.config.step_overhead_ms, self.config.request_overhead_ms, num_decoding
         )
 
     def _occupy(self, device: str, ready: float, ms: float) -> float:

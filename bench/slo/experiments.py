@@ -12,7 +12,6 @@ and whose acceptance replays recorded sessions (`bench.sim`). Two experiments:
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from bench.load.records import RequestRecord
 from bench.load.report import meets_slo, run_duration_s
 from bench.scheduling.experiments import Machine
 from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, Simulator
+from bench.sim.simulator import SimConfig, Simulator, step_overhead_ms
 from bench.slo.workloads import CLASSES, Mix, SloRequest, Workload, sim_requests, urgent_share_mix
 from shared.scheduling.cost_model import BASELINE_BATCH
 from shared.settings import SloSettings
@@ -57,9 +56,10 @@ class Setup:
 def baseline_latency_ms(machine: Machine) -> float:
     """AdaServe's baseline latency as their system measures it: a plain-decoding step at batch 8
     from the profile, plus the time a step spends outside the forwards (on a CPU machine)."""
-    batch = BASELINE_BATCH
-    overhead = machine.step_overhead_ms + machine.request_overhead_ms * math.sqrt(batch)
-    return machine.cost.baseline_latency_ms(batch) + overhead
+    overhead = step_overhead_ms(
+        machine.step_overhead_ms, machine.request_overhead_ms, BASELINE_BATCH
+    )
+    return machine.cost.baseline_latency_ms(BASELINE_BATCH) + overhead
 
 
 def simulate_selector(
