@@ -53,12 +53,15 @@ SPECINFER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)
 
 
 # ---- the quantities of the papers ------------------------------------------------------------
-def acceptance_target(request: RequestState, now: float, step_ms: float) -> float | None:
+def acceptance_target(request: RequestState, now: float, step_ms: float | None) -> float | None:
     """A(r): tokens this step must commit for the request's TPOT to meet its objective once the
-    step ends (None: no objective, or no first token yet)."""
+    step ends (None: no objective, or no first token yet). Without a step estimate (no cost
+    model) a step is taken to last one objective."""
     slo = request.tpot_slo_ms
     if slo is None or request.first_token_time is None or not request.output:
         return None
+    if step_ms is None:
+        step_ms = slo
     elapsed_ms = 1000.0 * (now - request.first_token_time)
     emitted = len(request.output) - 1  # tokens after the first: what TPOT divides by
     return (elapsed_ms + step_ms) / slo - emitted
@@ -267,9 +270,7 @@ class AdaServe(SelectorDrafting):
         A(r) a tree of their depth can still meet ahead of the rest."""
         targets = []
         for rid in grown:
-            request = ctx.requests[rid]
-            slo_step = step_ms if step_ms is not None else request.tpot_slo_ms or 0.0
-            target = acceptance_target(request, ctx.now, slo_step)
+            target = acceptance_target(ctx.requests[rid], ctx.now, step_ms)
             if target is not None and target > 1.0:  # the root alone meets at most 1
                 targets.append((rid, target))
         if self.slo.admission == "feasible-first":
@@ -319,9 +320,7 @@ class ThesisSlo(SelectorDrafting):
         )
         targets: dict[str, float] = {}
         for rid, g in grown.items():
-            request = ctx.requests[rid]
-            slo_step = step_ms if step_ms is not None else request.tpot_slo_ms or 0.0
-            target = acceptance_target(request, ctx.now, slo_step)
+            target = acceptance_target(ctx.requests[rid], ctx.now, step_ms)
             if target is not None:
                 targets[rid] = min(target + self.slo.slack, g.depth + 1)
         left = budget - len(trees)
