@@ -398,6 +398,7 @@ class CostModel:
         self.profile = profile
         self._verify = _Curves(profile.target)
         self._drafts = {name: _Curves(p) for name, p in profile.drafts.items()}
+        self._budgets: dict[tuple[float, int], int] = {}  # hardware_budget's, read every step
 
     @property
     def draft_models(self) -> list[str]:
@@ -478,12 +479,15 @@ class CostModel:
         it costs at most `growth` times the forward of half as many tokens: memory-bound, a
         doubling costs little; compute-bound, nearly twice. (A tolerance over the one-token
         forward, `knee_tokens`, finds 1 on a CPU, where every token costs something.)"""
-        budget = 1
-        while budget * 2 <= self.max_tokens:
-            if self.verify_ms(budget * 2, context) > growth * self.verify_ms(budget, context):
-                break
-            budget *= 2
-        return budget
+        key = (growth, context)
+        if key not in self._budgets:
+            budget = 1
+            while budget * 2 <= self.max_tokens:
+                if self.verify_ms(budget * 2, context) > growth * self.verify_ms(budget, context):
+                    break
+                budget *= 2
+            self._budgets[key] = budget
+        return self._budgets[key]
 
     def knee_tokens(self, tolerance: float = 0.1, context: int = TYPICAL_CONTEXT) -> int:
         """AdaServe's hardware budget: the largest n (up to the measured maximum) where
