@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> None:
+async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> int:
     models = resolve_models(settings)
     if args.service == "all":
         stack = await start_stack(
@@ -49,7 +49,7 @@ async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> N
     logging.getLogger("services").info(
         "%s running (cell %s, redis %s)", args.service, settings.service.cell, redacted_url(url)
     )
-    await serve_until_signalled(stack)
+    return await serve_until_signalled(stack)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     with redis_url(settings.redis) as url:
-        run_async(run(args, settings, url))
-    return 0
+        return run_async(run(args, settings, url))
 
 
 if __name__ == "__main__":

@@ -202,17 +202,24 @@ async def start_one(
     return stack
 
 
-async def serve_until_signalled(stack: Stack) -> None:
-    """Run until SIGINT or SIGTERM, then stop every service (in-flight handlers finish)."""
+async def serve_until_signalled(stack: Stack) -> int:
+    """Run until SIGINT or SIGTERM, then stop every service (in-flight handlers finish).
+    Returns the exit status: 1 when the scheduler lost its cell to another scheduler."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.ensure_future(stop.wait())]
     try:
-        waits = [asyncio.ensure_future(stop.wait())]
         if stack.gateway is not None:
             waits.append(stack.gateway)
+        if stack.scheduler is not None:
+            waits.append(asyncio.ensure_future(stack.scheduler.lease_lost.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         log.info("stopping")
+        for wait in waits:
+            if wait is not stack.gateway:
+                wait.cancel()
         await stack.stop()
+    return 1 if stack.scheduler is not None and stack.scheduler.lease_lost.is_set() else 0

@@ -214,6 +214,13 @@ class SchedulerSettings(_Group):
     slo: SloSettings = SloSettings()
     speculation: SpeculationSettings = SpeculationSettings()
     max_running_requests: PositiveInt = 64
+    # a drafter replica that has not answered by then: the step goes on without its trees
+    draft_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    # no VerifyResult by then: the job is sent again (the verifier replays by step), 3 tries
+    verify_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    # one scheduler per cell holds this lease; a standby (or a restarted scheduler) takes over
+    # and resumes every stored request once the holder has not renewed it for this long
+    lease_ttl_ms: Annotated[int, Field(ge=200)] = 5_000
 
 
 class GatewaySettings(_Group):

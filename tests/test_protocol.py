@@ -310,6 +310,34 @@ def test_added_fields_match_golden_bytes_and_decode_back(type_name: str) -> None
     assert decode_entry(entry_of(type_name, golden)) == message
 
 
+# A VerifyJob whose tree entry carries VerifyRequest.context_len (added within version 1).
+GOLDEN_V1_CONTEXT_LEN = (
+    "83ae6d6963726f5f62617463685f696405a7656e7472696573918aaa726571756573745f6964a57265712d31a4"
+    "7374657003a873616d706c696e6787ab74656d7065726174757265cb0000000000000000a5746f705f70cb3ff0"
+    "000000000000a5746f705f6b00a473656564c0aa6d61785f746f6b656e7308ae73746f705f746f6b656e5f6964"
+    "73c400aa69676e6f72655f656f73c2a47365656401ae6d61785f6e65775f746f6b656e7308a56368756e6bc400"
+    "ab6368756e6b5f737461727400ad6368756e6b5f69735f6c617374c2a47472656587a6746f6b656e73c4040400"
+    "0000a7706172656e7473c404ffffffffa46c6f6771c4080000000000000000ab70726f706f73616c5f6f66c404"
+    "ffffffffae70726f706f73616c5f73697a6573c400ac70726f706f73616c5f696473c400ae70726f706f73616c"
+    "5f70726f6273c400ab636f6e746578745f6c656e11a772656c6561736590"
+)
+
+
+def test_a_trees_context_len_matches_golden_bytes_and_decodes_back() -> None:
+    entry = VerifyRequest("req-1", 3, GREEDY, 1, 8, tree=TokenTree.root_only(4), context_len=17)
+    golden = bytes.fromhex(GOLDEN_V1_CONTEXT_LEN)
+    assert VerifyJob(5, (entry,)).to_entry()["b"] == golden
+    job = decode_entry(entry_of("verify_job", golden))
+    assert isinstance(job, VerifyJob) and job.entries[0].context_len == 17
+    # written only when set: the canonical job (no context_len) still encodes as GOLDEN_V1
+    assert (
+        "context_len"
+        not in msgpack.unpackb(canonical_v1()["verify_job"].to_entry()["b"])["entries"][0]
+    )
+    with pytest.raises(ValueError):  # a chunk has no root
+        VerifyRequest("req-1", 3, GREEDY, 1, 8, chunk=(1, 2), context_len=2)
+
+
 def test_unset_added_fields_are_not_written() -> None:
     plain = Tokens("req-1", 3, 5, (9, 10), FinishReason.STOP)
     assert set(msgpack.unpackb(plain.to_entry()["b"])) == {

@@ -24,11 +24,12 @@ from shared.wire.streams import (
     candidates_stream,
     dead_letter_stream,
     draft_stream,
+    output_stream,
     requests_stream,
     results_stream,
     verify_stream,
 )
-from tests.test_services_support import plain_greedy, running, until
+from tests.test_services_support import Client, make_settings, plain_greedy, running, until
 
 pytestmark = pytest.mark.anyio
 
@@ -114,6 +115,38 @@ async def test_a_submit_naming_a_foreign_stream_is_dropped(
         assert client.outcomes["fine"].tokens == want
         assert await redis.exists(victim) == 0
         assert "intruder" not in stack.scheduler.core.requests
+        # a gateway's stream name, but no such gateway is alive: nobody could read the answer
+        ghost = output_stream("ghost")
+        await client.bus.publish(
+            requests_stream("foreign"),
+            Submit("haunted", tuple(PROMPT), SamplingParams(max_tokens=4), ghost, 0.0),
+        )
+        await client.submit("fine-too", PROMPT, SamplingParams(max_tokens=6))
+        await client.wait(["fine-too"])
+        assert await redis.exists(ghost) == 0
+        assert "haunted" not in stack.scheduler.core.requests
+
+
+async def test_requests_whose_gateway_stopped_beating_are_cancelled(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, "orphans", models) as (stack, client):
+        assert stack.scheduler is not None and stack.verifier is not None
+        doomed = Client(server.url, make_settings(server.url, "orphans"), "doomed-gateway")
+        try:
+            await doomed.submit("orphan", PROMPT, SamplingParams(max_tokens=400))
+            await until(lambda: "orphan" in stack.scheduler.core.requests, what="admitted")
+            await doomed.heartbeat.stop()  # the gateway dies: its heartbeat goes
+            await until(lambda: "orphan" not in stack.scheduler.core.requests, what="cancelled")
+            await until(lambda: not stack.verifier.runner.has_request("orphan"), what="freed")
+        finally:
+            await doomed.close()
+        # the live gateway's requests are untouched
+        [want] = plain_greedy(tiny_target_dir, [PROMPT], [SamplingParams(max_tokens=6)])
+        await client.submit("kept", PROMPT, SamplingParams(max_tokens=6))
+        await client.wait(["kept"])
+        assert client.outcomes["kept"].tokens == want
 
 
 async def until_async_len(redis: object, stream: str, n: int, timeout_s: float = 10.0) -> None:
@@ -155,6 +188,16 @@ async def test_redelivered_jobs_are_answered_again_without_recomputing(
         lost = VerifyJob(9, (VerifyRequest("lost", 3, greedy, 1, 8, tree=TokenTree.root_only(4)),))
         answer = stack.verifier.verify_job(lost)
         assert answer is not None and (answer.entries[0].error or "").startswith("out_of_sync")
+        # a stale tree (its root is not where the KV ends) is refused, the KV stays as it was
+        held = stack.verifier.runner.num_cached("q")
+        for root_at, refused in ((held + 1, True), (held - 1, True), (held, False)):
+            tree = TokenTree.root_only(token)
+            entry = VerifyRequest("q", 2, greedy, 1, 8, tree=tree, context_len=root_at)
+            answer = stack.verifier.verify_job(VerifyJob(10 + root_at, (entry,)))
+            assert answer is not None
+            error = answer.entries[0].error or ""
+            assert error.startswith("out_of_sync") == refused, error
+        assert stack.verifier.runner.num_cached("q") == held + 1  # only the in-sync tree ran
 
 
 async def test_two_drafter_replicas_share_the_load(
@@ -172,7 +215,8 @@ async def test_two_drafter_replicas_share_the_load(
         )
         for i, prompt in enumerate(prompts):
             await client.submit(f"w{i}", prompt, params[i])
-        await until(lambda: len(stack.scheduler.drafters.load()) == 2, what="both replicas used")
+        # each Submit is stored before the next is read: wait until all eight are matched
+        await until(lambda: sum(stack.scheduler.drafters.load().values()) == 8, what="all matched")
         assert sorted(stack.scheduler.drafters.load().values()) == [4, 4]
         await client.wait([f"w{i}" for i in range(8)])
         for drafter in stack.drafters:

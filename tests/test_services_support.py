@@ -19,7 +19,7 @@ from typing import Any
 
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
-from shared.bus import Bus
+from shared.bus import Bus, Heartbeater
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -27,7 +27,7 @@ from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
 from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, decode_entry
-from shared.wire.streams import output_stream, requests_stream
+from shared.wire.streams import GATEWAY, output_stream, requests_stream
 
 FAST_REDIS = {"block_ms": 100, "claim_idle_ms": 2000, "heartbeat_ttl_ms": 1500}
 # Mechanics tests: no cost profile (none stored where they look, none measured) and every tree
@@ -74,22 +74,27 @@ class Outcome:
 
 
 class Client:
-    """Submits to a cell's request stream and reads its own output stream, like a gateway."""
+    """Submits to a cell's request stream and reads its own output stream, like a gateway; it
+    beats as a gateway replica (the scheduler answers live gateways only)."""
 
     def __init__(self, url: str, settings: AugurySettings, name: str) -> None:
         self.bus = Bus(url, settings.redis, name)
         self.cell = settings.service.cell
         self.reply_to = output_stream(name)
+        self.heartbeat = Heartbeater(self.bus, service=GATEWAY, cell=self.cell)
         self.outcomes: dict[str, Outcome] = {}
         self._last = "0-0"
         self.stack: Stack | None = None  # for a description of the services when stuck
 
     async def close(self) -> None:
+        await self.heartbeat.stop()
         await self.bus.close()
 
     async def submit(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams, **extra: Any
     ) -> None:
+        if not self.heartbeat.is_beating:
+            await self.heartbeat.start()
         self.outcomes[request_id] = Outcome()
         submit = Submit(request_id, tuple(prompt), params, self.reply_to, time.time(), **extra)
         await self.bus.publish(requests_stream(self.cell), submit)

@@ -43,8 +43,8 @@ async def serve(settings: AugurySettings, url: str) -> None:
         capacity=settings.gateway.max_concurrent_requests,
         in_flight=lambda: gateway.active,
     )
+    await heartbeat.start()  # before the first request: schedulers answer live gateways only
     await site.start()
-    await heartbeat.start()
     logging.getLogger(__name__).info(
         "gateway %s on %s:%d", bus.consumer_name, settings.gateway.host, settings.gateway.port
     )

@@ -9,10 +9,8 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from redis.exceptions import RedisError
-
 from shared.bus import Bus, live_replicas
-from shared.bus.client import raise_if_cancelled
+from shared.bus.heartbeat import refresh_forever
 from shared.bus.profiles import assemble, read_profiles
 from shared.scheduling.core import SchedulerCore
 from shared.scheduling.cost_model import CostModel
@@ -59,19 +57,12 @@ class DrafterDirectory:
             self.core.cost = CostModel(assembled)
             log.info("cost model: target and drafts %s", sorted(assembled.drafts))
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.bus.settings.heartbeat_interval_s)
-            try:
-                await self.refresh()
-            except (RedisError, OSError) as error:
-                raise_if_cancelled()
-                log.warning("could not read drafter heartbeats: %s", error)
-            raise_if_cancelled()
-
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="drafter-directory")
+        refreshing = refresh_forever(
+            self.bus.settings.heartbeat_interval_s, self.refresh, "drafter heartbeats"
+        )
+        self._task = asyncio.create_task(refreshing, name="drafter-directory")
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -14,6 +14,12 @@ verified, drafters speculate another. One lane's iteration:
 
 Every answer is matched by (micro-batch, request, step): a stale or repeated answer changes
 nothing. The scheduler touches token ids and counters only, never tensors.
+
+One scheduler serves a cell at a time: it holds the cell's lease (`shared.bus.lease`) and keeps
+its requests in Redis as they change (`services.scheduler.store`): each accepted Submit before it
+is acknowledged, each request's committed tokens in the same transaction as the Tokens that
+carry them. A restarted scheduler, or a standby, takes the lease once the holder stops renewing
+it and resumes every stored request where its client's stream stopped.
 """
 
 from __future__ import annotations
@@ -28,12 +34,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.scheduler.drafters import DrafterDirectory
+from services.scheduler.gateways import GatewayDirectory
 from services.scheduler.replies import Replies
+from services.scheduler.store import REMEMBER_FINISHED, RequestStore, Resolved, StoredRequest
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from shared.bus.lease import Lease
 from shared.bus.preemptions import add_preemptions
 from shared.engine.sampling import SEED_BITS
 from shared.engine.tree import TokenTree
@@ -72,16 +82,14 @@ from shared.wire.streams import (
     is_output_stream,
     requests_stream,
     results_stream,
+    scheduler_lease_key,
     verify_stream,
 )
 
 log = logging.getLogger(__name__)
 
 RELEASE_ONLY = 0  # micro-batch id of jobs that only release state (nobody waits for an answer)
-DRAFT_TIMEOUT_S = 10.0  # then the step goes on without that replica's trees
-VERIFY_TIMEOUT_S = 60.0  # then the VerifyJob is sent again (the verifier replays by step)
 VERIFY_ATTEMPTS = 3
-REMEMBER_FINISHED = 10_000  # request ids kept to recognise a redelivered Submit
 IDLE_POLL_S = 1.0
 STOP_POLL_S = 1.0
 PUBLISH_RETRY_MAX_S = 2.0
@@ -130,8 +138,6 @@ class SchedulerService:
         target: TargetInfo,
         *,
         draft_models: Sequence[str] = (),
-        draft_timeout_s: float = DRAFT_TIMEOUT_S,
-        verify_timeout_s: float = VERIFY_TIMEOUT_S,
     ) -> None:
         config = settings.scheduler
         self.bus = bus
@@ -143,8 +149,9 @@ class SchedulerService:
             settings, target, self.draft_models, cost=None, first_batch_id=secrets.randbits(40) + 1
         )
         self.drafters = DrafterDirectory(bus, self.cell, self.core)
-        self.draft_timeout_s = draft_timeout_s
-        self.verify_timeout_s = verify_timeout_s
+        self.gateways = GatewayDirectory(bus, self.cell, on_refresh=self._cancel_orphans)
+        self.draft_timeout_s = config.draft_timeout_s
+        self.verify_timeout_s = config.verify_timeout_s
         self.reply_to: dict[str, str] = {}  # request id -> its output stream
         self.stats = SchedulerStats(acceptance=self.core.stats)
         self._counted_preemptions: Counter[str] = Counter()  # added to the cell's totals
@@ -153,6 +160,13 @@ class SchedulerService:
         self._candidates: Replies[CandidateTrees] = Replies()
         self._results: Replies[VerifyResult] = Replies()
         self._lanes: list[asyncio.Task[None]] = []
+        self.store = RequestStore(bus, self.cell)
+        self.lease = Lease(
+            bus, scheduler_lease_key(self.cell), bus.consumer_name, config.lease_ttl_ms
+        )
+        self.lease_lost = asyncio.Event()  # set when another scheduler took the cell over
+        self._lease_keeper: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()  # stores commit in the order the core made them
         concurrency = 64 * config.micro_batches
         self.consumers = [
             StreamConsumer(
@@ -199,6 +213,12 @@ class SchedulerService:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
+        """Take the cell's lease (waiting while another scheduler holds it), resume the stored
+        requests, then serve."""
+        await self.lease.take(on_wait=self._log_waiting)
+        self._lease_keeper = asyncio.create_task(self._keep_lease(), name="scheduler-lease")
+        await self._resume()
+        await self.gateways.start()
         await self.drafters.start()
         for consumer in self.consumers:
             await consumer.start()
@@ -209,6 +229,10 @@ class SchedulerService:
         await self.heartbeat.start()
 
     async def stop(self) -> None:
+        if self._lease_keeper is not None:
+            self._lease_keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_keeper
         await self.heartbeat.stop()
         while any(not lane.done() for lane in self._lanes):
             for lane in self._lanes:
@@ -219,6 +243,61 @@ class SchedulerService:
         for consumer in self.consumers:
             await consumer.stop()
         await self.drafters.stop()
+        await self.gateways.stop()
+        if not self.lease_lost.is_set():  # the successor takes over at once, not after the TTL
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                await self.lease.release()
+
+    def _log_waiting(self, holder: str | None) -> None:
+        log.info(
+            "waiting for scheduler %s to give up cell %s (lease %s)",
+            holder,
+            self.cell,
+            self.lease.key,
+        )
+
+    async def _keep_lease(self) -> None:
+        reason = await self.lease.keep()
+        log.error("%s: this scheduler stops serving cell %s", reason, self.cell)
+        self.lease_lost.set()
+        for lane in self._lanes:  # no more steps, no more writes: the cell is someone else's
+            lane.cancel()
+
+    async def _resume(self) -> None:
+        """Take over the requests a previous scheduler stored, where their clients are."""
+        stored, broken, finished = await self.store.load()
+        for rid in finished:
+            self._remember(rid)
+        for rid in broken:  # logged by the store; nobody can be told (no readable reply_to)
+            self.store.stage_finished(rid)
+        messages: list[tuple[str, WireMessage]] = []
+        for item in stored:
+            messages += self._resume_one(item)
+        await self._publish(messages)
+        if stored:
+            log.info("resumed %d requests of cell %s", len(stored), self.cell)
+        self._notify()
+
+    def _resume_one(self, item: StoredRequest) -> list[tuple[str, WireMessage]]:
+        submit = item.submit
+        rid = submit.request_id
+        try:
+            request = self._request_of(submit, item.resolved)
+            if item.progress is not None:
+                item.progress.apply(request)
+            self.core.add(request)
+        except InvalidRequestError as error:  # e.g. its draft model is configured no longer
+            self.store.stage_finished(rid)
+            self._remember(rid)
+            return [
+                (submit.reply_to, RequestError(rid, "invalid_request", str(error), error.param))
+            ]
+        self.reply_to[rid] = submit.reply_to
+        draft = item.progress.draft if item.progress is not None else None
+        if draft is None:
+            return []
+        model, replica = draft  # free the draft KV it had; a new replica will be matched
+        return [(draft_stream(self.cell, model, replica), DraftJob(RELEASE_ONLY, (), (rid,)))]
 
     def _notify(self) -> None:
         self._wake.set()
@@ -226,6 +305,8 @@ class SchedulerService:
 
     # ---- the request stream ----------------------------------------------------------------
     async def handle_request(self, delivery: Delivery) -> None:
+        if self.lease_lost.is_set():  # left pending: the cell's scheduler now claims it
+            raise RuntimeError(f"this scheduler no longer serves cell {self.cell}")
         message = delivery.message
         if isinstance(message, Submit):
             await self._submit(message)
@@ -240,14 +321,18 @@ class SchedulerService:
         rid = submit.request_id
         if rid in self.core.requests or rid in self._finished:
             return  # a redelivered Submit
-        if not is_output_stream(submit.reply_to):  # never write where a Submit says at will
+        # never write where a Submit says at will: only to a live gateway's output stream
+        if not is_output_stream(submit.reply_to) or not await self.gateways.is_live(
+            submit.reply_to
+        ):
             log.warning(
-                "dropping %s: reply_to %r is not a gateway's output stream", rid, submit.reply_to
+                "dropping %s: reply_to %r is no live gateway's output stream", rid, submit.reply_to
             )
             self._remember(rid)
             return
         try:
-            self.core.add(self._request_of(submit))
+            request = self._request_of(submit)
+            self.core.add(request)
         except InvalidRequestError as error:
             self._remember(rid)
             code = (
@@ -259,32 +344,52 @@ class SchedulerService:
             await self.bus.publish(submit.reply_to, refusal)
             return
         self.reply_to[rid] = submit.reply_to
+        resolved = Resolved(request.seed, request.tpot_slo_ms, request.slo_class)
+        self.store.stage_submit(submit, resolved)
+        await self._publish([])  # stored before the Submit is acknowledged
         self._notify()
 
-    def _request_of(self, submit: Submit) -> RequestState:
-        """The core's state of a new request; InvalidRequestError for what cannot be served."""
+    def _request_of(self, submit: Submit, resolved: Resolved | None = None) -> RequestState:
+        """The core's state of a request (new, or `resolved` before a takeover);
+        InvalidRequestError for what cannot be served."""
         if submit.draft_model is not None and submit.draft_model not in self.draft_models:
             raise InvalidRequestError(
                 f"unknown draft model {submit.draft_model!r}; known: {self.draft_models}",
                 param="augury.draft_model",
             )
-        # the cost model may still be None: a class objective then needs slo.baseline_latency_ms
-        tpot_slo_ms = resolve_tpot_slo(
-            submit.slo_class, submit.tpot_slo_ms, self.slo, self.core.cost
-        )
-        seed = submit.sampling.seed
+        if resolved is None:
+            # the cost model may still be None: a class objective then needs
+            # slo.baseline_latency_ms
+            seed = submit.sampling.seed
+            resolved = Resolved(
+                seed if seed is not None else secrets.randbits(SEED_BITS),
+                resolve_tpot_slo(submit.slo_class, submit.tpot_slo_ms, self.slo, self.core.cost),
+                effective_class(submit.slo_class, submit.tpot_slo_ms, self.slo),
+            )
         return RequestState(
             submit.request_id,
             list(submit.prompt),
             submit.sampling,
-            seed if seed is not None else secrets.randbits(SEED_BITS),
+            resolved.seed,
             arrival_time=submit.arrival_time,
             priority=submit.priority,
-            tpot_slo_ms=tpot_slo_ms,
-            slo_class=effective_class(submit.slo_class, submit.tpot_slo_ms, self.slo),
+            tpot_slo_ms=resolved.tpot_slo_ms,
+            slo_class=resolved.slo_class,
             requested_draft=submit.draft_model,
             speculate=submit.speculate,
         )
+
+    async def _cancel_orphans(self) -> None:
+        """Cancel the requests whose gateway stopped beating: their clients are gone."""
+        live = self.gateways.live
+        orphans = [rid for rid, stream in self.reply_to.items() if stream not in live]
+        if not orphans:
+            return
+        log.info("cancelling %d requests whose gateway is gone", len(orphans))
+        messages: list[tuple[str, WireMessage]] = []
+        for rid in orphans:
+            messages += self.cancel(rid)
+        await self._publish(messages)
 
     def cancel(self, request_id: str) -> list[tuple[str, WireMessage]]:
         """Stop a request; free its state now, or when its micro-batch comes back."""
@@ -348,6 +453,9 @@ class SchedulerService:
             }
             outputs = self.core.observe(batch, results, time.time())
             members = {r.request_id: r for r in batch.members}
+            for rid, request in members.items():
+                if rid in self.core.requests:
+                    self.store.stage_progress(request)
             await self._publish(self._outputs(outputs, members) + self._releases())
         finally:  # whatever happened, let the answers' entries be acknowledged
             self._candidates.settle_where(lambda key: key[0] == batch.id)
@@ -427,6 +535,7 @@ class SchedulerService:
                 seed=r.seed,
                 max_new_tokens=r.tokens_left,
                 tree=trees[r.request_id],
+                context_len=r.num_tokens - 1,
             )
             for r in batch.decode
         ]
@@ -507,8 +616,10 @@ class SchedulerService:
         out: list[tuple[str, WireMessage]] = []
         if release.target:
             out.append((verify_stream(self.cell), VerifyJob(RELEASE_ONLY, (), (rid,))))
-            if rid not in self.core.requests:  # finished: a cancel may have no output yet
+            if rid not in self.core.requests:  # finished (its last output is already built)
                 self._remember(rid)
+                self.store.stage_finished(rid)
+                self.reply_to.pop(rid, None)
         if release.draft is not None:
             model, replica = release.draft
             out.append(
@@ -535,13 +646,23 @@ class SchedulerService:
             self._counted_preemptions.update(delta)
 
     async def _publish(self, messages: list[tuple[str, WireMessage]]) -> None:
-        """Write the next hop; committed tokens must not be lost, so Redis errors are retried."""
+        """Write the next hop with the store's changes made since the last write (one
+        transaction, in the order the core made them); committed tokens must not be lost, so
+        Redis errors are retried."""
+        staged = self.store.take_staged()  # before any await: what goes with these messages
+
+        def store(pipe: Pipeline) -> None:
+            self.store.write_staged(pipe, staged)
+
         delay = 0.05
-        while messages:
-            try:
-                await self.bus.publish_all(messages)
-                return
-            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
-                log.warning("publishing %d messages failed (%s); retrying", len(messages), error)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, PUBLISH_RETRY_MAX_S)
+        async with self._write_lock:
+            while messages or staged:
+                try:
+                    await self.bus.publish_all(messages, also=store if staged else None)
+                    return
+                except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+                    log.warning(
+                        "publishing %d messages failed (%s); retrying", len(messages), error
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, PUBLISH_RETRY_MAX_S)

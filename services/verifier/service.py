@@ -4,8 +4,9 @@ accepts, compacts the KV, and answers a VerifyResult.
 Per request it keeps the target KV (the engine's `Verifier` state) and its last answer, keyed by
 step, so a redelivered job replays answers instead of running the model twice. Entries it cannot
 run get an error and commit nothing:
-- `out_of_sync`: a tree for a request it holds no KV for (it restarted), or a chunk that does
-  not start where its KV ends; chunk_start 0 always restarts the request;
+- `out_of_sync`: a tree for a request it holds no KV for (it restarted) or whose root is not
+  where its KV ends (a stale job moved it), or a chunk that does not start where its KV ends;
+  chunk_start 0 always restarts the request;
 - `out_of_kv_memory`: the entry does not fit in the free KV blocks (the scheduler recomputes it
   later); entries are admitted in job order, so the scheduler's order decides who waits;
 - `verify_failed`: the forward raised; the batch's requests are dropped.
@@ -119,6 +120,10 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
         if entry.tree is not None:
             if have is None:
                 return f"{OUT_OF_SYNC}: no KV for this request"
+            if entry.context_len is not None and have != entry.context_len:
+                return (
+                    f"{OUT_OF_SYNC}: holds {have} tokens, the tree's root is at {entry.context_len}"
+                )
             if have + int(entry.tree.depths().max()) >= runner.max_context:
                 return "context_length_exceeded: the tree runs past the model's context"
             return None

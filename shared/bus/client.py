@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from shared.settings import RedisSettings
@@ -67,14 +68,25 @@ class Bus:
         )
         return _text(entry_id)
 
-    async def publish_all(self, messages: Sequence[tuple[str, WireMessage]]) -> list[str]:
-        """Several XADDs in one round trip (not atomic: a redelivery re-sends the rest)."""
-        pipe = self.redis.pipeline(transaction=False)
+    async def publish_all(
+        self,
+        messages: Sequence[tuple[str, WireMessage]],
+        *,
+        also: Callable[[Pipeline], None] | None = None,
+    ) -> list[str]:
+        """Several XADDs in one round trip (not atomic: a redelivery re-sends the rest).
+
+        `also` queues more commands on the same pipeline; then all of it is one MULTI/EXEC,
+        written entirely or not at all."""
+        pipe = self.redis.pipeline(transaction=also is not None)
         for stream, message in messages:
             pipe.xadd(
                 stream, message.to_entry(), maxlen=self.settings.stream_maxlen, approximate=True
             )
-        return [_text(entry_id) for entry_id in await pipe.execute()]
+        if also is not None:
+            also(pipe)
+        replies = await pipe.execute()
+        return [_text(entry_id) for entry_id in replies[: len(messages)]]
 
     # ---- groups ----------------------------------------------------------------------------------
     async def ensure_group(self, stream: str, group: str) -> None:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -75,6 +75,10 @@ class Heartbeater:
             raise_if_cancelled()
             await asyncio.sleep(self.bus.settings.heartbeat_interval_s)
 
+    @property
+    def is_beating(self) -> bool:
+        return self._task is not None
+
     async def start(self) -> None:
         await self.beat()  # announce before serving
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self.service}")
@@ -114,3 +118,18 @@ async def live_replicas(bus: Bus, cell: str, service: str) -> list[Heartbeat]:
         except ProtocolError as error:
             log.warning("ignoring bad heartbeat %r: %s", key, error)
     return sorted(beats, key=lambda beat: beat.replica)
+
+
+async def refresh_forever(
+    interval_s: float, refresh: Callable[[], Awaitable[None]], what: str
+) -> None:
+    """Call `refresh` every `interval_s` until cancelled; a Redis error is logged and retried
+    at the next interval."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await refresh()
+        except (RedisError, OSError) as error:
+            raise_if_cancelled()
+            log.warning("could not read %s: %s", what, error)
+        raise_if_cancelled()

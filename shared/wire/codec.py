@@ -161,6 +161,19 @@ class PayloadReader:
             self.fail(name, "token ids must be >= 0")
         return tuple(ids.tolist())
 
+    def blob(self, name: str) -> bytes:
+        """Opaque bytes (a nested encoding the caller decodes)."""
+        value: bytes = self._get(name, (bytes,), None, True)
+        return value
+
+    def int_list(self, name: str) -> list[int]:
+        """A plain msgpack array of integers."""
+        items = self._get(name, (list,), None, True)
+        for index, item in enumerate(items):
+            if not isinstance(item, int) or isinstance(item, bool):
+                self.fail(f"{name}[{index}]", "expected an integer")
+        return list(items)
+
     def int_array(self, name: str) -> np.ndarray:
         raw = self._get(name, (bytes,), None, True)
         return self._frombuffer(name, raw, TOKEN_DTYPE).astype(np.int64)

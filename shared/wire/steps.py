@@ -200,6 +200,10 @@ class VerifyRequest:
     token from the last position. A tree's root is the last committed token (KV not yet
     computed); the verifier accepts a path and samples one bonus token. `max_new_tokens` is what
     the request may still emit, so the verifier can finish it with "length".
+
+    `context_len` (trees; written only when set): the tokens whose KV the verifier must already
+    hold, the root's position. A verifier holding any other length answers `out_of_sync`
+    instead of extending a KV that a stale, redelivered job has already moved.
     """
 
     request_id: str
@@ -211,6 +215,7 @@ class VerifyRequest:
     chunk_start: int = 0
     chunk_is_last: bool = False
     tree: TokenTree | None = None
+    context_len: int | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -218,6 +223,8 @@ class VerifyRequest:
             raise ValueError("a verify entry carries either a prefill chunk or a token tree")
         if self.step < 0 or self.chunk_start < 0 or self.max_new_tokens < 0:
             raise ValueError("step, chunk_start and max_new_tokens are >= 0")
+        if self.context_len is not None and (self.context_len < 0 or self.tree is None):
+            raise ValueError("context_len is >= 0 and belongs to a tree")
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -230,7 +237,7 @@ class VerifyRequest:
             "chunk_start": int(self.chunk_start),
             "chunk_is_last": bool(self.chunk_is_last),
             "tree": optional_tree_payload(self.tree),
-        }
+        } | ({} if self.context_len is None else {"context_len": int(self.context_len)})
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -245,6 +252,7 @@ class VerifyRequest:
             chunk_start=fields.integer("chunk_start", 0, minimum=0),
             chunk_is_last=fields.flag("chunk_is_last", False),
             tree=read_optional_tree(fields, "tree"),
+            context_len=fields.optional_integer("context_len"),
         )
 
 

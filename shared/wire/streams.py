@@ -11,6 +11,8 @@
 | `{stream}:dead` | dead letters of `{stream}` | bus -> operators |
 | `augury:{cell}:hb:{service}:{replica}` | a Heartbeat hash with a TTL | each replica |
 | `augury:{cell}:recorded` | one JSON record per finished request | gateways -> replay tools |
+| `augury:{cell}:scheduler:lease` | the scheduler serving the cell (TTL) | scheduler |
+| `augury:{cell}:scheduler:{submits,progress,finished}` | its requests | scheduler -> successor |
 
 Draft jobs go to one replica's stream, not a shared one, because the scheduler keeps a request
 on the same replica (its draft KV stays warm). Outputs go to one stream per gateway replica,
@@ -90,3 +92,24 @@ def profile_pattern(cell: str) -> str:
 def preemptions_key(cell: str) -> str:
     """Hash of the cell's preemption totals by kind (kept, swapped, recomputed)."""
     return f"{PREFIX}:{cell}:preemptions"
+
+
+def scheduler_lease_key(cell: str) -> str:
+    """Names the one scheduler serving the cell; expires unless that scheduler renews it."""
+    return f"{PREFIX}:{cell}:scheduler:lease"
+
+
+def scheduler_submits_key(cell: str) -> str:
+    """Hash: request id -> the accepted Submit and what the scheduler resolved for it."""
+    return f"{PREFIX}:{cell}:scheduler:submits"
+
+
+def scheduler_progress_key(cell: str) -> str:
+    """Hash: request id -> its committed tokens, step and statistics (written with its Tokens)."""
+    return f"{PREFIX}:{cell}:scheduler:progress"
+
+
+def scheduler_finished_key(cell: str) -> str:
+    """Sorted set of the latest finished request ids (by time): a redelivered Submit of one is
+    recognised after a restart."""
+    return f"{PREFIX}:{cell}:scheduler:finished"

@@ -1,0 +1,54 @@
+"""Which gateway replicas are alive (their heartbeat keys), by the output stream each reads.
+
+The scheduler writes a request's Tokens only to a live gateway's stream: a Submit naming any
+other stream is dropped (nobody could read its answer, and the scheduler must not write where a
+message says at will), and a request whose gateway stopped beating is cancelled, since its
+client's connection died with that gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from shared.bus import Bus, live_replicas
+from shared.bus.heartbeat import refresh_forever
+from shared.wire.streams import GATEWAY, output_stream
+
+
+class GatewayDirectory:
+    def __init__(
+        self, bus: Bus, cell: str, on_refresh: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        self.bus = bus
+        self.cell = cell
+        self.live: frozenset[str] = frozenset()  # output streams of live gateway replicas
+        self._on_refresh = on_refresh
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        beats = await live_replicas(self.bus, self.cell, GATEWAY)
+        self.live = frozenset(output_stream(beat.replica) for beat in beats)
+        if self._on_refresh is not None:
+            await self._on_refresh()
+
+    async def is_live(self, stream: str) -> bool:
+        """Whether `stream` is a live gateway's (read again from Redis when not known yet: a
+        gateway's first request may come before this directory's next refresh)."""
+        if stream not in self.live:
+            await self.refresh()
+        return stream in self.live
+
+    async def start(self) -> None:
+        await self.refresh()
+        refreshing = refresh_forever(
+            self.bus.settings.heartbeat_interval_s, self.refresh, "gateway heartbeats"
+        )
+        self._task = asyncio.create_task(refreshing, name="gateway-directory")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
