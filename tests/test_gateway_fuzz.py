@@ -5,11 +5,17 @@ Bodies are drawn from a seeded grammar: every field the API knows (and a few it 
 with values of every JSON type, extremes included (NaN, infinities, 1e-320, huge integers, long
 strings, deep nesting); and raw bodies that are not JSON at all. The stand-in scheduler of the
 gateway tests answers what passes.
+
+CI runs 300 bodies; `AUGURY_FUZZ_SCALE=N` runs N times as many (the full form, with the wire
+fuzz, in docs/reliability.md):
+    AUGURY_FUZZ_SCALE=20 .venv/bin/python -m pytest -s tests/test_gateway_fuzz.py \
+        tests/test_wire_fuzz.py
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any
 
@@ -23,7 +29,8 @@ __all__ = ["anyio_backend", "tokenizer"]  # fixtures shared with the gateway tes
 
 pytestmark = pytest.mark.anyio
 
-NUM_BODIES = 300
+FUZZ_SCALE = int(os.environ.get("AUGURY_FUZZ_SCALE", "1"))
+NUM_BODIES = 300 * FUZZ_SCALE
 FIELDS = (
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stream", "stream_options", "stop", "stop_token_ids", "ignore_eos", "n",
@@ -97,6 +104,9 @@ async def test_no_input_makes_a_5xx(server: EmbeddedRedis, tokenizer: Any) -> No
             response = await client.post("/v1/completions", data=raw)
             assert 400 <= response.status < 500, raw
         await assert_still_serves(client)
+        print(
+            f"\nHTTP fuzz: {NUM_BODIES} bodies + 7 raw, statuses {dict(sorted(statuses.items()))}"
+        )
         assert statuses.get(200, 0) > 10  # the grammar also makes good requests
         assert sum(n for s, n in statuses.items() if 400 <= s < 500) > NUM_BODIES // 2
     finally:

@@ -4,11 +4,13 @@ anything else, never runs code and never allocates past the limits.
 
 Every message type is mutated from its canonical version-1 entry: truncated at every length
 class, bytes flipped, bytes inserted, the envelope's version and type swapped, and payloads over
-the size limit.
+the size limit. `AUGURY_FUZZ_SCALE=N` tries N times as many mutations (see
+tests/test_gateway_fuzz.py).
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,7 +19,7 @@ from shared.wire import ProtocolError, WireMessage, decode_entry
 from shared.wire.codec import MAX_PAYLOAD_BYTES
 from tests.test_protocol import canonical_v1
 
-MUTATIONS_PER_TYPE = 400
+MUTATIONS_PER_TYPE = 400 * int(os.environ.get("AUGURY_FUZZ_SCALE", "1"))
 
 
 def mutate(payload: bytes, rng: random.Random) -> bytes:
@@ -53,6 +55,7 @@ def test_mutated_entries_decode_or_raise_a_protocol_error(type_name: str) -> Non
         else:
             assert isinstance(message, WireMessage)
             outcomes["decoded"] += 1
+    print(f"\nwire fuzz {type_name}: {outcomes}")
     assert outcomes["refused"] > MUTATIONS_PER_TYPE // 4  # the mutations do break things
 
 
