@@ -81,13 +81,18 @@ async def test_malformed_entries_are_dead_lettered_and_services_keep_running(
             results_stream(cell),
         ]
         wrong_type = Tokens("x", 0, 0, (1,)).to_entry()  # well-formed, but not for these streams
+        whole = Submit("cut", tuple(PROMPT), SamplingParams(max_tokens=4), "s", 0.0).to_entry()
+        truncated = {**whole, "b": whole["b"][: len(whole["b"]) // 2]}
+        no_version = {**whole, "v": b"0"}
         for stream in streams:
             await redis.xadd(stream, {"v": b"1", "t": b"submit", "b": b"\xc1 not msgpack"})
             await redis.xadd(stream, {"garbage": b"yes"})
             await redis.xadd(stream, wrong_type)
+            await redis.xadd(stream, truncated)
+            await redis.xadd(stream, no_version)
         for stream in streams:
             dead = dead_letter_stream(stream)
-            await until_async_len(redis, dead, 3)
+            await until_async_len(redis, dead, 5)
             reasons = [f[b"dead_reason"].decode() for _, f in await redis.xrange(dead)]
             assert any("malformed" in r for r in reasons), reasons
             assert any("rejected by handler" in r for r in reasons), reasons

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.bus import EmbeddedRedis
+from shared.bus import EmbeddedRedis, live_replicas
 from shared.engine.sampling import SamplingParams
 from shared.wire.streams import (
+    DRAFTER,
     scheduler_lease_key,
     scheduler_progress_key,
     scheduler_submits_key,
@@ -181,9 +182,12 @@ async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_sto
         lease = scheduler_lease_key(cell)
         try:
             deadline = time.monotonic() + 120
-            while await client.bus.redis.get(lease) is None:
+            # the drafter beats once its model is loaded: wait for it, or nothing is drafted
+            while await client.bus.redis.get(lease) is None or not await live_replicas(
+                client.bus, cell, DRAFTER
+            ):
                 assert active.poll() is None, log_tail(active)
-                assert time.monotonic() < deadline, "the scheduler never took its lease"
+                assert time.monotonic() < deadline, "the scheduler or the drafter never started"
                 await asyncio.sleep(0.1)
             holder = await client.bus.redis.get(lease)
             standby = launch("scheduler", env=env)
