@@ -201,6 +201,15 @@ class SloSettings(_Group):
         return self
 
 
+class LbssSettings(_Group):
+    """Spin's learning-based draft selection (`scheduler.draft_chooser = lbss`)."""
+
+    alpha: PositiveInt = 8  # exploration slots per epoch (a slot is one step)
+    beta: PositiveInt = 2  # slots per exploration chunk: a request keeps its random draw this long
+    switch_cost: Annotated[float, Field(ge=0)] = 1.0  # lambda: weight of a switch's prefill time
+    capacities: dict[str, PositiveInt] = Field(default_factory=dict)  # requests per draft model
+
+
 class SchedulerSettings(_Group):
     micro_batches: PositiveInt = 1
     policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
@@ -208,7 +217,10 @@ class SchedulerSettings(_Group):
     # or "oracle" (max_tokens: exact only where requests run to it; for experiments)
     length_predictor: Literal["learned", "oracle"] = "learned"
     laps: LapsSettings = LapsSettings()
-    draft_chooser: Literal["fixed"] = "fixed"
+    # draft model per request and step: fixed (the first configured live draft), lbss (Spin's
+    # bandit), greedy-length, eps-greedy; shared/scheduling/draft_choice.py
+    draft_chooser: Literal["fixed", "lbss", "greedy-length", "eps-greedy"] = "fixed"
+    lbss: LbssSettings = LbssSettings()
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

@@ -37,7 +37,7 @@ from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.scheduling.tree_selection import make_selector
-from shared.settings import LapsSettings, SloSettings
+from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
@@ -53,7 +53,8 @@ class EngineConfig(BaseModel):
     policy: str = "fcfs"
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = LapsSettings()
-    draft_chooser: str = "fixed"
+    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy
+    lbss: LbssSettings = LbssSettings()
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
     slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
@@ -111,7 +112,9 @@ class SpecEngine:
                 planner=self.config.planner,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
-            chooser=make_chooser(self.config.draft_chooser, list(self.drafters)),
+            chooser=make_chooser(
+                self.config.draft_chooser, list(self.drafters), self.config.lbss
+            ),
             selector=make_selector(self.config.tree_selection, self.config.slo),
             cost=cost,
         )

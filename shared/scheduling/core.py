@@ -485,13 +485,23 @@ class SchedulerCore:
     def _plan_drafts(self, batch: MicroBatch) -> None:
         queries: list[DepthQuery] = []
         placed: dict[str, tuple[str, str, DraftMethod]] = {}
+        methods = {}
         for request in batch.decode:
             method = self._step_method(request, len(batch.decode))
-            if method is None or not self.drafters or self.max_depth(request) < 1:
-                continue
-            model = self._choose_model(request)
+            if method is not None and self.drafters and self.max_depth(request) >= 1:
+                methods[request.request_id] = method
+        live = sorted(self.drafters)
+        drafting = [r for r in batch.decode if r.request_id in methods]
+        choice = self.chooser.assign(drafting, live, self.cost) if drafting else {}
+        for request in drafting:
+            method = methods[request.request_id]
+            if request.requested_draft in live:  # the client asked for this one
+                model: str | None = request.requested_draft
+            else:
+                model = choice.get(request.request_id)
             if model is None:
                 continue
+            self._place(request, model)
             state = self._state(request, model)
             prior = self._model_estimate(model).rate()
             placed[request.request_id] = (model, request.drafter or "", method)
@@ -546,16 +556,8 @@ class SchedulerCore:
                 min(nodes, method.max_draft_tokens),
             )
 
-    def _choose_model(self, request: RequestState) -> str | None:
-        live = sorted(self.drafters)
-        if request.requested_draft in live:
-            model: str | None = request.requested_draft
-        elif request.draft_model in live:
-            model = request.draft_model
-        else:
-            model = self.chooser.choose(request, live, self.cost)
-        if model is None:
-            return None
+    def _place(self, request: RequestState, model: str) -> None:
+        """Draft the request on a replica of `model` (its current one while it lives)."""
         replicas = self.drafters[model]
         if model != request.draft_model:
             self._release_draft(request)
@@ -565,7 +567,6 @@ class SchedulerCore:
                 self._releases.append(Release(request.request_id, False, (model, request.drafter)))
             request.num_seen_by_drafter = 0  # a new replica starts from the first token
         request.draft_model, request.drafter = model, replica
-        return model
 
     def _release_draft(self, request: RequestState) -> None:
         """Leave the request's current drafter (its state there is to be freed)."""

@@ -1,18 +1,38 @@
-"""Which draft model speculates for a request, with feedback from what each step achieved.
+"""Which draft model speculates for each request this step, with feedback from what steps achieved.
 
-The chooser sees the request (its per-model acceptance statistics), the live draft models and the
-cost model, and learns from `observe` after every verified step. Fixed (the first preferred
-live model) is the baseline; Spin's LBSS bandit implements the same interface.
+The core asks the chooser once per step (a time slot, in Spin's words) for the requests that
+will draft in it: `assign` sees them, the live draft models and the cost model, and names a model
+for each (a request left out drafts nothing this step). After every verified step that used a
+draft, `observe` reports what it achieved: committed tokens and the step's time, whose ratio is
+the request's goodput on that model. Choosers:
+
+- `fixed`: the first preferred live model, kept for the request's life (the default);
+- `greedy-length` (Spin's "Greedy"): shorter prompts get smaller models, by the prompt's rank
+  among the recent prompts, kept for the request's life;
+- `eps-greedy`: each step, with probability ε every request tries a random model, otherwise each
+  takes the model with its best goodput so far (the model's mean over all requests where it has
+  none of its own);
+- `lbss`: Spin's learning-based selection (`shared/scheduling/lbss.py`): epochs of chunked random
+  exploration and exploitation by max-weight matching under per-model capacities;
+- `oracle`: each request's best model known in advance (experiments only: the simulator knows it
+  from the recorded acceptance).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import bisect
+import random
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
+from shared.settings import LbssSettings
+
+EPSILON = 0.2
+RECENT_PROMPTS = 256  # greedy-length ranks a prompt among this many recent ones
 
 
 @dataclass(frozen=True)
@@ -25,14 +45,20 @@ class DraftOutcome:
     num_accepted: int
     step_ms: float  # the step's wall time as the executor saw it
 
+    @property
+    def goodput(self) -> float:
+        """Tokens committed per ms of the step: the accepted drafts and the target's bonus."""
+        return (1 + self.num_accepted) / max(self.step_ms, 1e-3)
+
 
 class DraftChooser(Protocol):
     name: str
 
-    def choose(
-        self, request: RequestState, live_models: Sequence[str], cost: CostModel | None
-    ) -> str | None:
-        """A live draft model for the request; None when there is none."""
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        """A live draft model for each request that drafts this step (absent: none this step).
+        `live_models` is never empty; a request's current model is `request.draft_model`."""
         ...
 
     def observe(self, outcome: DraftOutcome) -> None:
@@ -44,21 +70,71 @@ class DraftChooser(Protocol):
         ...
 
 
+@dataclass
+class GoodputTable:
+    """Observed goodput per (request, model): running means, and each model's over all requests."""
+
+    sums: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    model_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    model_counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, outcome: DraftOutcome) -> None:
+        key = (outcome.request_id, outcome.draft_model)
+        self.sums[key] += outcome.goodput
+        self.counts[key] += 1
+        self.model_sums[outcome.draft_model] += outcome.goodput
+        self.model_counts[outcome.draft_model] += 1
+
+    def model_mean(self, model: str) -> float | None:
+        n = self.model_counts.get(model, 0)
+        return self.model_sums[model] / n if n else None
+
+    def mean(self, request_id: str, model: str) -> float | None:
+        """The request's own mean on `model`; None where it never ran there."""
+        n = self.counts.get((request_id, model), 0)
+        return self.sums[(request_id, model)] / n if n else None
+
+    def estimate(self, request_id: str, model: str) -> float:
+        """The request's mean, else the model's over all requests, else the best model's (an
+        optimistic guess, so that an untried model is not written off)."""
+        own = self.mean(request_id, model)
+        if own is not None:
+            return own
+        prior = self.model_mean(model)
+        if prior is not None:
+            return prior
+        known = [m for m in (self.model_mean(x) for x in self.model_counts) if m is not None]
+        return max(known, default=0.0)
+
+    def forget(self, request_id: str) -> None:
+        for key in [k for k in self.counts if k[0] == request_id]:
+            del self.counts[key]
+            del self.sums[key]
+
+
 class FixedDraftModel:
-    """The first of the preferred models that is alive (configured order), else any live one."""
+    """The first of the preferred models that is alive (configured order), else any live one;
+    a request keeps its model while it lives."""
 
     name = "fixed"
 
     def __init__(self, preferred: Sequence[str] = ()) -> None:
         self.preferred = list(preferred)
 
-    def choose(
-        self, request: RequestState, live_models: Sequence[str], cost: CostModel | None
-    ) -> str | None:
+    def first_live(self, live_models: Sequence[str]) -> str:
         for model in self.preferred:
             if model in live_models:
                 return model
-        return min(live_models) if live_models else None
+        return min(live_models)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        first = self.first_live(live_models)
+        return {
+            r.request_id: r.draft_model if r.draft_model in live_models else first for r in requests
+        }
 
     def observe(self, outcome: DraftOutcome) -> None:
         pass
@@ -67,11 +143,124 @@ class FixedDraftModel:
         pass
 
 
-CHOOSERS = {"fixed": FixedDraftModel}
+class GreedyByLength:
+    """Spin's Greedy: a prompt's rank among recent prompts picks the model, shorter prompts the
+    smaller models (`preferred` lists them smallest first); kept for the request's life."""
+
+    name = "greedy-length"
+
+    def __init__(self, preferred: Sequence[str] = ()) -> None:
+        self.preferred = list(preferred)
+        self._recent: deque[int] = deque(maxlen=RECENT_PROMPTS)
+        self._chosen: dict[str, str] = {}
+
+    def _by_size(self, live_models: Sequence[str]) -> list[str]:
+        ranked = [m for m in self.preferred if m in live_models]
+        return ranked + sorted(m for m in live_models if m not in ranked)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        models = self._by_size(live_models)
+        out = {}
+        for r in requests:
+            chosen = self._chosen.get(r.request_id)
+            if chosen not in live_models:
+                length = len(r.prompt)
+                self._recent.append(length)
+                ordered = sorted(self._recent)
+                quantile = bisect.bisect_left(ordered, length) / len(ordered)
+                chosen = models[min(int(quantile * len(models)), len(models) - 1)]
+                self._chosen[r.request_id] = chosen
+            out[r.request_id] = chosen
+        return out
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        self._chosen.pop(request_id, None)
 
 
-def make_chooser(name: str, preferred: Sequence[str]) -> DraftChooser:
-    try:
-        return CHOOSERS[name](preferred)
-    except KeyError:
-        raise ValueError(f"unknown draft chooser {name!r}; known: {sorted(CHOOSERS)}") from None
+class EpsilonGreedy:
+    """Each step: with probability ε every request tries a random live model; otherwise each
+    takes its best model by observed goodput."""
+
+    name = "eps-greedy"
+
+    def __init__(
+        self, preferred: Sequence[str] = (), epsilon: float = EPSILON, seed: int = 0
+    ) -> None:
+        self.epsilon = epsilon
+        self.table = GoodputTable()
+        self._rng = random.Random(seed)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        models = sorted(live_models)
+        if self._rng.random() < self.epsilon:
+            return {r.request_id: self._rng.choice(models) for r in requests}
+        return {
+            r.request_id: max(models, key=lambda m, r=r: self.table.estimate(r.request_id, m))
+            for r in requests
+        }
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        self.table.add(outcome)
+
+    def forget(self, request_id: str) -> None:
+        self.table.forget(request_id)
+
+
+class Oracle:
+    """Each request's best model, known in advance (an upper bound for experiments); a request
+    it does not know gets the first live model."""
+
+    name = "oracle"
+
+    def __init__(self, best: Mapping[str, str]) -> None:
+        self.best = dict(best)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        fallback = min(live_models)
+        return {
+            r.request_id: m if (m := self.best.get(r.request_id)) in live_models else fallback
+            for r in requests
+        }
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle")
+
+
+def make_chooser(
+    name: str,
+    preferred: Sequence[str],
+    lbss: LbssSettings | None = None,
+    best: Mapping[str, str] | None = None,
+) -> DraftChooser:
+    """The chooser called `name`; `preferred`: the draft models, smallest first. The oracle
+    needs `best` (each request's best model), which only an experiment knows."""
+    if name == "fixed":
+        return FixedDraftModel(preferred)
+    if name == "greedy-length":
+        return GreedyByLength(preferred)
+    if name == "eps-greedy":
+        return EpsilonGreedy(preferred)
+    if name == "lbss":
+        from shared.scheduling.lbss import Lbss
+
+        return Lbss(preferred, lbss)
+    if name == "oracle":
+        if best is None:
+            raise ValueError("the oracle chooser needs each request's best draft model")
+        return Oracle(best)
+    raise ValueError(f"unknown draft chooser {name!r}; known: {list(CHOOSERS)}")

@@ -67,7 +67,7 @@ def build_core(
             planner=config.speculation.planner,
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps),
-        chooser=make_chooser(config.draft_chooser, draft_models),
+        chooser=make_chooser(config.draft_chooser, draft_models, config.lbss),
         matcher=make_matcher(config.replica_matcher),
         selector=make_selector(config.tree_selection, config.slo),
         cost=cost,

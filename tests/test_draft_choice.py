@@ -1,0 +1,202 @@
+"""Draft-model choosers: Spin's LBSS (matching under capacities, epochs and chunks as Alg. 1-2,
+an estimator that settles on the best model) and its baselines, and greedy output unchanged
+under every one of them."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.runner import ModelRunner
+from shared.scheduling.draft_choice import (
+    DraftOutcome,
+    EpsilonGreedy,
+    FixedDraftModel,
+    GreedyByLength,
+    Oracle,
+    make_chooser,
+)
+from shared.scheduling.lbss import Lbss, max_weight_assignment
+from shared.scheduling.request import RequestState
+from shared.settings import LbssSettings
+
+MODELS = ["big", "mid", "small"]
+
+
+def request(rid: str, prompt_len: int = 4, model: str | None = None) -> RequestState:
+    r = RequestState(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=64), seed=0)
+    r.draft_model = model
+    return r
+
+
+# ---- matching -------------------------------------------------------------------------------
+def brute_force(weights: np.ndarray, capacities: list[int]) -> float:
+    """The best total weight over every assignment (a request may go without a model)."""
+    n, m = weights.shape
+    best = 0.0
+    for choice in itertools.product([None, *range(m)], repeat=n):
+        if any(choice.count(j) > capacities[j] for j in range(m)):
+            continue
+        best = max(best, sum(weights[i, j] for i, j in enumerate(choice) if j is not None))
+    return best
+
+
+def test_matching_maximizes_weight_within_capacities_against_brute_force() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        n, m = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        weights = rng.uniform(0, 1, size=(n, m))
+        capacities = [int(c) for c in rng.integers(0, 4, size=m)]
+        assigned = max_weight_assignment(weights, capacities)
+        for j in range(m):
+            assert assigned.count(j) <= capacities[j]
+        total = sum(weights[i, j] for i, j in enumerate(assigned) if j is not None)
+        assert total == pytest.approx(brute_force(weights, capacities))
+        assert sum(j is not None for j in assigned) == min(n, sum(capacities))
+
+
+def test_matching_gives_a_contested_model_to_whom_it_matters_most() -> None:
+    # both prefer model 0 (capacity 1); request 1 loses more without it
+    weights = np.array([[1.0, 0.9], [1.0, 0.2]])
+    assert max_weight_assignment(weights, [1, 1]) == [1, 0]
+    assert max_weight_assignment(weights, [0, 1]) in ([1, None], [None, 1])
+
+
+# ---- LBSS's stages ----------------------------------------------------------------------------
+def test_epochs_and_chunks_follow_alg_2() -> None:
+    lbss = Lbss(settings=LbssSettings(alpha=4, beta=2), seed=1)
+    requests = [request(f"r{i}") for i in range(6)]
+    stages, draws = [], []
+    for _ in range(4 + 2 + 4 + 4 + 4):
+        stages.append("explore" if lbss.is_exploring else "exploit")
+        draws.append(lbss.assign(requests, MODELS, None))
+    # epoch 1: 4 exploration slots, 2^1 exploitation; epoch 2: 4 and 2^2; epoch 3 starts
+    assert (
+        stages
+        == ["explore"] * 4 + ["exploit"] * 2 + ["explore"] * 4 + ["exploit"] * 4 + ["explore"] * 4
+    )
+    # a request keeps its random draw for a chunk of 2 slots; chunks draw anew
+    assert draws[0] == draws[1] and draws[2] == draws[3] and draws[6] == draws[7]
+    assert draws[1] != draws[2] or draws[3] != draws[6]
+    # every model gets explored
+    assert {m for d in draws[:4] for m in d.values()} == set(MODELS)
+
+
+def test_exploration_respects_capacities() -> None:
+    capacities = {"big": 1, "mid": 2, "small": 2}
+    lbss = Lbss(settings=LbssSettings(alpha=8, beta=1, capacities=capacities), seed=3)
+    requests = [request(f"r{i}") for i in range(12)]
+    for _ in range(8):
+        chosen = lbss.assign(requests, MODELS, None)
+        counts = {m: list(chosen.values()).count(m) for m in MODELS}
+        assert all(counts[m] <= capacities[m] for m in MODELS)
+        assert sum(counts.values()) == 5  # as many as fit, the others draft nothing
+
+
+class Environment:
+    """Synthetic goodputs: each request has one best model, known only to the test."""
+
+    def __init__(self, num_requests: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.best = {f"r{i}": self.rng.choice(MODELS) for i in range(num_requests)}
+
+    def outcome(self, rid: str, model: str) -> DraftOutcome:
+        mean = 3.0 if self.best[rid] == model else 1.5
+        accepted = max(0, round(self.rng.gauss(mean, 0.8)))
+        return DraftOutcome(rid, model, 4, accepted, step_ms=10.0)
+
+
+def run(chooser: object, env: Environment, slots: int) -> float:
+    """Share of request-slots spent on each request's best model over the last half."""
+    requests = [request(rid) for rid in env.best]
+    hits = total = 0
+    for slot in range(slots):
+        chosen = chooser.assign(requests, MODELS, None)  # type: ignore[attr-defined]
+        for r in requests:
+            model = chosen.get(r.request_id)
+            if model is None:
+                continue
+            r.draft_model = model
+            chooser.observe(env.outcome(r.request_id, model))  # type: ignore[attr-defined]
+            if slot >= slots // 2:
+                hits += model == env.best[r.request_id]
+                total += 1
+    return hits / total
+
+
+def test_lbss_settles_on_each_requests_best_model() -> None:
+    env = Environment(8, seed=5)
+    lbss = Lbss(settings=LbssSettings(alpha=12, beta=2), seed=5)
+    assert run(lbss, env, 300) > 0.85
+    # once estimated, exploitation picks exactly the best arm of every request
+    if lbss.is_exploring:
+        for _ in range(lbss.stage_slots - lbss.slot):
+            lbss.assign([request(rid) for rid in env.best], MODELS, None)
+    chosen = lbss.assign([request(rid) for rid in env.best], MODELS, None)
+    assert chosen == env.best
+
+
+def test_random_exploration_alone_would_not_settle() -> None:
+    env = Environment(8, seed=5)
+    always_exploring = EpsilonGreedy(epsilon=1.0, seed=5)
+    assert run(always_exploring, env, 300) < 0.5  # about a third: the test can tell
+
+
+def test_baselines() -> None:
+    live = ["draft-l", "draft-m", "draft-s"]
+    fixed = FixedDraftModel(["draft-s", "draft-m"])
+    assert fixed.assign([request("a"), request("b", model="draft-l")], live, None) == {
+        "a": "draft-s",
+        "b": "draft-l",  # kept while it lives
+    }
+    greedy = GreedyByLength(["draft-s", "draft-m", "draft-l"])
+    picks = greedy.assign([request(f"p{n}", prompt_len=n) for n in (5, 50, 500)], live, None)
+    assert picks == {"p5": "draft-s", "p50": "draft-m", "p500": "draft-l"}
+    oracle = Oracle({"a": "draft-m"})
+    assert oracle.assign([request("a"), request("z")], live, None) == {
+        "a": "draft-m",
+        "z": "draft-l",
+    }
+    with pytest.raises(ValueError, match="oracle"):
+        make_chooser("oracle", live)
+    assert isinstance(make_chooser("lbss", live), Lbss)
+
+
+# ---- greedy output under every chooser --------------------------------------------------------
+PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15], [70], [33, 34, 35, 36]]
+
+
+@pytest.mark.parametrize("chooser", ["fixed", "lbss", "greedy-length", "eps-greedy"])
+def test_greedy_output_is_plain_decoding_under_every_chooser(
+    tiny_target_dir, tiny_draft_dir, chooser: str
+) -> None:
+    def runner(path):
+        return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=1 << 20)
+
+    plain = SpecEngine(Verifier(runner(tiny_target_dir)))
+    expected = [r.output for r in plain.generate(PROMPTS, SamplingParams(max_tokens=24))]
+    drafters = {
+        "echo": Drafter(runner(tiny_target_dir), name="echo"),  # the target itself: accepted
+        "tiny": Drafter(runner(tiny_draft_dir), name="tiny"),
+    }
+    config = EngineConfig(
+        draft_chooser=chooser, planner="fixed", lbss=LbssSettings(alpha=4, beta=2)
+    )
+    engine = SpecEngine(
+        Verifier(runner(tiny_target_dir)), drafters, DraftMethod("chain", k=3), config
+    )
+    reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
+    assert [r.output for r in reqs] == expected
+    used = {m for r in reqs for m in r.draft_stats}
+    assert engine.stats.num_accepted > 0 and used
+    if chooser in ("lbss", "eps-greedy"):
+        assert used == {"echo", "tiny"}  # both were tried
