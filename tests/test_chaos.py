@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, _Failed, apply_event
+from bench.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, apply_event
 from bench.chaos.compare import Reference, compare
 from bench.chaos.faults import Kill
 from bench.chaos.report import (
@@ -26,6 +26,7 @@ from bench.chaos.report import (
     service_rows,
 )
 from bench.chaos.run import ChaosConfig, recovery_settings, run_chaos
+from bench.load.client import RequestFailed
 from tests.conftest import make_tiny_checkpoint
 
 # ---- comparison and report on hand-made records ---------------------------------------------
@@ -197,7 +198,7 @@ def test_stream_events_fold_into_what_was_received() -> None:
     assert (got.text, got.completion_tokens, got.finish_reason) == ("The cat", 2, "length")
     assert got.chunks == [Chunk(0.5, 1, "The"), Chunk(0.7, 2, " cat")]
     assert Received.from_json(got.to_json()) == got
-    with pytest.raises(_Failed, match="no output"):
+    with pytest.raises(RequestFailed, match="no output"):
         apply_event(got, {"error": {"message": "no output"}}, 0.9)
 
 

@@ -12,7 +12,6 @@ reports are kept, so the report can tell lost from repeated output.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from bench.chaos.workload import ChaosRequest
+from bench.load.client import RequestFailed, decode_event, error_text
 
 PATH = "/v1/completions"
 RETRY_S = 0.25
@@ -62,10 +62,6 @@ class Received:
         data = dict(data)
         data["chunks"] = [Chunk(**chunk) for chunk in data.get("chunks", [])]
         return cls(**data)
-
-
-class _Failed(Exception):
-    pass
 
 
 def request_body(request: ChaosRequest, model: str) -> dict[str, Any]:
@@ -123,7 +119,7 @@ class Replay:
         except TimeoutError:
             received.status = HUNG
             received.error = f"nothing from the server for {self.hang_s:g} s"
-        except _Failed as error:
+        except RequestFailed as error:
             received.status = FAILED
             received.error = str(error)
         except (aiohttp.ClientError, OSError) as error:
@@ -145,7 +141,7 @@ class Replay:
             except aiohttp.ClientConnectorError as error:
                 # refused: nothing listens (the gateway is down); the request never reached it
                 if self.now() - received.sent_at_s > self.connect_timeout_s:
-                    raise _Failed(
+                    raise RequestFailed(
                         f"could not connect for {self.connect_timeout_s:g} s: {error}"
                     ) from None
                 received.connect_retries += 1
@@ -156,7 +152,7 @@ class Replay:
                 async with response:
                     received.http_status = response.status
                     if response.status >= 400:
-                        raise _Failed(f"HTTP {response.status}: {await _error_text(response)}")
+                        raise RequestFailed(f"HTTP {response.status}: {await error_text(response)}")
                     await self._stream(response, received)
             finally:
                 self.streaming.discard(received.index)
@@ -174,18 +170,20 @@ class Replay:
             data = data[len(b"data:") :].strip()
             if data == b"[DONE]":
                 break
-            apply_event(received, _decode(data), self.now())
+            apply_event(received, decode_event(data), self.now())
             if received.chunks:
                 self.streaming.add(received.index)
         if received.finish_reason is None:
-            raise _Failed("the stream ended without a finish_reason")
+            raise RequestFailed("the stream ended without a finish_reason")
 
 
 def apply_event(received: Received, event: dict[str, Any], now: float) -> None:
     """Fold one streamed event into what the client received."""
     if "error" in event:
         error = event["error"]
-        raise _Failed(f"error event: {error.get('message') if isinstance(error, dict) else error}")
+        raise RequestFailed(
+            f"error event: {error.get('message') if isinstance(error, dict) else error}"
+        )
     text = ""
     for choice in event.get("choices") or []:
         text += str(choice.get("text") or "")
@@ -203,21 +201,3 @@ def apply_event(received: Received, event: dict[str, Any], now: float) -> None:
         received.chunks.append(Chunk(now, tokens, text))
     received.text += text
     received.completion_tokens = max(received.completion_tokens, tokens)
-
-
-def _decode(data: bytes) -> dict[str, Any]:
-    try:
-        event = json.loads(data)
-    except ValueError:
-        raise _Failed(f"malformed stream event: {data[:200]!r}") from None
-    if not isinstance(event, dict):
-        raise _Failed(f"malformed stream event: {data[:200]!r}")
-    return event
-
-
-async def _error_text(response: aiohttp.ClientResponse) -> str:
-    text = await response.text()
-    try:
-        return str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return text.strip()[:300] or response.reason or "no message"

@@ -239,7 +239,7 @@ async def _stream(
 ) -> None:
     async with session.post(url, json=body) as response:
         if response.status >= 400:
-            raise RequestFailed(f"HTTP {response.status}: {await _error_text(response)}")
+            raise RequestFailed(f"HTTP {response.status}: {await error_text(response)}")
         async for line in response.content:
             data = line.strip()
             if not data.startswith(b"data:"):
@@ -247,13 +247,13 @@ async def _stream(
             data = data[len(b"data:") :].strip()
             if data == b"[DONE]":
                 break
-            apply_event(record, _decode(data), time.monotonic() - start)
+            apply_event(record, decode_event(data), time.monotonic() - start)
     if record.finish_reason is None:
         raise RequestFailed("the stream ended without a finish_reason")
     record.finish_s = time.monotonic() - start
 
 
-async def _error_text(response: aiohttp.ClientResponse) -> str:
+async def error_text(response: aiohttp.ClientResponse) -> str:
     text = await response.text()
     try:
         return str(json.loads(text)["error"]["message"])
@@ -261,7 +261,7 @@ async def _error_text(response: aiohttp.ClientResponse) -> str:
         return text.strip()[:500] or response.reason or "no message"
 
 
-def _decode(data: bytes) -> dict[str, Any]:
+def decode_event(data: bytes) -> dict[str, Any]:
     try:
         event = json.loads(data)
     except ValueError:
