@@ -112,9 +112,7 @@ class SpecEngine:
                 planner=self.config.planner,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
-            chooser=make_chooser(
-                self.config.draft_chooser, list(self.drafters), self.config.lbss
-            ),
+            chooser=make_chooser(self.config.draft_chooser, list(self.drafters), self.config.lbss),
             selector=make_selector(self.config.tree_selection, self.config.slo),
             cost=cost,
         )
