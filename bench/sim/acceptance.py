@@ -13,15 +13,24 @@ recorded tree cut at its depth (the drafter grows trees level by level, so that 
 would have drafted). Accepted length per step is thus a function of the selected tree's shape,
 drawn from real steps of that kind and draft, with the step-to-step correlation of one text.
 
-    python -m bench.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct.json.gz
+    python -m bench.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct-3drafts.json.gz \
+        --drafts draft-s draft-m draft-l --per-kind 8 --max-tokens 128
 
-What it does not capture: sampling at temperature > 0 (recorded greedy), and a draft model
-switched mid-request continues another recorded session at the same step index.
+Sessions of one prompt under different drafts follow the same text (greedy decoding with the
+same target; each session keeps its output's CRC to show it), so the simulator has a request
+follow one prompt under every draft (`prompt_for`), and a request whose draft model changes
+continues that prompt's session of the new draft where the text has got to: at the first step
+the new draft recorded at or after the request's position in the text (`Session.step_at`).
+
+What it does not capture: sampling at temperature > 0 (recorded greedy), and steps where the
+drafter proposed nothing (no node reached `min_path_prob`): they are not recorded, so a replayed
+session always drafts; `positions` shows where they were.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import math
@@ -30,6 +39,7 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +95,34 @@ class Session:
     draft: str
     prompt: int  # index of the prompt within its kind
     steps: tuple[RecordedStep, ...]
+    # output tokens the request had before each step (steps that drafted nothing are not
+    # recorded, so these can skip); None in older recordings
+    positions: tuple[int, ...] | None = None
+    num_tokens: int | None = None  # output tokens at the end
+    output_crc: int | None = None  # CRC-32 of the output token ids: the same text, the same CRC
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Where each step starts in the text (output tokens before it); recordings without
+        positions count one token from prefill plus each step's accepted tokens and bonus."""
+        if self.positions is not None:
+            return self.positions
+        starts, at = [], 1
+        for step in self.steps:
+            starts.append(at)
+            at += 1 + len(step.accepted_path())
+        return tuple(starts)
+
+    def step_at(self, offset: int) -> int:
+        """The first step that starts at or after `offset` tokens into the text; past the last
+        step, the first (the text starts over)."""
+        index = bisect.bisect_left(self.starts, offset)
+        return index if index < len(self.steps) else 0
+
+    def end_of(self, step: int) -> int:
+        """Where the text is after `step` (wrapping round): its start plus what it committed."""
+        index = step % len(self.steps)
+        return self.starts[index] + 1 + len(self.steps[index].accepted_path())
 
 
 @dataclass
@@ -94,6 +132,7 @@ class AcceptanceModel:
     sessions: list[Session] = field(default_factory=list)
     notes: str = ""
     _by_key: dict[tuple[str, str], list[Session]] = field(default_factory=dict, repr=False)
+    _by_prompt: dict[tuple[str, str, int], Session] = field(default_factory=dict, repr=False)
     _trees: dict[tuple[int, int, int], tuple[TokenTree, tuple[int, ...]]] = field(
         default_factory=dict, repr=False
     )
@@ -103,9 +142,11 @@ class AcceptanceModel:
 
     def _index(self) -> None:
         self._by_key.clear()
+        self._by_prompt.clear()
         for session in self.sessions:
             if session.steps:
                 self._by_key.setdefault((session.kind, session.draft), []).append(session)
+                self._by_prompt.setdefault((session.kind, session.draft, session.prompt), session)
 
     @property
     def kinds(self) -> list[str]:
@@ -116,9 +157,45 @@ class AcceptanceModel:
         return sorted({d for _, d in self._by_key})
 
     # ---- what the simulator asks -----------------------------------------------------------------
-    def session_for(self, kind: str | None, draft: str, key: int) -> Session:
-        """The recorded session a simulated request follows with this draft: one of its kind
-        (any kind when the kind was not recorded), picked by the request's key."""
+    def prompt_for(
+        self, kind: str | None, key: int, drafts: Sequence[str] | None = None
+    ) -> tuple[str, int] | None:
+        """The recorded prompt, (kind, index), a simulated request follows under every one of
+        `drafts` (default: all recorded): picked by the request's key among the prompts of its
+        kind that each of them recorded (of any kind when there are none), so that a request
+        meets the same text whichever draft speculates for it. None when no prompt was
+        recorded with all of them. With one draft this is the prompt `session_for` picks."""
+        drafts = list(drafts) if drafts is not None else self.drafts
+        if not drafts:
+            return None
+        first, others = drafts[0], drafts[1:]
+
+        def common(sessions: list[Session]) -> list[tuple[str, int]]:
+            found = dict.fromkeys(
+                (s.kind, s.prompt)
+                for s in sessions
+                if all((s.kind, d, s.prompt) in self._by_prompt for d in others)
+            )
+            return list(found)
+
+        pool = common(self._by_key.get((kind or "", first), []))
+        if not pool:
+            by_draft = sorted((k, ss) for (k, d), ss in self._by_key.items() if d == first)
+            pool = common([s for _, ss in by_draft for s in ss])
+        if not pool:
+            return None
+        return pool[zlib.crc32(str(key).encode()) % len(pool)]
+
+    def session_for(
+        self, kind: str | None, draft: str, key: int, prompt: tuple[str, int] | None = None
+    ) -> Session:
+        """The recorded session a simulated request follows with this draft: the one of
+        `prompt` (from `prompt_for`) where this draft recorded it, else one of its kind (any
+        kind when the kind was not recorded), picked by the request's key."""
+        if prompt is not None:
+            found = self._by_prompt.get((prompt[0], draft, prompt[1]))
+            if found is not None:
+                return found
         pool = self._by_key.get((kind or "", draft))
         if pool is None:
             pool = [s for (_, d), ss in sorted(self._by_key.items()) if d == draft for s in ss]
@@ -176,6 +253,9 @@ class AcceptanceModel:
                     "draft": s.draft,
                     "prompt": s.prompt,
                     "steps": [[list(t.parents), list(t.logq), t.accepted_node] for t in s.steps],
+                    **({} if s.positions is None else {"positions": list(s.positions)}),
+                    **({} if s.num_tokens is None else {"num_tokens": s.num_tokens}),
+                    **({} if s.output_crc is None else {"output_crc": s.output_crc}),
                 }
                 for s in self.sessions
             ],
@@ -198,7 +278,23 @@ class AcceptanceModel:
                 if bad or len(st.logq) != len(st.parents) or st.accepted_node > len(st.parents):
                     name = f"{s['kind']}/{s['draft']}"
                     raise ValueError(f"{where}: a malformed step in session {name}")
-            sessions.append(Session(str(s["kind"]), str(s["draft"]), int(s["prompt"]), steps))
+            positions = s.get("positions")
+            if positions is not None:
+                positions = tuple(int(p) for p in positions)
+                if len(positions) != len(steps) or any(
+                    b < a + 1 + len(st.accepted_path())
+                    for a, b, st in zip(positions, positions[1:], steps, strict=False)
+                ):
+                    name = f"{s['kind']}/{s['draft']}"
+                    raise ValueError(f"{where}: positions that do not follow the steps in {name}")
+            num_tokens = None if s.get("num_tokens") is None else int(s["num_tokens"])
+            crc = None if s.get("output_crc") is None else int(s["output_crc"])
+            sessions.append(
+                Session(
+                    str(s["kind"]), str(s["draft"]), int(s["prompt"]), steps, positions,
+                    num_tokens, crc,
+                )
+            )  # fmt: skip
         return cls(str(data["target"]), DraftMethod(**method), sessions, str(data.get("notes", "")))
 
     def save(self, path: Path) -> Path:
@@ -313,6 +409,7 @@ def record(
     prompts = {k: [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)] for k in kinds}
     engines: dict[str, SpecEngine] = {}
     steps: list[RecordedStep] = []
+    positions: list[int] = []
 
     def observe(batch: Any, results: Mapping[str, Any]) -> None:
         for request in batch.decode:
@@ -320,6 +417,7 @@ def record(
             result = results.get(request.request_id)
             if tree is not None and tree.num_nodes > 1 and result is not None:
                 steps.append(recorded_step(tree, result.tokens[: result.num_accepted]))
+                positions.append(len(request.output))  # observed before the step commits
 
     for kind, draft, i in tqdm(jobs, desc="recording acceptance", unit="prompt"):
         if draft not in engines:
@@ -334,8 +432,12 @@ def record(
                 observer=observe,
             )
         steps.clear()
-        engines[draft].generate([prompts[kind][i]], SamplingParams(max_tokens=max_tokens))
-        sessions.append(Session(kind, draft, i, tuple(steps)))
+        positions.clear()
+        [done] = engines[draft].generate([prompts[kind][i]], SamplingParams(max_tokens=max_tokens))
+        output_crc = zlib.crc32(np.asarray(done.output, dtype=np.int64).tobytes())
+        sessions.append(
+            Session(kind, draft, i, tuple(steps), tuple(positions), len(done.output), output_crc)
+        )
     notes = (
         f"recorded {time.strftime('%Y-%m-%d')}: {per_kind} evaluation prompts per kind, greedy, "
         f"max {max_tokens} tokens, every drafted tree verified whole"

@@ -6,7 +6,8 @@ scheduler service), driving it exactly as they do: `next_batch`, drafting, `sele
 verification, `observe`. What it replaces is the work:
 
 - drafting a request returns the tree a real drafter proposed at that step of a recorded session
-  of the request's kind (`bench.sim.acceptance`), cut at the depth the core planned;
+  of the request's kind (`bench.sim.acceptance`), cut at the depth the core planned; a request
+  follows one recorded prompt under every draft, so a changed draft continues the same text;
 - verification accepts what the target accepted of that tree, restricted to the selected subtree;
 - time comes from the cost profile: drafting a micro-batch costs `CostModel.draft_tree_ms` per
   draft model, verifying it `CostModel.verify_ms` over every prompt-chunk and tree node, plus a
@@ -91,7 +92,7 @@ class SimRequest:
     priority: int = 0
     # the prompt's token ids where known (a length predictor reads them); else placeholders
     prompt_tokens: tuple[int, ...] | None = None
-    session_key: int | None = None  # which recorded session of its kind it follows; None: index
+    session_key: int | None = None  # which recorded prompt of its kind it follows; None: index
 
 
 @dataclass(order=True)
@@ -135,8 +136,10 @@ class Simulator:
         self.records: dict[str, RequestRecord] = {}
         self._kinds: dict[str, str | None] = {}
         self._session_keys: dict[str, int] = {}
+        # the recorded prompt a request follows under every draft (None: none recorded by all)
+        self._prompts: dict[str, tuple[str, int] | None] = {}
         self._sessions: dict[tuple[str, str], Session] = {}  # (request, draft) -> session
-        self._draft_steps: dict[tuple[str, str], int] = {}  # (request, draft) -> steps drafted
+        self._text_at: dict[str, int] = {}  # request -> where its recorded text has got to
         self._free_at: dict[str, float] = {}  # device -> when it is next free
         self._order = itertools.count()
 
@@ -254,13 +257,23 @@ class Simulator:
         return self._free_at[device]
 
     def _session_step(self, rid: str, model: str) -> tuple[Session, int]:
+        """The recorded session and step a request drafts from with `model`: the session of the
+        request's prompt under that draft (the same prompt under every draft), at the first step
+        it recorded where the text has got to. With one draft that is the next step, wrapping
+        round; a request whose draft changes continues the same text."""
         key = (rid, model)
         session = self._sessions.get(key)
         if session is None:
-            session = self.acceptance.session_for(self._kinds[rid], model, self._session_keys[rid])
+            if rid not in self._prompts:
+                self._prompts[rid] = self.acceptance.prompt_for(
+                    self._kinds[rid], self._session_keys[rid], self.config.drafts
+                )
+            session = self.acceptance.session_for(
+                self._kinds[rid], model, self._session_keys[rid], self._prompts[rid]
+            )
             self._sessions[key] = session
-        step = self._draft_steps.get(key, 0)
-        self._draft_steps[key] = step + 1
+        step = session.step_at(self._text_at.get(rid, 0))
+        self._text_at[rid] = session.end_of(step)
         return session, step
 
     def _verify(
