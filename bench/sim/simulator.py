@@ -46,7 +46,7 @@ from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import RequestState
 from shared.scheduling.tree_selection import make_selector
-from shared.settings import LapsSettings, SloSettings
+from shared.settings import LapsSettings, LbssSettings, SloSettings
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
@@ -70,6 +70,8 @@ class SimConfig:
     selector: str = "goodput"
     slo: SloSettings = field(default_factory=SloSettings)  # for the SLO-aware selectors
     draft_chooser: str = "fixed"
+    lbss: LbssSettings = field(default_factory=LbssSettings)  # for draft_chooser "lbss"
+    oracle: dict[str, str] = field(default_factory=dict)  # "oracle": request id -> best draft
     planner: str = "goodput"
     drafts: tuple[str, ...] = ("draft-s",)
     method: DraftMethod | None = None  # None: the acceptance recording's method
@@ -128,7 +130,9 @@ class Simulator:
                 planner=config.planner,  # type: ignore[arg-type]
             ),
             policy=make_policy(config.policy, config.length_predictor, config.laps),
-            chooser=make_chooser(config.draft_chooser, list(config.drafts)),
+            chooser=make_chooser(
+                config.draft_chooser, list(config.drafts), config.lbss, config.oracle
+            ),
             selector=make_selector(config.selector, config.slo),
             cost=cost,
         )

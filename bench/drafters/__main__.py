@@ -1,0 +1,141 @@
+"""The draft choosers measured: Spin's Fig. 11 in the simulator.
+
+    python -m bench.drafters fig11 [--profile PATH] [--batch-size 8] [--copies 2]
+
+Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
+a markdown table per cost profile. The default profile is the committed H100 one (one device per
+draft model, as Spin runs its drafts); the acceptance is the 3-draft recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.model.model_set import DRAFT_NAMES, REPO_ROOT
+
+OUT = REPO_ROOT / "docs" / "results" / "drafters"
+PROFILE = (
+    REPO_ROOT / "profiles" / "SmolLM2-135M-Instruct-cuda-nvidia-h100-80gb-hbm3-bfloat16-t0.json"
+)
+RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.drafters", description=__doc__)
+    sub = parser.add_subparsers(dest="experiment", required=True)
+    p = sub.add_parser("fig11", help="goodput of each draft chooser per workload")
+    p.add_argument("--profile", type=Path, default=PROFILE)
+    p.add_argument("--recording", type=Path, default=RECORDING)
+    p.add_argument("--batch-size", type=int, default=8, help="running-set limit")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
+    p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
+    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
+    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "max_tokens", "copies", "alpha", "beta"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def prompt_lengths(per_kind: int) -> dict[str, list[int]]:
+    """Token counts of the recorded evaluation prompts, chat-templated as they were recorded."""
+    from transformers import AutoTokenizer
+
+    from bench.prompts import chat_ids
+    from shared.datasets import eval_prompts
+    from shared.model.model_set import target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    return {
+        kind: [len(chat_ids(tokenizer, text)) for text in eval_prompts(kind, per_kind)]
+        for kind in ("chat", "code", "math")
+    }
+
+
+def table(results: Sequence[object], drafts: Sequence[str]) -> str:
+    from bench.drafters.experiments import KindResult, chooser_runs, ratios
+
+    labels = [run.label for run in chooser_runs(drafts)]
+    lines = [
+        "| workload | "
+        + " | ".join(labels)
+        + " | LBSS / best fixed | LBSS / eps-greedy | LBSS / oracle |",
+        "|---|" + "---:|" * (len(labels) + 3),
+    ]
+    for result in results:
+        assert isinstance(result, KindResult)
+        r = ratios(result, drafts)
+        cells = [f"{result.goodput[label]:.1f}" for label in labels]
+        cells += [
+            f"{r[k]:.2f}x" for k in ("lbss / best fixed", "lbss / eps-greedy", "lbss / oracle")
+        ]
+        lines.append(f"| {result.kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from bench.drafters.experiments import Setup, fig11
+    from bench.sim.acceptance import AcceptanceModel
+    from shared.scheduling.cost_model import CostModel, CostProfile
+    from shared.settings import LbssSettings
+
+    acceptance = AcceptanceModel.load(args.recording)
+    per_kind = min(
+        len({s.prompt for s in acceptance.sessions if s.kind == kind}) for kind in acceptance.kinds
+    )
+    profile = CostProfile.load(args.profile)
+    setup = Setup(
+        CostModel(profile),
+        acceptance,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        lbss=LbssSettings(alpha=args.alpha, beta=args.beta),
+    )
+    started = time.monotonic()
+    results = fig11(
+        setup,
+        prompt_lengths(per_kind),
+        args.drafts,
+        copies=args.copies,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"fig11-{args.profile.stem}"
+    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = {
+        "command": command.strip(),
+        "profile": args.profile.name,
+        "recording": args.recording.name,
+        "batch_size": args.batch_size,
+        "max_tokens": args.max_tokens,
+        "copies": args.copies,
+        "lbss": {"alpha": args.alpha, "beta": args.beta},
+        "seconds": round(time.monotonic() - started, 1),
+        "results": [
+            {
+                "kind": r.kind,
+                "goodput_tps": r.goodput,
+                "lbss_settled": r.settled,
+                "oracle_best": r.oracle,
+            }
+            for r in results
+        ],
+    }
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    markdown = table(results, args.drafts)
+    (args.out / f"{stem}.md").write_text(markdown + "\n")
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

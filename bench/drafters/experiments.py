@@ -1,0 +1,181 @@
+"""Spin's Fig. 11 on the simulator: goodput of each draft chooser at a fixed running set.
+
+For each workload (chat, code, math) the recorded evaluation prompts of that kind are served
+together (every request queued at t = 0, `--batch-size` of them running at once, every request
+`--max-tokens` long) by the real scheduler core on a virtual clock: step times from a cost
+profile with one device per draft model and one for the verifier, acceptance replayed from the
+recording, each request following its own prompt's recorded text under whichever draft model
+drafts it. Goodput is the output tokens of all requests over the time the last one took.
+
+Choosers (`shared/scheduling/draft_choice.py`): `fixed` on each draft model alone, Spin's
+`greedy-length`, `eps-greedy` (0.2), `lbss` and the `oracle`. The oracle's best draft for a
+request is the one it decoded fastest with (tokens per second from its first token to its last)
+in the runs where every request used one draft: the best static choice per request that the
+simulator itself can see, under the same batch. It is not a bound on every schedule (a request's
+speed also depends on what the others draft with).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bench.load.records import RequestRecord
+from bench.sim.acceptance import AcceptanceModel
+from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.cost_model import CostModel
+from shared.settings import LbssSettings
+
+KINDS = ("chat", "code", "math")
+
+
+@dataclass(frozen=True)
+class ChooserRun:
+    label: str
+    chooser: str
+    drafts: tuple[str, ...]
+
+
+def chooser_runs(drafts: Sequence[str]) -> list[ChooserRun]:
+    """Fixed on each draft, then the choosers that pick among all of them."""
+    every = tuple(drafts)
+    runs = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
+    runs += [ChooserRun(name, name, every) for name in ("greedy-length", "eps-greedy", "lbss")]
+    return [*runs, ChooserRun("oracle", "oracle", every)]
+
+
+@dataclass(frozen=True)
+class Setup:
+    cost: CostModel
+    acceptance: AcceptanceModel
+    batch_size: int = 8
+    max_tokens: int = 128
+    lbss: LbssSettings = field(default_factory=LbssSettings)
+    seed: int = 0
+
+
+def workload(
+    kind: str, prompt_lengths: Sequence[int], max_tokens: int, copies: int = 1
+) -> list[SimRequest]:
+    """Every recorded prompt of `kind` (`copies` times), queued at once, each following its own
+    prompt's recording."""
+    return [
+        SimRequest(
+            arrival_s=0.0,
+            num_prompt_tokens=length,
+            num_output_tokens=max_tokens,
+            kind=kind,
+            session_key=prompt,
+        )
+        for _ in range(copies)
+        for prompt, length in enumerate(prompt_lengths)
+    ]
+
+
+def simulate(
+    setup: Setup,
+    requests: Sequence[SimRequest],
+    run: ChooserRun,
+    oracle: Mapping[str, str] | None = None,
+) -> list[RequestRecord]:
+    config = SimConfig(
+        max_running=setup.batch_size,
+        drafts=run.drafts,
+        draft_chooser=run.chooser,
+        lbss=setup.lbss,
+        oracle=dict(oracle or {}),
+        shared_device=False,
+    )
+    records = Simulator(config, setup.cost, setup.acceptance).run(requests)
+    failed = [r for r in records if not r.is_completed]
+    if failed:
+        raise RuntimeError(f"{len(failed)} simulated requests failed: {failed[0].error}")
+    return records
+
+
+def goodput_tps(records: Sequence[RequestRecord]) -> float:
+    """Output tokens per second of the whole run (all arrive at 0: over the last finish)."""
+    end = max(r.finish_s or 0.0 for r in records)
+    return sum(r.num_output_tokens for r in records) / end if end > 0 else 0.0
+
+
+def decode_rate(record: RequestRecord) -> float:
+    """A request's tokens per second while it decoded (first token to last)."""
+    if record.first_token_s is None or record.finish_s is None:
+        return 0.0
+    span = record.finish_s - record.first_token_s
+    return (record.num_output_tokens - 1) / span if span > 0 else float("inf")
+
+
+def oracle_choice(fixed: Mapping[str, Sequence[RequestRecord]]) -> dict[str, str]:
+    """Each request's best draft: the one it decoded fastest with, in the runs where every
+    request used that one draft (`fixed`: draft -> the run's records, in request order)."""
+    drafts = sorted(fixed)
+    num_requests = len(fixed[drafts[0]])
+    return {
+        f"sim-{i}": max(drafts, key=lambda d: (decode_rate(fixed[d][i]), d))
+        for i in range(num_requests)
+    }
+
+
+@dataclass
+class KindResult:
+    kind: str
+    goodput: dict[str, float]  # chooser label -> tokens/s
+    settled: dict[str, dict[str, int]]  # lbss: draft model -> requests that drafted most on it
+    oracle: dict[str, int]  # draft model -> requests it is best for
+
+
+def most_used(record: RequestRecord) -> str | None:
+    steps = record.steps_by_draft
+    return max(steps, key=lambda d: (steps[d], d)) if steps else None
+
+
+def fig11(
+    setup: Setup,
+    prompt_lengths: Mapping[str, Sequence[int]],
+    drafts: Sequence[str],
+    *,
+    copies: int = 1,
+    say: Callable[[str], None] = print,
+) -> list[KindResult]:
+    results = []
+    for kind in KINDS:
+        if kind not in prompt_lengths:
+            continue
+        requests = workload(kind, prompt_lengths[kind], setup.max_tokens, copies)
+        goodput: dict[str, float] = {}
+        settled: dict[str, dict[str, int]] = {}
+        fixed: dict[str, list[RequestRecord]] = {}
+        best: dict[str, str] = {}
+        for run in chooser_runs(drafts):
+            if run.chooser == "oracle":
+                best = oracle_choice(fixed)
+            records = simulate(setup, requests, run, best)
+            if run.chooser == "fixed":
+                fixed[run.drafts[0]] = records
+            goodput[run.label] = goodput_tps(records)
+            if run.chooser == "lbss":
+                used = [most_used(r) for r in records]
+                settled[run.label] = {d: used.count(d) for d in drafts}
+            say(f"{kind}: {run.label} {goodput[run.label]:.1f} tok/s")
+        oracle = {d: list(best.values()).count(d) for d in drafts}
+        results.append(KindResult(kind, goodput, settled, oracle))
+    return results
+
+
+def ratios(result: KindResult, drafts: Sequence[str]) -> dict[str, float]:
+    """LBSS against the best fixed draft, eps-greedy and the oracle."""
+    g = result.goodput
+    best_fixed = max(g[f"fixed {d}"] for d in drafts)
+    return {
+        "lbss / best fixed": g["lbss"] / best_fixed,
+        "lbss / eps-greedy": g["lbss"] / g["eps-greedy"],
+        "lbss / oracle": g["lbss"] / g["oracle"],
+        "oracle / best fixed": g["oracle"] / best_fixed,
+    }
+
+
+def mean_ratio(results: Sequence[KindResult], drafts: Sequence[str], key: str) -> float:
+    return statistics.fmean(ratios(r, drafts)[key] for r in results)
