@@ -39,6 +39,9 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+NESTED = ("method", "laps", "slo", "lbss", "oracle")  # SimConfig fields not written as they are
+
+
 def add_laps_arguments(parser: argparse.ArgumentParser) -> None:
     """LAPS-SD's parameters as flags, defaulting to the services' settings."""
     parser.add_argument("--laps-queues", type=int, default=LAPS.num_queues, help="K")
@@ -284,7 +287,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "simulated": True,
         "device": device,
-        "config": {k: v for k, v in vars(config).items() if k not in ("method", "laps", "slo")}
+        "config": {k: v for k, v in vars(config).items() if k not in NESTED}
         | {"laps": config.laps.model_dump(), "slo": config.slo.model_dump()},
         "wall_s": round(wall, 2),
     }

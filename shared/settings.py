@@ -211,7 +211,11 @@ class LbssSettings(_Group):
 
 
 class SchedulerSettings(_Group):
-    micro_batches: PositiveInt = 1
+    # M micro-batches pipelined (Spin §V-B); "auto": from the cost profile, 2 up to
+    # max_micro_batches while the verifier loses at most micro_batch_drop of its throughput
+    micro_batches: PositiveInt | Literal["auto"] = 1
+    max_micro_batches: PositiveInt = 8
+    micro_batch_drop: Annotated[float, Field(ge=0, lt=1)] = 0.1
     policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
     # for lp-sjf and laps-sd: "learned" (trained on the target's answers, from a committed file)
     # or "oracle" (max_tokens: exact only where requests run to it; for experiments)

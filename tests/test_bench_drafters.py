@@ -73,3 +73,14 @@ def test_the_command_writes_its_table(tmp_path: Path, monkeypatch) -> None:
     )
     [table] = tmp_path.glob("fig11-*.md")
     assert "| chat |" in table.read_text() and "LBSS / oracle" in table.read_text()
+
+
+def test_fig13_marks_the_best_count_and_the_heuristics_goodput(tmp_path: Path, monkeypatch) -> None:
+    import bench.drafters.__main__ as cli
+
+    monkeypatch.setattr(cli, "prompt_lengths", lambda per_kind: {k: [50] * 2 for k in KINDS})
+    argv = ["fig13", "--copies", "2", "--max-tokens", "16", "--batch-size", "4"]
+    assert main([*argv, "--max-micro-batches", "3", "--out", str(tmp_path)]) == 0
+    [table] = tmp_path.glob("fig13-*.md")
+    text = table.read_text()
+    assert "| M=1 | M=2 | M=3 | auto |" in text and text.count("(best)") == 3

@@ -198,5 +198,5 @@ def test_greedy_output_is_plain_decoding_under_every_chooser(
     assert [r.output for r in reqs] == expected
     used = {m for r in reqs for m in r.draft_stats}
     assert engine.stats.num_accepted > 0 and used
-    if chooser in ("lbss", "eps-greedy"):
-        assert used == {"echo", "tiny"}  # both were tried
+    if chooser == "lbss":  # its exploration draws both for every request (a seeded draw)
+        assert used == {"echo", "tiny"}

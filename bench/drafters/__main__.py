@@ -1,6 +1,7 @@
 """The draft choosers measured: Spin's Fig. 11 in the simulator.
 
     python -m bench.drafters fig11 [--profile PATH] [--batch-size 8] [--copies 2]
+    python -m bench.drafters fig13 [--profile PATH] [--batch-size 16] [--max-micro-batches 6]
 
 Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
 a markdown table per cost profile. The default profile is the committed H100 one (one device per
@@ -38,9 +39,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
     p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
     p.add_argument("--out", type=Path, default=OUT)
+    p = sub.add_parser("fig13", help="goodput against the number of micro-batches")
+    p.add_argument("--profile", type=Path, default=PROFILE)
+    p.add_argument("--recording", type=Path, default=RECORDING)
+    p.add_argument("--batch-size", type=int, default=16, help="running-set limit")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
+    p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
+    p.add_argument("--chooser", default="lbss", choices=("fixed", "lbss", "eps-greedy"))
+    p.add_argument("--max-micro-batches", type=int, default=6)
+    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
+    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+    p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "max_tokens", "copies", "alpha", "beta"):
-        if getattr(args, name) < 1:
+    for name in ("batch_size", "max_tokens", "copies", "alpha", "beta", "max_micro_batches"):
+        if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -81,9 +94,25 @@ def table(results: Sequence[object], drafts: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def pipeline_table(results: Sequence[object]) -> str:
+    from bench.drafters.experiments import PipelineResult
+
+    rows = [r for r in results if isinstance(r, PipelineResult)]
+    counts = sorted(rows[0].goodput) if rows else []
+    lines = [
+        "| workload | " + " | ".join(f"M={m}" for m in counts) + " | auto | auto / best |",
+        "|---|" + "---:|" * (len(counts) + 2),
+    ]
+    for r in rows:
+        cells = [f"{r.goodput[m]:.1f}" + (" (best)" if m == r.best else "") for m in counts]
+        ratio = r.auto / r.goodput[r.best]
+        lines.append(f"| {r.kind} | " + " | ".join(cells) + f" | {r.auto:.1f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench.drafters.experiments import Setup, fig11
+    from bench.drafters.experiments import Setup, fig11, fig13
     from bench.sim.acceptance import AcceptanceModel
     from shared.scheduling.cost_model import CostModel, CostProfile
     from shared.settings import LbssSettings
@@ -101,16 +130,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         lbss=LbssSettings(alpha=args.alpha, beta=args.beta),
     )
     started = time.monotonic()
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.experiment == "fig13":
+        pipeline = fig13(
+            setup,
+            prompt_lengths(per_kind),
+            args.drafts,
+            chooser=args.chooser,
+            max_micro_batches=args.max_micro_batches,
+            copies=args.copies,
+            say=say,
+        )
+        stem = f"fig13-{args.profile.stem}"
+        data13 = {
+            "command": command.strip(),
+            "profile": args.profile.name,
+            "batch_size": args.batch_size,
+            "chooser": args.chooser,
+            "seconds": round(time.monotonic() - started, 1),
+            "results": [
+                {"kind": r.kind, "goodput_tps": r.goodput, "auto_tps": r.auto, "best": r.best}
+                for r in pipeline
+            ],
+        }
+        (args.out / f"{stem}.json").write_text(json.dumps(data13, indent=1) + "\n")
+        markdown = pipeline_table(pipeline)
+        (args.out / f"{stem}.md").write_text(markdown + "\n")
+        print(markdown)
+        return 0
     results = fig11(
         setup,
         prompt_lengths(per_kind),
         args.drafts,
         copies=args.copies,
-        say=lambda line: print(line, file=sys.stderr, flush=True),
+        say=say,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"fig11-{args.profile.stem}"
-    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
     data = {
         "command": command.strip(),
         "profile": args.profile.name,

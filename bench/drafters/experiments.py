@@ -78,9 +78,14 @@ def simulate(
     requests: Sequence[SimRequest],
     run: ChooserRun,
     oracle: Mapping[str, str] | None = None,
+    *,
+    micro_batches: int = 1,
+    auto_micro_batches: bool = False,
 ) -> list[RequestRecord]:
     config = SimConfig(
         max_running=setup.batch_size,
+        micro_batches=micro_batches,
+        auto_micro_batches=auto_micro_batches,
         drafts=run.drafts,
         draft_chooser=run.chooser,
         lbss=setup.lbss,
@@ -179,3 +184,43 @@ def ratios(result: KindResult, drafts: Sequence[str]) -> dict[str, float]:
 
 def mean_ratio(results: Sequence[KindResult], drafts: Sequence[str], key: str) -> float:
     return statistics.fmean(ratios(r, drafts)[key] for r in results)
+
+
+@dataclass
+class PipelineResult:
+    kind: str
+    goodput: dict[int, float]  # micro-batches -> tokens/s
+    auto: float  # tokens/s with the heuristic choosing (`scheduler.micro_batches = auto`)
+
+    @property
+    def best(self) -> int:
+        return max(self.goodput, key=lambda m: (self.goodput[m], -m))
+
+
+def fig13(
+    setup: Setup,
+    prompt_lengths: Mapping[str, Sequence[int]],
+    drafts: Sequence[str],
+    *,
+    chooser: str = "lbss",
+    max_micro_batches: int = 6,
+    copies: int = 2,
+    say: Callable[[str], None] = print,
+) -> list[PipelineResult]:
+    """Spin's Fig. 13: goodput against the number of micro-batches, and the heuristic's pick."""
+    run = ChooserRun(chooser, chooser, tuple(drafts))
+    results = []
+    for kind in KINDS:
+        if kind not in prompt_lengths:
+            continue
+        requests = workload(kind, prompt_lengths[kind], setup.max_tokens, copies)
+        goodput = {}
+        for m in range(1, max_micro_batches + 1):
+            goodput[m] = goodput_tps(simulate(setup, requests, run, micro_batches=m))
+            say(f"{kind}: {m} micro-batches {goodput[m]:.1f} tok/s")
+        auto = goodput_tps(
+            simulate(setup, requests, run, micro_batches=max_micro_batches, auto_micro_batches=True)
+        )
+        say(f"{kind}: auto {auto:.1f} tok/s")
+        results.append(PipelineResult(kind, goodput, auto))
+    return results

@@ -63,7 +63,9 @@ class SimConfig:
     max_context: int = 8192
     token_budget: int = 512  # B, as `engine.max_tokens_per_step`
     max_running: int = 64  # as `scheduler.max_running_requests`
-    micro_batches: int = 1  # as `scheduler.micro_batches`
+    micro_batches: int = 1  # as `scheduler.micro_batches` (with auto: the most in flight)
+    auto_micro_batches: bool = False  # as `scheduler.micro_batches = auto`
+    micro_batch_drop: float = 0.1
     policy: str = "fcfs"
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = field(default_factory=LapsSettings)
@@ -126,6 +128,8 @@ class Simulator:
                 token_budget=config.token_budget,
                 max_running=config.max_running,
                 micro_batches=config.micro_batches,
+                auto_micro_batches=config.auto_micro_batches,
+                micro_batch_drop=config.micro_batch_drop,
                 method=method if config.drafts else None,
                 planner=config.planner,  # type: ignore[arg-type]
             ),

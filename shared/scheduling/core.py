@@ -30,8 +30,9 @@ from typing import Literal, Protocol
 from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.scheduling.cost_model import CostModel
+from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
+from shared.scheduling.micro_batches import StepShape, choose_micro_batches, is_shared_device
 from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
 from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
 from shared.scheduling.request import AcceptanceStats, FinishReason, RequestState, append_tokens
@@ -60,6 +61,10 @@ class CoreConfig:
     token_budget: int = 512  # B: tokens in one verifier forward, prompt chunks and trees
     max_running: int = 64
     micro_batches: int = 1  # M: micro-batches in flight; each takes 1/M of the running set
+    # auto: M from the cost profile, 2 up to `micro_batches`, re-chosen as the running set
+    # changes size (`shared/scheduling/micro_batches.py`); otherwise always `micro_batches`
+    auto_micro_batches: bool = False
+    micro_batch_drop: float = 0.1  # auto: the verifier throughput a split may lose
     method: DraftMethod | None = DraftMethod()  # default drafting method; None: no speculation
     # goodput: size each request's speculation by the cost model (zero included);
     # fixed: always draft the method's full tree
@@ -198,6 +203,9 @@ class SchedulerCore:
         self.matcher = matcher or LeastLoadedSticky()
         self.selector = selector or Goodput()
         self.cost = cost
+        self._batches_in_flight = 0  # returned by next_batch, not yet observed or abandoned
+        self._micro_batch_choice: dict[tuple[int, int, int, int], int] = {}
+        self._step_shape = StepShape()  # what a decoding request's steps verify, on average
         self.requests: dict[str, RequestState] = {}
         self.running: list[RequestState] = []  # admission order
         self.waiting: list[RequestState] = []
@@ -261,7 +269,12 @@ class SchedulerCore:
 
     # ---- 1. schedule ---------------------------------------------------------------------------
     def next_batch(self, now: float, kv: KVView | None = None) -> MicroBatch | None:
-        """The next micro-batch from requests not in flight, or None when there is nothing."""
+        """The next micro-batch from requests not in flight, or None when there is nothing (or
+        as many micro-batches as the core pipelines are in flight)."""
+        num_micro_batches = self.num_micro_batches(len(self.running) + len(self.waiting))
+        # with a fixed M the executor runs M lanes; with auto it runs the most and M gates them
+        if self.config.auto_micro_batches and self._batches_in_flight >= num_micro_batches:
+            return None
         batch = MicroBatch(next(self._batch_ids), now)
         ctx = PolicyContext(now, self.cost, self.config.max_running)
         idle = [r for r in self.running if not r.in_flight]
@@ -274,7 +287,7 @@ class SchedulerCore:
         waiting = self.policy.order(self.waiting, ctx)
         admit = not self._kv_full or not self.running
         active = len(self.running) + (len(waiting) if admit else 0)
-        share = max(1, math.ceil(active / self.config.micro_batches))
+        share = max(1, math.ceil(active / num_micro_batches))
         budget = self.config.token_budget
 
         free = kv.num_free_blocks() if kv is not None else 0
@@ -369,7 +382,33 @@ class SchedulerCore:
             request.in_flight = True
         if batch.is_empty and not (batch.swap_out or batch.drop or batch.swap_in or batch.failed):
             return None
+        self._batches_in_flight += 1
         return batch
+
+    def num_micro_batches(self, num_requests: int) -> int:
+        """How many micro-batches to keep in flight for a running set of `num_requests`."""
+        config = self.config
+        if not config.auto_micro_batches or self.cost is None or config.method is None:
+            return config.micro_batches
+        nodes, depth = self._step_shape.typical(
+            tree_capacity(config.method), config.method.num_layers
+        )
+        key = (num_requests, nodes, depth, id(self.cost))
+        chosen = self._micro_batch_choice.get(key)
+        if chosen is None:
+            chosen = choose_micro_batches(
+                self.cost,
+                min(self.drafters, default=None),
+                num_requests,
+                nodes,
+                depth,
+                mean_context(self.running) or TYPICAL_CONTEXT,
+                max_micro_batches=config.micro_batches,
+                max_drop=config.micro_batch_drop,
+                shared_device=is_shared_device(self.cost),
+            )
+            self._micro_batch_choice = {key: chosen}  # re-chosen when the set changes size
+        return chosen
 
     def _admit(self, request: RequestState) -> None:
         if request in self.waiting:
@@ -655,7 +694,7 @@ class SchedulerCore:
         chunks = {r.request_id: n for r, n in batch.prefill}
         elapsed_ms = 1000 * (now - batch.started)
         outputs: list[StepOutput] = []
-        batch.is_observed = True
+        self._end_batch(batch)
         for request in batch.members:
             request.in_flight = False
             rid = request.request_id
@@ -684,6 +723,7 @@ class SchedulerCore:
                     self._learn(request, tree, depth, result.num_accepted, elapsed_ms)
                 request.record_step(drafted, result.num_accepted, request.draft_model, depth)
                 self.stats.record(drafted, result.num_accepted, depth)
+                self._step_shape.observe(1 + drafted, depth)
             new = append_tokens(request, result.tokens, self.config.eos_token_ids)
             if new:
                 request.first_token_time = request.first_token_time or now
@@ -710,9 +750,14 @@ class SchedulerCore:
         again as they are (nothing was committed). After `observe` this does nothing: by then
         its requests may already be in flight in another micro-batch."""
         if not batch.is_observed:
-            batch.is_observed = True
+            self._end_batch(batch)
             for request in batch.members:
                 request.in_flight = False
+
+    def _end_batch(self, batch: MicroBatch) -> None:
+        if not batch.is_observed:
+            batch.is_observed = True
+            self._batches_in_flight = max(0, self._batches_in_flight - 1)
 
     def _learn(
         self,

@@ -62,7 +62,11 @@ def build_core(
             eos_token_ids=target.eos_token_ids,
             token_budget=settings.engine.max_tokens_per_step,
             max_running=config.max_running_requests,
-            micro_batches=config.micro_batches,
+            micro_batches=(
+                config.max_micro_batches if config.micro_batches == "auto" else config.micro_batches
+            ),
+            auto_micro_batches=config.micro_batches == "auto",
+            micro_batch_drop=config.micro_batch_drop,
             method=method_from_settings(config.speculation),
             planner=config.speculation.planner,
         ),
