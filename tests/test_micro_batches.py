@@ -104,3 +104,16 @@ def test_the_core_keeps_at_most_the_chosen_number_of_micro_batches_in_flight() -
     assert most == 2  # the executor would have taken six
     fixed = SchedulerCore(CoreConfig(vocab_size=96, max_context=4096, micro_batches=3), cost=cost)
     assert fixed.num_micro_batches(16) == 3  # the setting, as it is
+
+
+def test_the_setting_auto_starts_the_most_lanes_and_lets_the_core_choose() -> None:
+    from shared.scheduling.factory import TargetInfo, build_core
+    from shared.settings import AugurySettings
+
+    settings = AugurySettings(scheduler={"micro_batches": "auto", "max_micro_batches": 5})
+    core = build_core(settings, TargetInfo(96, 4096), ["d"], None)
+    assert core.config.auto_micro_batches and core.config.micro_batches == 5
+    fixed = build_core(
+        AugurySettings(scheduler={"micro_batches": 3}), TargetInfo(96, 4096), [], None
+    )
+    assert not fixed.config.auto_micro_batches and fixed.config.micro_batches == 3

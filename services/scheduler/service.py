@@ -167,7 +167,7 @@ class SchedulerService:
         self.lease_lost = asyncio.Event()  # set when another scheduler took the cell over
         self._lease_keeper: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()  # stores commit in the order the core made them
-        concurrency = 64 * config.micro_batches
+        concurrency = 64 * self.core.config.micro_batches
         self.consumers = [
             StreamConsumer(
                 bus,
