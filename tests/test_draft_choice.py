@@ -28,6 +28,7 @@ from shared.scheduling.draft_choice import (
 from shared.scheduling.lbss import Lbss, max_weight_assignment
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
+from tests.test_scheduler_core import FakeKV, check_releases, executor, make_core, make_request
 
 MODELS = ["big", "mid", "small"]
 
@@ -200,3 +201,39 @@ def test_greedy_output_is_plain_decoding_under_every_chooser(
     assert engine.stats.num_accepted > 0 and used
     if chooser == "lbss":  # its exploration draws both for every request (a seeded draw)
         assert used == {"echo", "tiny"}
+
+
+# ---- replicas come and go while the bandit runs ------------------------------------------------
+def test_a_dead_replica_moves_its_requests_and_the_bandit_keeps_its_statistics() -> None:
+    lbss = Lbss(settings=LbssSettings(alpha=4, beta=2), seed=2)
+    core = make_core(chooser=lbss, method=DraftMethod("chain", k=3), planner="fixed")
+    core.set_drafters({"small": ["s0", "s1"], "big": ["b0"]})
+    ex = executor(core, FakeKV(), agree=0.6)
+    rids = [f"r{i}" for i in range(6)]
+    for rid in rids:
+        core.add(make_request(rid, 4, max_tokens=60))
+    for _ in range(12):
+        while ex.schedule():
+            pass
+        while ex.inflight:
+            ex.finish_one()
+    seen = dict(lbss.table.counts)
+    on_s0 = [r.request_id for r in core.requests.values() if r.drafter == "s0"]
+    assert seen and on_s0, "the run should have used s0 and learned something"
+    core.set_drafters({"small": ["s1"], "big": ["b0"]})  # s0's heartbeat expired
+    for _ in range(6):
+        while ex.schedule():
+            pass
+        while ex.inflight:
+            ex.finish_one()
+    assert all(r.drafter != "s0" for r in core.requests.values())
+    for key, n in seen.items():  # nothing learned was lost with the replica
+        if key[0] in core.requests:
+            assert lbss.table.counts[key] >= n
+    core.set_drafters({"small": ["s1", "s2"], "big": ["b0"]})  # a replica joins
+    while core.has_unfinished():
+        while ex.schedule():
+            pass
+        while ex.inflight:
+            ex.finish_one()
+    check_releases(ex, rids)
