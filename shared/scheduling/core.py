@@ -693,6 +693,7 @@ class SchedulerCore:
         """Commit a verified micro-batch: tokens, stops, statistics, feedback to the policies."""
         chunks = {r.request_id: n for r, n in batch.prefill}
         elapsed_ms = 1000 * (now - batch.started)
+        shares = self._cost_shares(batch)
         outputs: list[StepOutput] = []
         self._end_batch(batch)
         for request in batch.members:
@@ -720,7 +721,9 @@ class SchedulerCore:
                 depth = 0
                 if drafted:
                     depth = int(tree.depths().max())
-                    self._learn(request, tree, depth, result.num_accepted, elapsed_ms)
+                    self._learn(
+                        request, tree, depth, result.num_accepted, elapsed_ms, shares.get(rid)
+                    )
                 request.record_step(drafted, result.num_accepted, request.draft_model, depth)
                 self.stats.record(drafted, result.num_accepted, depth)
                 self._step_shape.observe(1 + drafted, depth)
@@ -766,6 +769,7 @@ class SchedulerCore:
         depth: int,
         num_accepted: int,
         elapsed_ms: float,
+        share_ms: float | None = None,
     ) -> None:
         assert request.draft_model is not None
         state = self._state(request, request.draft_model)
@@ -778,9 +782,45 @@ class SchedulerCore:
         self.chooser.observe(
             DraftOutcome(
                 request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
-                elapsed_ms,
+                elapsed_ms, share_ms,
             )
         )  # fmt: skip
+
+    def _cost_shares(self, batch: MicroBatch) -> dict[str, float]:
+        """Each decoding request's share of the step's modeled time: of the verifier's forward
+        by the nodes it verified, and of its draft model's drafting by the nodes that model
+        drafted for it. What one request's choice of draft costs, where the step's wall time is
+        the same for every request in it."""
+        if self.cost is None or not batch.decode:
+            return {}
+        nodes = {r.request_id: self._verified_nodes(batch, r.request_id) for r in batch.decode}
+        total = sum(nodes.values()) + batch.prefill_tokens
+        context = mean_context(batch.members)
+        verify_ms = self.cost.verify_ms(total, context, len(batch.members))
+        shares = {rid: verify_ms * n / total for rid, n in nodes.items()}
+        by_model: dict[str, list[RequestState]] = {}
+        for r in batch.decode:
+            if r.draft_model is not None and nodes[r.request_id] > 1:
+                by_model.setdefault(r.draft_model, []).append(r)
+        for model, requests in by_model.items():
+            if not self.cost.has_draft(model):
+                continue
+            layers: Counter[int] = Counter()
+            for r in requests:
+                for depth in batch.trees[r.request_id].depths()[1:].tolist():
+                    layers[int(depth)] += 1
+            draft_ms = self.cost.draft_tree_ms(
+                model, len(requests), [layers[d] for d in sorted(layers)], context, len(requests)
+            )
+            drafted = sum(layers.values())
+            for r in requests:
+                shares[r.request_id] += draft_ms * (nodes[r.request_id] - 1) / drafted
+        return shares
+
+    @staticmethod
+    def _verified_nodes(batch: MicroBatch, request_id: str) -> int:
+        tree = batch.trees.get(request_id)
+        return tree.num_nodes if tree is not None else 1
 
     def _failed(self, request: RequestState, error: str) -> StepOutput | None:
         """Out of KV or out of sync: recompute later. Anything else fails the request."""

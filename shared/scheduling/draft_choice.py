@@ -44,11 +44,17 @@ class DraftOutcome:
     num_draft_tokens: int
     num_accepted: int
     step_ms: float  # the step's wall time as the executor saw it
+    # the request's own share of the step's modeled time (its verified nodes' share of the
+    # verifier's forward, its drafted nodes' share of its model's drafting); None: no cost model
+    share_ms: float | None = None
 
     @property
     def goodput(self) -> float:
-        """Tokens committed per ms of the step: the accepted drafts and the target's bonus."""
-        return (1 + self.num_accepted) / max(self.step_ms, 1e-3)
+        """Tokens committed per ms: the accepted drafts and the target's bonus over the
+        request's own share of the step where it is known, else over the whole step (which
+        every request of the step shares, whatever it drafted with)."""
+        ms = self.share_ms if self.share_ms is not None else self.step_ms
+        return (1 + self.num_accepted) / max(ms, 1e-3)
 
 
 class DraftChooser(Protocol):
