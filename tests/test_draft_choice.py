@@ -237,3 +237,40 @@ def test_a_dead_replica_moves_its_requests_and_the_bandit_keeps_its_statistics()
         while ex.inflight:
             ex.finish_one()
     check_releases(ex, rids)
+
+
+def test_each_request_is_charged_its_own_share_of_the_step() -> None:
+    from shared.engine.tree import TokenTree
+    from shared.scheduling.core import MicroBatch
+    from shared.scheduling.cost_model import CostModel, CostProfile
+    from tests.test_micro_batches import curve
+
+    # verifying costs 1 ms a token; drafting a forward costs 10 ms on "slow", 1 ms on "fast"
+    cost = CostModel(
+        CostProfile(
+            target=curve("t", 0.0, 1.0, "cuda: test"),
+            drafts={
+                "slow": curve("slow", 10.0, 0.0, "cuda: test"),
+                "fast": curve("fast", 1.0, 0.0, "cuda: test"),
+            },
+        )
+    )
+    core = make_core(cost=cost)
+    chain = TokenTree.build([5, 6, 7], [-1, 0, 1], [0.0, -0.1, -0.2])  # root and 2 drafted
+    batch = MicroBatch(1, 0.0)
+    for rid, model in (("a", "slow"), ("b", "fast"), ("c", None)):
+        r = make_request(rid, 4)
+        r.draft_model = model
+        batch.decode.append(r)
+        batch.trees[rid] = chain if model else TokenTree.root_only(5)
+    shares = core._cost_shares(batch)
+    verify = 7.0  # 3 + 3 + 1 tokens at 1 ms
+    slow_drafting, fast_drafting = 2 * 10.0, 2 * 1.0  # a root forward and one level each
+    assert shares["c"] == pytest.approx(verify / 7)
+    assert shares["a"] == pytest.approx(3 * verify / 7 + slow_drafting)
+    assert shares["b"] == pytest.approx(3 * verify / 7 + fast_drafting)
+    assert sum(shares.values()) == pytest.approx(verify + slow_drafting + fast_drafting)
+    assert (
+        DraftOutcome("a", "slow", 2, 1, 50.0, shares["a"]).goodput
+        < DraftOutcome("b", "fast", 2, 1, 50.0, shares["b"]).goodput
+    )  # the same step, the same tokens: the slow draft's request earned less
