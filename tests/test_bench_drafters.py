@@ -84,3 +84,20 @@ def test_fig13_marks_the_best_count_and_the_heuristics_goodput(tmp_path: Path, m
     [table] = tmp_path.glob("fig13-*.md")
     text = table.read_text()
     assert "| M=1 | M=2 | M=3 | auto |" in text and text.count("(best)") == 3
+
+
+def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled() -> None:
+    import json
+
+    from bench.drafters.real import real_runs, run_env, settled
+
+    runs = real_runs(DRAFTS, ["fixed", "lbss"])
+    assert [r.label for r in runs] == ["fixed draft-s", "fixed draft-m", "fixed draft-l", "lbss"]
+    assert runs[1].drafts[0] == "draft-m" and sorted(runs[1].drafts) == sorted(DRAFTS)
+    env = run_env(runs[1], 8, "fixed")
+    assert env["AUGURY_SCHEDULER__DRAFT_CHOOSER"] == "fixed"
+    assert env["AUGURY_SCHEDULER__SPECULATION__PLANNER"] == "fixed"
+    assert [d["name"] for d in json.loads(env["AUGURY_MODELS__DRAFTS"])][0] == "draft-m"
+    a, b, c = (RequestRecord(i, 0.0, 4, kind=k) for i, k in enumerate(["chat", "chat", "code"]))
+    a.steps_by_draft, b.steps_by_draft = {"draft-s": 3, "draft-l": 5}, {"draft-s": 4}
+    assert settled([a, b, c]) == {"chat": {"draft-l": 1, "draft-s": 1}}

@@ -156,6 +156,16 @@ async def test_the_lease_has_one_holder_and_passes_on_when_it_is_not_renewed(bus
     assert await first.try_take()
 
 
+async def test_a_lease_that_expired_with_nobody_taking_it_is_taken_again(bus: Bus) -> None:
+    lease = Lease(bus, f"lease-{uuid.uuid4().hex[:6]}", "stalled", ttl_ms=300)
+    assert await lease.try_take()
+    await bus.redis.delete(lease.key)  # expired while the holder's event loop was busy
+    assert await lease.renew() and await lease.holder_now() == "stalled"
+    other = Lease(bus, lease.key, "other", ttl_ms=300)
+    await bus.redis.set(lease.key, "other")  # but one that somebody took is lost
+    assert not await lease.renew() and await other.holder_now() == "other"
+
+
 async def test_a_holder_that_cannot_reach_redis_gives_the_lease_up_within_its_ttl(
     bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:

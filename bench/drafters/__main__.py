@@ -2,6 +2,7 @@
 
     python -m bench.drafters fig11 [--profile PATH] [--batch-size 8] [--copies 2]
     python -m bench.drafters fig13 [--profile PATH] [--batch-size 16] [--max-micro-batches 6]
+    python -m bench.drafters real [--requests 24] [--max-tokens 64] [--batch-size 8]
 
 Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
 a markdown table per cost profile. The default profile is the committed H100 one (one device per
@@ -46,8 +47,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     common(p, 16)
     p.add_argument("--chooser", default="lbss", choices=("fixed", "lbss", "eps-greedy"))
     p.add_argument("--max-micro-batches", type=int, default=6)
+    p = sub.add_parser("real", help="the choosers as real replays through the services")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=64, help="answer length cap")
+    p.add_argument("--batch-size", type=int, default=8, help="running-set limit")
+    p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
+    p.add_argument(
+        "--choosers", nargs="+", default=["fixed", "eps-greedy", "lbss"],
+        choices=("fixed", "greedy-length", "eps-greedy", "lbss"),
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "max_tokens", "copies", "alpha", "beta", "max_micro_batches"):
+    for name in (
+        "batch_size", "max_tokens", "copies", "alpha", "beta", "max_micro_batches", "requests"
+    ):  # fmt: skip
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -107,6 +123,8 @@ def pipeline_table(results: Sequence[object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.experiment == "real":
+        return main_real(args, argv)
     from bench.drafters.experiments import Setup, fig11, fig13
     from bench.sim.acceptance import AcceptanceModel
     from shared.scheduling.cost_model import CostModel, CostProfile
@@ -185,6 +203,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     markdown = table(results, args.drafts)
     (args.out / f"{stem}.md").write_text(markdown + "\n")
+    print(markdown)
+    return 0
+
+
+def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from bench.drafters.real import heldout_trace, real
+
+    started = time.monotonic()
+    trace = heldout_trace(args.requests, args.max_tokens, args.seed)
+    result = real(
+        trace,
+        args.drafts,
+        args.choosers,
+        batch_size=args.batch_size,
+        planner=args.planner,
+        timeout_s=args.timeout_s,
+        out_dir=args.out,
+    )
+    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"command": command.strip(), "seconds": round(time.monotonic() - started, 1)} | result
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "real.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["| run | goodput (tok/s) | failed | most used draft per kind |", "|---|---:|---:|---|"]
+    for label, row in result["runs"].items():
+        where = "; ".join(
+            f"{kind}: " + ", ".join(f"{d} {n}" for d, n in sorted(counts.items()))
+            for kind, counts in row["settled"].items()
+        )
+        lines.append(f"| {label} | {row['goodput_tok_s']:.1f} | {row['failed']} | {where} |")
+    markdown = "\n".join(lines)
+    (args.out / "real.md").write_text(markdown + "\n")
     print(markdown)
     return 0
 

@@ -109,7 +109,7 @@ def policy_env(policy: str, batch_size: int, laps: LapsSettings) -> dict[str, st
 def start_services(
     overrides: Mapping[str, str],
     *,
-    draft: str,
+    draft: str | Sequence[str],
     timeout_s: float,
     cell: str,
     port: int,
@@ -128,7 +128,8 @@ def start_services(
         }
     )
     env.update(overrides)
-    command = [sys.executable, "-m", "services", "all", "--drafts", draft, "--threads", "2"]
+    drafts = [draft] if isinstance(draft, str) else list(draft)
+    command = [sys.executable, "-m", "services", "all", "--drafts", *drafts, "--threads", "2"]
     command += ["--log-level", "DEBUG"]  # the per-micro-batch timings the simulator calibrates on
     with log.open("wb") as out:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -167,7 +168,7 @@ def running(
     name: str,
     overrides: Mapping[str, str],
     *,
-    draft: str,
+    draft: str | Sequence[str],
     timeout_s: float,
     logs: Path = LOGS,
 ) -> Iterator[Running]:

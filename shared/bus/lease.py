@@ -1,7 +1,9 @@
 """A lease in Redis: at most one holder of a role at a time, taken over when the holder dies.
 
 The holder renews the key every third of its TTL; a process that wants the role (a restarted
-scheduler, a standby) polls until the key is free and then takes it with SET NX. Renewal and
+scheduler, a standby) polls until the key is free and then takes it with SET NX. A holder whose
+key expired without anyone taking it (its event loop stalled past the TTL, Redis restarted)
+takes it again at its next renewal. Renewal and
 release only touch the key while it still names this holder (one Lua script each), so a holder
 that lost its lease can never extend or delete its successor's.
 
@@ -24,10 +26,17 @@ from shared.bus.client import Bus, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] the lease, ARGV[1] the holder, ARGV[2] the TTL in ms
+# KEYS[1] the lease, ARGV[1] the holder, ARGV[2] the TTL in ms. A lease that expired with
+# nobody taking it over is taken again: no one else acted meanwhile (a stalled event loop, a
+# Redis restart), so the holder may go on.
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if not holder then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return 1
 end
 return 0
 """
@@ -77,7 +86,8 @@ class Lease:
             await asyncio.sleep(self.renew_interval_s)
 
     async def renew(self) -> bool:
-        """Extend the lease if this holder still has it; False once it is someone else's."""
+        """Extend the lease if this holder still has it (or take it again if it expired with
+        nobody taking it); False once it is someone else's."""
         renewed = bool(await self.bus.redis.eval(_RENEW, 1, self.key, self.holder, self.ttl_ms))
         if renewed:
             self._renewed_at = time.monotonic()

@@ -1,0 +1,123 @@
+"""The draft choosers as real replays through the services on this machine.
+
+For each chooser the services start fresh (`python -m services all` with every draft model, in a
+cell of their own on the system Redis, as `bench.scheduling.real` starts them) with
+`scheduler.draft_chooser` set (`fixed` runs once per draft model, that model alone configured
+first), a running set of `batch_size` and the speculation planner `planner` (`fixed` drafts
+every step: on a CPU the default `goodput` planner may find no draft worth verifying, and then
+every chooser serves the same plain decoding). Every run replays the same held-out requests (chat,
+code and math, drawn with a seed), sent together, each with `max_tokens` = its true answer
+length capped at `max_tokens` and `ignore_eos`. Goodput is the output tokens of all requests over
+the time the last one took; each request's most used draft (`steps_by_draft` in its final SSE
+chunk) gives the histogram of where a chooser settled per request kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.drafters.experiments import goodput_tps, most_used
+from bench.load.records import RequestRecord
+from bench.load.trace import TraceRequest
+from bench.scheduling.real import replay_and_read, running
+from shared.model.model_set import REPO_ROOT
+
+LOGS = REPO_ROOT / ".cache" / "bench-drafters"
+
+
+@dataclasses.dataclass(frozen=True)
+class RealRun:
+    label: str
+    chooser: str
+    drafts: tuple[str, ...]  # configured order: `fixed` takes the first
+
+
+def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
+    runs = []
+    for name in choosers:
+        if name == "fixed":
+            for d in drafts:  # that draft first: the one `fixed` takes
+                runs.append(RealRun(f"fixed {d}", "fixed", (d, *(x for x in drafts if x != d))))
+        else:
+            runs.append(RealRun(name, name, tuple(drafts)))
+    return runs
+
+
+def run_env(run: RealRun, batch_size: int, planner: str) -> dict[str, str]:
+    import json
+
+    from shared.model.model_set import draft_dirs
+
+    dirs = draft_dirs()
+    return {
+        "AUGURY_SCHEDULER__DRAFT_CHOOSER": run.chooser,
+        "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(batch_size),
+        "AUGURY_SCHEDULER__SPECULATION__PLANNER": planner,
+        "AUGURY_MODELS__DRAFTS": json.dumps([{"name": d, "dir": str(dirs[d])} for d in run.drafts]),
+    }
+
+
+def settled(records: Sequence[RequestRecord]) -> dict[str, dict[str, int]]:
+    """Per request kind: how many requests drafted most with each draft model."""
+    out: dict[str, Counter[str]] = {}
+    for record in records:
+        used = most_used(record)
+        if used is not None:
+            out.setdefault(record.kind or "none", Counter())[used] += 1
+    return {kind: dict(counts) for kind, counts in sorted(out.items())}
+
+
+def real(
+    trace: list[TraceRequest],
+    drafts: Sequence[str],
+    choosers: Sequence[str],
+    *,
+    batch_size: int,
+    planner: str,
+    timeout_s: float,
+    out_dir: Path,
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
+    from bench.load.report import write_report
+
+    rows: dict[str, Any] = {}
+    for run in real_runs(drafts, choosers):
+        env = run_env(run, batch_size, planner)
+        with running(run.label, env, draft=run.drafts, timeout_s=timeout_s, logs=LOGS) as services:
+            served = replay_and_read(run.label, services, trace, timeout_s, strict=False)
+        records = served.records
+        write_report(
+            out_dir / "real" / run.label.replace(" ", "-"),
+            records,
+            meta={"chooser": run.chooser, "drafts": list(run.drafts)},
+            plots=False,
+        )
+        rows[run.label] = {
+            "goodput_tok_s": goodput_tps(records),
+            "failed": sum(not r.is_completed for r in records),
+            "settled": settled(records),
+        }
+        say(f"{run.label}: {rows[run.label]['goodput_tok_s']:.1f} tok/s")
+    return {"requests": len(trace), "batch_size": batch_size, "planner": planner, "runs": rows}
+
+
+def heldout_trace(num_requests: int, max_tokens: int, seed: int) -> list[TraceRequest]:
+    """Held-out chat, code and math prompts (drawn with `seed`), sent 50 ms apart, each asking
+    for its true answer length capped at `max_tokens`."""
+    from transformers import AutoTokenizer
+
+    from bench.scheduling.workloads import burst, draw, load_heldout, pool, trace_requests
+    from shared.model.model_set import target_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    items = draw(pool(load_heldout(tokenizer), "mix"), num_requests, seed=seed)
+    trace = trace_requests(items, burst(len(items), 0.05))
+    return [
+        dataclasses.replace(t, output_length=min(t.output_length or max_tokens, max_tokens))
+        for t in trace
+    ]
