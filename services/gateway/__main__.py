@@ -27,7 +27,8 @@ async def serve(settings: AugurySettings, url: str) -> None:
     from transformers import AutoTokenizer
 
     checkpoint = target_dir(settings)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    # off the event loop: in `services all` the scheduler's lease renewals share this loop
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     max_context = settings.engine.max_context or int(config["max_position_embeddings"])
     bus = Bus(url, settings.redis, settings.service.replica)
