@@ -255,7 +255,7 @@ def test_each_request_is_charged_its_own_share_of_the_step() -> None:
             },
         )
     )
-    core = make_core(cost=cost)
+    core = make_core(cost=cost, chooser=Lbss())  # a chooser that learns from the shares
     chain = TokenTree.build([5, 6, 7], [-1, 0, 1], [0.0, -0.1, -0.2])  # root and 2 drafted
     batch = MicroBatch(1, 0.0)
     for rid, model in (("a", "slow"), ("b", "fast"), ("c", None)):

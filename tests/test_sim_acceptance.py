@@ -126,6 +126,7 @@ class Alternate:
     """Draft a, then b, then a, ... for every request, step by step."""
 
     name = "alternate"
+    learns = False
 
     def __init__(self) -> None:
         self.steps: dict[str, int] = {}

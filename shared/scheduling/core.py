@@ -398,7 +398,7 @@ class SchedulerCore:
         if chosen is None:
             chosen = choose_micro_batches(
                 self.cost,
-                min(self.drafters, default=None),
+                self._slowest_draft(),
                 num_requests,
                 nodes,
                 depth,
@@ -757,6 +757,12 @@ class SchedulerCore:
             for request in batch.members:
                 request.in_flight = False
 
+    def _slowest_draft(self) -> str | None:
+        """The live draft model whose forward costs most: a step's drafting waits for it."""
+        assert self.cost is not None
+        priced = [m for m in self.drafters if self.cost.has_draft(m)]
+        return max(priced, key=self.cost.draft_cost_per_token_ms, default=None)
+
     def _end_batch(self, batch: MicroBatch) -> None:
         if not batch.is_observed:
             batch.is_observed = True
@@ -791,7 +797,7 @@ class SchedulerCore:
         by the nodes it verified, and of its draft model's drafting by the nodes that model
         drafted for it. What one request's choice of draft costs, where the step's wall time is
         the same for every request in it."""
-        if self.cost is None or not batch.decode:
+        if self.cost is None or not batch.decode or not self.chooser.learns:
             return {}
         nodes = {r.request_id: self._verified_nodes(batch, r.request_id) for r in batch.decode}
         total = sum(nodes.values()) + batch.prefill_tokens

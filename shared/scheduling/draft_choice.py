@@ -59,6 +59,7 @@ class DraftOutcome:
 
 class DraftChooser(Protocol):
     name: str
+    learns: bool  # reads `observe`: the core prices each request's share of a step only then
 
     def assign(
         self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
@@ -84,9 +85,11 @@ class GoodputTable:
     counts: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     model_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     model_counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _models_of: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
 
     def add(self, outcome: DraftOutcome) -> None:
         key = (outcome.request_id, outcome.draft_model)
+        self._models_of[outcome.request_id].add(outcome.draft_model)
         self.sums[key] += outcome.goodput
         self.counts[key] += 1
         self.model_sums[outcome.draft_model] += outcome.goodput
@@ -114,9 +117,9 @@ class GoodputTable:
         return max(known, default=0.0)
 
     def forget(self, request_id: str) -> None:
-        for key in [k for k in self.counts if k[0] == request_id]:
-            del self.counts[key]
-            del self.sums[key]
+        for model in self._models_of.pop(request_id, ()):
+            del self.counts[(request_id, model)]
+            del self.sums[(request_id, model)]
 
 
 class FixedDraftModel:
@@ -124,6 +127,7 @@ class FixedDraftModel:
     a request keeps its model while it lives."""
 
     name = "fixed"
+    learns = False
 
     def __init__(self, preferred: Sequence[str] = ()) -> None:
         self.preferred = list(preferred)
@@ -154,6 +158,7 @@ class GreedyByLength:
     smaller models (`preferred` lists them smallest first); kept for the request's life."""
 
     name = "greedy-length"
+    learns = False
 
     def __init__(self, preferred: Sequence[str] = ()) -> None:
         self.preferred = list(preferred)
@@ -193,6 +198,7 @@ class EpsilonGreedy:
     takes its best model by observed goodput."""
 
     name = "eps-greedy"
+    learns = True
 
     def __init__(
         self, preferred: Sequence[str] = (), epsilon: float = EPSILON, seed: int = 0
@@ -224,6 +230,7 @@ class Oracle:
     it does not know gets the first live model."""
 
     name = "oracle"
+    learns = False
 
     def __init__(self, best: Mapping[str, str]) -> None:
         self.best = dict(best)

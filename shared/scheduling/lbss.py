@@ -53,6 +53,7 @@ def max_weight_assignment(weights: np.ndarray, capacities: Sequence[int]) -> lis
 
 class Lbss:
     name = "lbss"
+    learns = True
 
     def __init__(
         self, preferred: Sequence[str] = (), settings: LbssSettings | None = None, seed: int = 0
