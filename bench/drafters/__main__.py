@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shared.model.model_set import DRAFT_NAMES, REPO_ROOT
 
@@ -121,6 +122,19 @@ def pipeline_table(results: Sequence[object]) -> str:
     return "\n".join(lines)
 
 
+def command_line(argv: Sequence[str] | None) -> str:
+    return "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def write_results(out: Path, stem: str, data: dict[str, Any], markdown: str) -> int:
+    """`<stem>.json` (the data) and `<stem>.md` (the table) in `out`; the table to stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown + "\n")
+    print(markdown)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.experiment == "real":
@@ -144,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.monotonic()
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line(argv)
     if args.experiment == "fig13":
         pipeline = fig13(
             setup,
@@ -156,7 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             copies=args.copies,
             say=say,
         )
-        stem = f"fig13-{args.profile.stem}"
         data13 = {
             "command": command.strip(),
             "profile": args.profile.name,
@@ -168,11 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for r in pipeline
             ],
         }
-        (args.out / f"{stem}.json").write_text(json.dumps(data13, indent=1) + "\n")
-        markdown = pipeline_table(pipeline)
-        (args.out / f"{stem}.md").write_text(markdown + "\n")
-        print(markdown)
-        return 0
+        stem = f"fig13-{args.profile.stem}"
+        return write_results(args.out, stem, data13, pipeline_table(pipeline))
     results = fig11(
         setup,
         prompt_lengths(per_kind),
@@ -180,7 +189,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         copies=args.copies,
         say=say,
     )
-    stem = f"fig11-{args.profile.stem}"
     data = {
         "command": command.strip(),
         "profile": args.profile.name,
@@ -200,11 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in results
         ],
     }
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    markdown = table(results, args.drafts)
-    (args.out / f"{stem}.md").write_text(markdown + "\n")
-    print(markdown)
-    return 0
+    return write_results(args.out, f"fig11-{args.profile.stem}", data, table(results, args.drafts))
 
 
 def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -221,10 +225,8 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         timeout_s=args.timeout_s,
         out_dir=args.out,
     )
-    command = "python -m bench.drafters " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command.strip(), "seconds": round(time.monotonic() - started, 1)} | result
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "real.json").write_text(json.dumps(result, indent=1) + "\n")
+    command = command_line(argv).strip()
+    result = {"command": command, "seconds": round(time.monotonic() - started, 1)} | result
     lines = ["| run | goodput (tok/s) | failed | most used draft per kind |", "|---|---:|---:|---|"]
     for label, row in result["runs"].items():
         where = "; ".join(
@@ -232,10 +234,7 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             for kind, counts in row["settled"].items()
         )
         lines.append(f"| {label} | {row['goodput_tok_s']:.1f} | {row['failed']} | {where} |")
-    markdown = "\n".join(lines)
-    (args.out / "real.md").write_text(markdown + "\n")
-    print(markdown)
-    return 0
+    return write_results(args.out, "real", result, "\n".join(lines))
 
 
 if __name__ == "__main__":
