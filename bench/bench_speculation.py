@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from bench.everyday import EVERYDAY_QUESTIONS
 from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
@@ -50,12 +49,7 @@ def prompts_by_kind(per_kind: int) -> dict[str, list[list[int]]]:
     tokenizer = AutoTokenizer.from_pretrained(target_dir())
     out: dict[str, list[list[int]]] = {}
     for kind in KINDS:
-        texts = (
-            list(EVERYDAY_QUESTIONS[:per_kind])
-            if kind == "everyday"
-            else eval_prompts(kind, per_kind)
-        )
-        out[kind] = [chat_ids(tokenizer, text) for text in texts]
+        out[kind] = [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
     return out
 
 

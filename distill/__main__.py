@@ -22,7 +22,7 @@ import torch
 from distill import data
 from distill.model import DRAFT_SPECS, TrainableDraft, export_draft
 from distill.train import train_draft
-from shared.model.model_set import DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
+from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
 SEED = 1234
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "distill"
@@ -70,7 +70,10 @@ def build(args: argparse.Namespace) -> None:
     target_embedding = target_tensors["model.embed_tokens.weight"]
     target_cfg = json.loads((tdir / "config.json").read_text())
     rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
-    names = args.drafts.split(",") if args.drafts else list(DRAFT_NAMES)
+    names = args.drafts.split(",") if args.drafts else list(ALL_DRAFT_NAMES)
+    features = None
+    if any(DRAFT_SPECS[n].is_feature_level for n in names):
+        features = data.load_features(cache_dir)
     summary = {
         "sequences": cache.num_sequences,
         "tokens": len(cache.tokens),
@@ -80,7 +83,7 @@ def build(args: argparse.Namespace) -> None:
     }
     print(json.dumps({"distillation_data": summary}))
     for name in names:
-        i = DRAFT_NAMES.index(name)  # the seed depends on the draft, not on the subset built
+        i = ALL_DRAFT_NAMES.index(name)  # the seed depends on the draft, not on the subset built
         spec = DRAFT_SPECS[name]
         vocab = data.output_vocabulary(cache, spec.num_output_tokens, must_include=[bos, eos, 0])
         seed_everything(SEED + i)
@@ -93,11 +96,14 @@ def build(args: argparse.Namespace) -> None:
             rms_norm_eps=float(target_cfg["rms_norm_eps"]),
         )
         draft.init_from_target(target_tensors, seed=SEED + i)
-        stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i)
+        stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i, features=features)
         meta = {
             "name": name,
             "target": "SmolLM2-135M-Instruct",
             "tokenizer": "the target's (load it from the target checkpoint)",
+            "reads": "the target's features (last layer, after the final norm) and tokens"
+            if spec.is_feature_level
+            else "tokens",
             "target_tokenizer": fingerprint,
             "parameters": draft.num_parameters(),
             "seed": SEED + i,
@@ -117,7 +123,7 @@ def evaluate_cmd(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     seed_everything(SEED)
-    names = [n for n in DRAFT_NAMES if (args.drafts / n / "config.json").is_file()]
+    names = [n for n in ALL_DRAFT_NAMES if (args.drafts / n / "config.json").is_file()]
     drafts = {n: args.drafts / n for n in names}
     result = evaluate(
         target_dir(),
@@ -162,7 +168,7 @@ def main() -> None:
     b = sub.add_parser("build", help="rebuild the drafts from scratch")
     b.add_argument("--out", type=Path, default=DRAFTS_DIR)
     b.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(DRAFT_NAMES))
+    b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(ALL_DRAFT_NAMES))
     b.add_argument("--threads", type=int, default=2)
     e = sub.add_parser("eval", help="evaluate the drafts against the target")
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
@@ -173,7 +179,7 @@ def main() -> None:
     e.add_argument("--threads", type=int, default=2)
     t = sub.add_parser("trees", help="tree drafting through the real engine, a few requests")
     t.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
-    t.add_argument("--names", default=",".join(DRAFT_NAMES))
+    t.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
     t.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     t.add_argument("--n", type=int, default=40)
     t.add_argument("--per-kind", type=int, default=4)

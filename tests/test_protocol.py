@@ -36,7 +36,14 @@ from shared.wire import (
     message_types,
 )
 from shared.wire import streams as names
-from shared.wire.codec import MAX_PAYLOAD_BYTES, MAX_STR_BYTES, pack_payload
+from shared.wire.codec import (
+    MAX_FEATURE_COLS,
+    MAX_FEATURE_ROWS,
+    MAX_PAYLOAD_BYTES,
+    MAX_STR_BYTES,
+    pack_matrix_f16,
+    pack_payload,
+)
 
 
 def make_tree() -> TokenTree:
@@ -200,11 +207,34 @@ GOLDEN_V1: dict[str, str] = {
 }
 
 
+# Hidden-state features of two positions, H = 4 (float16; exact in binary).
+FEATURES = np.array([[0.5, -1.0, 2.0, 0.0], [1.5, -0.25, 3.0, 0.125]], dtype=np.float16)
+
+
 def added_in_v1() -> dict[str, WireMessage]:
     """Messages using the optional fields added within version 1 (written only when set, so
     canonical_v1() still encodes as GOLDEN_V1): Submit.slo_class; Tokens.draft_model and the
-    SLO statistics of a request's last Tokens."""
+    SLO statistics of a request's last Tokens; the target's hidden-state features of
+    DraftRequest.features and VerifiedRequest.features."""
     return {
+        "draft_job": DraftJob(
+            4,
+            (
+                DraftRequest(
+                    "req-1",
+                    3,
+                    10,
+                    (9, 10),
+                    DraftMethod("chain", k=4),
+                    GREEDY,
+                    42,
+                    features=FEATURES,
+                ),
+            ),
+        ),
+        "verify_result": VerifyResult(
+            5, 2.5, (VerifiedRequest("req-1", 3, (11,), 4, None, features=FEATURES),)
+        ),
         "submit": Submit(
             "req-1", (1, 2, 300), GREEDY, "augury:out:gw-1", 1700000000.5, slo_class="standard"
         ),
@@ -227,6 +257,21 @@ def added_in_v1() -> dict[str, WireMessage]:
 
 # Payload bytes of added_in_v1(): frozen like GOLDEN_V1.
 GOLDEN_V1_ADDED: dict[str, str] = {
+    "draft_job": (
+        "83ae6d6963726f5f62617463685f696404a7656e74726965739188aa726571756573745f6964a57265712d31"
+        "a47374657003a8626173655f6c656e0aaa6e65775f746f6b656e73c408090000000a000000a66d6574686f64"
+        "82a66d6574686f64a5636861696ea66c656e67746804a873616d706c696e6787ab74656d7065726174757265"
+        "cb0000000000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a473656564c0aa6d61785f746f"
+        "6b656e7308ae73746f705f746f6b656e5f696473c400aa69676e6f72655f656f73c2a4736565642aa8666561"
+        "747572657383a4726f777302a4636f6c7304a464617461c410003800bc00400000003e00b400420030a77265"
+        "6c6561736590"
+    ),
+    "verify_result": (
+        "83ae6d6963726f5f62617463685f696405a97665726966795f6d73cb4004000000000000a7656e7472696573"
+        "9187aa726571756573745f6964a57265712d31a47374657003a86163636570746564c4040b000000a5626f6e"
+        "757304a666696e697368c0a56572726f72c0a8666561747572657383a4726f777302a4636f6c7304a4646174"
+        "61c410003800bc00400000003e00b400420030"
+    ),
     "submit": (
         "8aaa726571756573745f6964a57265712d31a670726f6d7074c40c01000000020000002c010000a873616d70"
         "6c696e6787ab74656d7065726174757265cb0000000000000000a5746f705f70cb3ff0000000000000a5746f"
@@ -338,6 +383,54 @@ def test_a_trees_context_len_matches_golden_bytes_and_decodes_back() -> None:
         VerifyRequest("req-1", 3, GREEDY, 1, 8, chunk=(1, 2), context_len=2)
 
 
+# A VerifyJob whose tree and chunk entries both carry VerifyRequest.want_features (added within
+# version 1).
+GOLDEN_V1_WANT_FEATURES = (
+    "83ae6d6963726f5f62617463685f696405a7656e7472696573928baa726571756573745f6964a57265712d31a4"
+    "7374657003a873616d706c696e6787ab74656d7065726174757265cb0000000000000000a5746f705f70cb3ff0"
+    "000000000000a5746f705f6b00a473656564c0aa6d61785f746f6b656e7308ae73746f705f746f6b656e5f6964"
+    "73c400aa69676e6f72655f656f73c2a47365656401ae6d61785f6e65775f746f6b656e7308a56368756e6bc400"
+    "ab6368756e6b5f737461727400ad6368756e6b5f69735f6c617374c2a47472656587a6746f6b656e73c4040400"
+    "0000a7706172656e7473c404ffffffffa46c6f6771c4080000000000000000ab70726f706f73616c5f6f66c404"
+    "ffffffffae70726f706f73616c5f73697a6573c400ac70726f706f73616c5f696473c400ae70726f706f73616c"
+    "5f70726f6273c400ab636f6e746578745f6c656e11ad77616e745f6665617475726573c38aaa72657175657374"
+    "5f6964a57265712d32a47374657000a873616d706c696e6787ab74656d7065726174757265cb00000000000000"
+    "00a5746f705f70cb3ff0000000000000a5746f705f6b00a473656564c0aa6d61785f746f6b656e7308ae73746f"
+    "705f746f6b656e5f696473c400aa69676e6f72655f656f73c2a47365656407ae6d61785f6e65775f746f6b656e"
+    "7308a56368756e6bc4080100000002000000ab6368756e6b5f737461727400ad6368756e6b5f69735f6c617374"
+    "c2a474726565c0ad77616e745f6665617475726573c3a772656c6561736590"
+)
+
+
+def want_features_job() -> VerifyJob:
+    tree = VerifyRequest(
+        "req-1", 3, GREEDY, 1, 8, tree=TokenTree.root_only(4), context_len=17, want_features=True
+    )
+    chunk = VerifyRequest("req-2", 0, GREEDY, 7, 8, chunk=(1, 2), want_features=True)
+    return VerifyJob(5, (tree, chunk))
+
+
+def test_want_features_matches_golden_bytes_and_decodes_back() -> None:
+    golden = bytes.fromhex(GOLDEN_V1_WANT_FEATURES)
+    assert want_features_job().to_entry()["b"] == golden
+    job = decode_entry(entry_of("verify_job", golden))
+    assert isinstance(job, VerifyJob)
+    assert [e.want_features for e in job.entries] == [True, True]
+    assert job.entries[0].context_len == 17 and job.entries[1].chunk == (1, 2)
+
+
+def test_golden_v1_bytes_decode_without_features() -> None:
+    job = decode_entry(entry_of("verify_job", bytes.fromhex(GOLDEN_V1["verify_job"])))
+    assert isinstance(job, VerifyJob)
+    assert [e.want_features for e in job.entries] == [False, False]
+    result = decode_entry(entry_of("verify_result", bytes.fromhex(GOLDEN_V1["verify_result"])))
+    assert isinstance(result, VerifyResult)
+    assert [e.features for e in result.entries] == [None, None]
+    drafts = decode_entry(entry_of("draft_job", bytes.fromhex(GOLDEN_V1["draft_job"])))
+    assert isinstance(drafts, DraftJob)
+    assert [e.features for e in drafts.entries] == [None, None]
+
+
 def test_unset_added_fields_are_not_written() -> None:
     plain = Tokens("req-1", 3, 5, (9, 10), FinishReason.STOP)
     assert set(msgpack.unpackb(plain.to_entry()["b"])) == {
@@ -345,6 +438,13 @@ def test_unset_added_fields_are_not_written() -> None:
         "accepted_tokens",
     }  # fmt: skip
     assert "slo_class" not in msgpack.unpackb(canonical_v1()["submit"].to_entry()["b"])
+    for type_name, name in [
+        ("draft_job", "features"),
+        ("verify_job", "want_features"),
+        ("verify_result", "features"),
+    ]:
+        entries = msgpack.unpackb(canonical_v1()[type_name].to_entry()["b"])["entries"]
+        assert all(name not in e for e in entries), type_name
 
 
 # ---- round trips -------------------------------------------------------------------------------
@@ -480,6 +580,45 @@ def test_tokens_and_results_round_trip(
     assert round_trip(measured_only) == measured_only
     result = VerifyResult(3, 1.25, (VerifiedRequest("r", 7, tokens, 5, finish, None),))
     assert round_trip(result) == result
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (3, 16), (5, 64)])
+def test_features_round_trip_exactly(shape: tuple[int, int]) -> None:
+    rows = shape[0]
+    features = np.random.default_rng(rows * shape[1]).standard_normal(shape).astype(np.float16)
+    if features.size:
+        features.flat[0] = np.inf  # non-finite values travel as they are
+        features.flat[-1] = np.nan
+    verified = VerifiedRequest("r", 7, (5,) * max(rows - 1, 0), features=features)
+    draft = DraftRequest(
+        "r", 7, 9, (4,) * rows, DraftMethod("chain", k=2), GREEDY, 1, features=features
+    )
+    result = round_trip(VerifyResult(3, 1.25, (verified,)))
+    drafts = round_trip(DraftJob(2, (draft,)))
+    assert result == VerifyResult(3, 1.25, (verified,)) and drafts == DraftJob(2, (draft,))
+    assert isinstance(result, VerifyResult) and isinstance(drafts, DraftJob)
+    for decoded in (result.entries[0].features, drafts.entries[0].features):
+        assert decoded is not None and decoded.dtype == np.float16 and decoded.shape == shape
+        assert decoded.flags.writeable and decoded.flags.c_contiguous
+        np.testing.assert_array_equal(decoded, features)  # NaN equals NaN here
+        assert decoded.tobytes() == features.tobytes()
+
+
+def test_features_compare_by_value() -> None:
+    def entry(features: np.ndarray | None) -> VerifiedRequest:
+        return VerifiedRequest("r", 1, (3,), 4, features=features)
+
+    assert entry(FEATURES) == entry(FEATURES.copy())
+    assert entry(FEATURES) != entry(FEATURES + np.float16(1))
+    assert entry(FEATURES) != entry(None) and entry(None) == entry(None)
+    assert hash(entry(FEATURES)) == hash(entry(FEATURES.copy()))
+
+
+def test_oversized_features_are_refused_by_the_writer() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        pack_matrix_f16(np.zeros((MAX_FEATURE_ROWS + 1, 1), np.float16))
+    with pytest.raises(ValueError, match="2-D"):
+        pack_matrix_f16(np.zeros(4, np.float16))
 
 
 def test_entry_fields_may_be_str_keys_and_values() -> None:
@@ -632,6 +771,82 @@ def test_unknown_drafting_method_is_malformed() -> None:
     fields["entries"][0]["method"] = {"method": "oracle"}
     with pytest.raises(MalformedMessageError, match="unknown drafting method"):
         decode_entry(entry_of("draft_job", msgpack.packb(fields, use_bin_type=True)))
+
+
+def features_map(rows: object = 2, cols: object = 4, data: object = None) -> dict[str, object]:
+    raw = FEATURES.tobytes() if data is None else data
+    return {"rows": rows, "cols": cols, "data": raw}
+
+
+@pytest.mark.parametrize(
+    ("features", "problem"),
+    [
+        (features_map(data=FEATURES.tobytes()[:-1]), "15 bytes do not hold 2 x 4"),
+        (features_map(rows=3), "16 bytes do not hold 3 x 4"),
+        (features_map(rows=MAX_FEATURE_ROWS + 1, cols=0, data=b""), "at most"),
+        (features_map(rows=0, cols=MAX_FEATURE_COLS + 1, data=b""), "at most"),
+        (features_map(rows=2**40, cols=2**40), "at most"),
+        (features_map(rows=-1), r"features.rows: must be >= 0"),
+        (features_map(cols=True), r"features.cols: expected int"),
+        (features_map(rows=2.0), r"features.rows: expected int"),
+        (features_map(data=[1, 2]), r"features.data: expected bytes"),
+        ({"rows": 2, "cols": 4}, r"features.data: missing"),
+        ({"cols": 4, "data": FEATURES.tobytes()}, r"features.rows: missing"),
+        (FEATURES.tobytes(), "features: expected dict"),
+        ([[0.5, 1.0]], "features: expected dict"),
+        ("0.5", "features: expected dict"),
+    ],
+)
+def test_malformed_features_are_refused(features: object, problem: str) -> None:
+    result = golden_fields("verify_result")
+    result["entries"][0]["features"] = features  # two rows fit an entry with one accepted token
+    with pytest.raises(MalformedMessageError, match=problem):
+        decode_entry(entry_of("verify_result", msgpack.packb(result, use_bin_type=True)))
+    drafts = golden_fields("draft_job")
+    drafts["entries"][0]["features"] = features  # base_len 10, two new tokens: two rows
+    with pytest.raises(MalformedMessageError, match=problem):
+        decode_entry(entry_of("draft_job", msgpack.packb(drafts, use_bin_type=True)))
+
+
+def test_draft_features_with_the_wrong_row_count_are_malformed() -> None:
+    fields = golden_fields("draft_job")
+    fields["entries"][1]["features"] = features_map()  # base_len 0, two new tokens: one row
+    with pytest.raises(MalformedMessageError, match="features need 1 rows"):
+        decode_entry(entry_of("draft_job", msgpack.packb(fields, use_bin_type=True)))
+
+
+@pytest.mark.parametrize(
+    ("base_len", "features", "problem"),
+    [
+        (0, FEATURES, "need 1 rows"),  # the first prompt token has no preceding position
+        (5, FEATURES[:1], "need 2 rows"),
+        (5, np.zeros((3, 4), np.float16), "need 2 rows"),
+        (0, FEATURES[:1].astype(np.float32), "2-D float16"),
+        (5, FEATURES.astype(np.float64), "2-D float16"),
+        (5, FEATURES.reshape(-1), "2-D float16"),
+        (5, FEATURES.reshape(2, 2, 2), "2-D float16"),
+        (5, FEATURES.tolist(), "2-D float16"),
+    ],
+)
+def test_draft_request_refuses_features_of_the_wrong_shape_or_dtype(
+    base_len: int, features: object, problem: str
+) -> None:
+    method = DraftMethod("chain", k=2)
+    with pytest.raises(ValueError, match=problem):
+        DraftRequest("r", 1, base_len, (9, 10), method, GREEDY, 1, features=features)
+
+
+def test_draft_features_have_a_row_per_preceding_position() -> None:
+    method = DraftMethod("chain", k=2)
+    prompt = DraftRequest("r", 0, 0, (9, 10), method, GREEDY, 1, features=FEATURES[1:])
+    later = DraftRequest("r", 1, 5, (9, 10), method, GREEDY, 1, features=FEATURES)
+    assert prompt.features is not None and later.features is not None
+
+
+def test_verified_request_refuses_features_that_are_not_a_float16_matrix() -> None:
+    for features in (FEATURES.astype(np.float32), FEATURES.reshape(-1), FEATURES.tolist()):
+        with pytest.raises(ValueError, match="2-D float16"):
+            VerifiedRequest("r", 1, (3,), 4, features=features)
 
 
 def test_verify_entry_needs_exactly_one_of_chunk_and_tree() -> None:

@@ -2,9 +2,10 @@
 message or raises a `ProtocolError` (which the bus dead-letters with its reason); it never raises
 anything else, never runs code and never allocates past the limits.
 
-Every message type is mutated from its canonical version-1 entry: truncated at every length
-class, bytes flipped, bytes inserted, the envelope's version and type swapped, and payloads over
-the size limit. `AUGURY_FUZZ_SCALE=N` tries N times as many mutations (see
+Every message type is mutated from its canonical version-1 entry, and the step messages also
+from entries carrying the target's hidden-state features: truncated at every length class, bytes
+flipped, bytes inserted, the envelope's version and type swapped, and payloads over the size
+limit. `AUGURY_FUZZ_SCALE=N` tries N times as many mutations (see
 tests/test_gateway_fuzz.py).
 """
 
@@ -17,9 +18,19 @@ import pytest
 
 from shared.wire import ProtocolError, WireMessage, decode_entry
 from shared.wire.codec import MAX_PAYLOAD_BYTES
-from tests.test_protocol import canonical_v1
+from tests.test_protocol import added_in_v1, canonical_v1, want_features_job
 
 MUTATIONS_PER_TYPE = 400 * int(os.environ.get("AUGURY_FUZZ_SCALE", "1"))
+
+
+def fuzzed_messages() -> dict[str, WireMessage]:
+    """Canonical messages by type name, and those with features as "<type>+features"."""
+    with_features = {
+        "draft_job": added_in_v1()["draft_job"],
+        "verify_job": want_features_job(),
+        "verify_result": added_in_v1()["verify_result"],
+    }
+    return canonical_v1() | {f"{name}+features": m for name, m in with_features.items()}
 
 
 def mutate(payload: bytes, rng: random.Random) -> bytes:
@@ -40,10 +51,10 @@ def mutate(payload: bytes, rng: random.Random) -> bytes:
     return bytes(data)
 
 
-@pytest.mark.parametrize("type_name", sorted(canonical_v1()))
-def test_mutated_entries_decode_or_raise_a_protocol_error(type_name: str) -> None:
-    entry = canonical_v1()[type_name].to_entry()
-    rng = random.Random(type_name)
+@pytest.mark.parametrize("case", sorted(fuzzed_messages()))
+def test_mutated_entries_decode_or_raise_a_protocol_error(case: str) -> None:
+    entry = fuzzed_messages()[case].to_entry()
+    rng = random.Random(case)
     outcomes = {"decoded": 0, "refused": 0}
     for _ in range(MUTATIONS_PER_TYPE):
         fields = dict(entry)
@@ -55,7 +66,7 @@ def test_mutated_entries_decode_or_raise_a_protocol_error(type_name: str) -> Non
         else:
             assert isinstance(message, WireMessage)
             outcomes["decoded"] += 1
-    print(f"\nwire fuzz {type_name}: {outcomes}")
+    print(f"\nwire fuzz {case}: {outcomes}")
     assert outcomes["refused"] > MUTATIONS_PER_TYPE // 4  # the mutations do break things
 
 

@@ -96,8 +96,8 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
 
     def _sync(self, entry: DraftRequest) -> str | None:
         runner = self.runner
-        have = runner.num_cached(entry.request_id) if runner.has_request(entry.request_id) else 0
-        if entry.base_len == 0 and have:
+        have = self.drafter.num_committed(entry.request_id)
+        if entry.base_len == 0 and runner.has_request(entry.request_id):
             self.drafter.free(entry.request_id)  # the scheduler restarts this request here
             have = 0
         if have != entry.base_len:
@@ -107,7 +107,7 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
         vocab = runner.cfg.vocab_size
         if any(not 0 <= t < vocab for t in entry.new_tokens):
             return "invalid_tokens: a token id is outside the draft model's vocabulary"
-        return None
+        return self.drafter.feature_problem(entry)
 
     def _error(self, entry: DraftRequest, reason: str) -> DraftedTree:
         self.stats.errors[reason.split(":")[0]] += 1

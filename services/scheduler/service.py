@@ -447,7 +447,7 @@ class SchedulerService:
             result = await self._verify(job)
             results = {
                 e.request_id: StepResult(
-                    e.request_id, e.step, e.new_tokens, len(e.accepted), e.error
+                    e.request_id, e.step, e.new_tokens, len(e.accepted), e.error, e.features
                 )
                 for e in result.entries
             }
@@ -536,6 +536,7 @@ class SchedulerService:
                 max_new_tokens=r.tokens_left,
                 tree=trees[r.request_id],
                 context_len=r.num_tokens - 1,
+                want_features=self.core.wants_features(r),
             )
             for r in batch.decode
         ]
@@ -551,6 +552,7 @@ class SchedulerService:
                     chunk=tuple(r.prefill_tokens[start : start + chunk]),
                     chunk_start=start,
                     chunk_is_last=start + chunk == len(r.prefill_tokens),
+                    want_features=self.core.wants_features(r),
                 )
             )
         return tuple(entries)

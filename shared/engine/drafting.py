@@ -9,6 +9,12 @@ target's, whose root KV is computed by the verify forward). A draft step
    their ancestors in the tree region;
 3. discards the tree region, so the cache again holds exactly the committed tokens.
 
+A feature-level draft (EAGLE-style, `ModelConfig.feature_size`) reads, beside each token, the
+target's feature at the position before it (`DraftRequest.features`, sent by the verifier). Its
+cache holds one entry per committed token after the first, so it can only root a tree once the
+target has computed the feature before the root. Tree nodes read their parent's *predicted*
+feature, the draft's own output at the parent.
+
 Four ways to pick children, all batched: a chain of k; SpecInfer's static expansion <k1..km>;
 AdaServe's beam of depth d and width w (§4.3 step 1); and the CMU thesis's throughput-optimal
 dynamic tree under a token budget with size, depth and width limits across the batch (§3.1).
@@ -47,6 +53,8 @@ class _Growing:
     region: dict[int, int] = field(default_factory=lambda: {0: -1})  # the root is in the prefix
     frontier: list[int] = field(default_factory=lambda: [0])  # nodes whose logits we hold
     frontier_logits: torch.Tensor | None = None  # [len(frontier), num_out]
+    # feature-level drafts: each forwarded node's output feature, read by its children
+    feature_of: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add(self, parent: int, token: int, logq: float, proposal: int = DETERMINISTIC) -> int:
         self.tokens.append(token)
@@ -84,9 +92,54 @@ class Drafter:
         self.runner = runner
         self.name = name
         self.output_ids = runner.model.output_token_ids  # [num_out] full-vocab ids
+        self.is_feature_level = bool(runner.cfg.feature_size)
+        self._num_committed: dict[str, int] = {}
 
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
+        self._num_committed.pop(request_id, None)
+
+    def num_committed(self, request_id: str) -> int:
+        """Committed tokens of the request this drafter holds (0 if none)."""
+        return self._num_committed.get(request_id, 0)
+
+    def feature_problem(self, req: DraftRequest) -> str | None:
+        """Why a feature-level draft cannot take this request's features (None: it can)."""
+        if not self.is_feature_level:
+            return None
+        rows = len(req.new_tokens) - (1 if req.base_len == 0 else 0)
+        width = self.runner.cfg.feature_size
+        if req.features is None:
+            return "missing_features: a feature-level draft needs the target's features"
+        if req.features.shape != (rows, width):
+            return f"missing_features: need [{rows}, {width}], got {list(req.features.shape)}"
+        return None
+
+    def _append_committed(self, requests: Sequence[DraftRequest]) -> list[tuple[torch.Tensor, ...]]:
+        """Append each request's new committed tokens; the root's logits (and, feature-level,
+        its predicted feature), or () where no tree can be rooted yet."""
+        items, rooted = [], []
+        for r in requests:
+            if not self.is_feature_level:
+                items.append(ForwardItem.chain(r.request_id, r.new_tokens))
+                rooted.append(r)
+                continue
+            tokens = r.new_tokens[1:] if r.base_len == 0 else r.new_tokens
+            if tokens:  # the first token of a request has no feature before it: no entry
+                assert r.features is not None
+                feats = torch.from_numpy(r.features).to(self.runner.device, self.runner.dtype)
+                items.append(
+                    ForwardItem.chain(r.request_id, tokens, features=feats, feature_rows="last")
+                )
+                rooted.append(r)
+        outputs = self.runner.forward_full(items) if items else []
+        self.runner.commit({item.request_id: range(len(item.tokens)) for item in items})
+        for r in requests:
+            self._num_committed[r.request_id] = r.base_len + len(r.new_tokens)
+        by_id = {
+            r.request_id: (out.logits, out.features) for r, out in zip(rooted, outputs, strict=True)
+        }
+        return [by_id.get(r.request_id, ()) for r in requests]
 
     # ---- the draft step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -94,12 +147,12 @@ class Drafter:
         if not requests:
             return {}
         for req in requests:
+            problem = self.feature_problem(req)
+            if problem is not None:
+                raise ValueError(f"request {req.request_id}: {problem}")
             if not self.runner.has_request(req.request_id):
                 self.runner.add_request(req.request_id)
-        root_logits = self.runner.forward(
-            [ForwardItem.chain(r.request_id, r.new_tokens) for r in requests]
-        )
-        self.runner.commit({r.request_id: range(len(r.new_tokens)) for r in requests})
+        roots = self._append_committed(requests)
         trees = [
             _Growing(
                 r,
@@ -109,8 +162,13 @@ class Drafter:
             )
             for r in requests
         ]
-        for tree, logits in zip(trees, root_logits, strict=True):
-            tree.frontier_logits = logits
+        for tree, root in zip(trees, roots, strict=True):
+            if not root:
+                tree.frontier = []  # nothing to grow from: the root alone
+                continue
+            tree.frontier_logits = root[0]
+            if self.is_feature_level:
+                tree.feature_of[0] = root[1][0]
         for layer in range(1, method.num_layers + 1):
             active = [t for t in trees if t.frontier and layer <= t.max_depth]
             if method.kind == "dynamic":
@@ -129,7 +187,7 @@ class Drafter:
     def _max_depth(self, req: DraftRequest, method: DraftMethod) -> int:
         """The plan's depth (0: none), the method's, and what the context leaves after the
         committed tokens (the root included, whose KV this drafter now holds)."""
-        room = self.runner.max_context - self.runner.num_cached(req.request_id)
+        room = self.runner.max_context - self.num_committed(req.request_id)
         depth = min(method.num_layers, max(room, 0))
         return min(depth, req.max_depth) if req.max_depth else depth
 
@@ -141,9 +199,15 @@ class Drafter:
             base = self.runner.tree_size(t.req.request_id)
             parents = [t.region[t.parents[n]] for n in t.frontier]
             t.region.update({n: base + i for i, n in enumerate(t.frontier)})
-            items.append(ForwardItem(t.req.request_id, [t.tokens[n] for n in t.frontier], parents))
-        for t, logits in zip(trees, self.runner.forward(items), strict=True):
-            t.frontier_logits = logits
+            item = ForwardItem(t.req.request_id, [t.tokens[n] for n in t.frontier], parents)
+            if self.is_feature_level:
+                item.features = torch.stack([t.feature_of[t.parents[n]] for n in t.frontier])
+                item.feature_rows = "all"
+            items.append(item)
+        for t, out in zip(trees, self.runner.forward_full(items), strict=True):
+            t.frontier_logits = out.logits
+            if self.is_feature_level:
+                t.feature_of.update(zip(t.frontier, out.features, strict=True))
 
     # ---- child selection -----------------------------------------------------------------------
     def _log_q(self, t: _Growing) -> torch.Tensor:

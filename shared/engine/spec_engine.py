@@ -110,6 +110,10 @@ class SpecEngine:
                 max_running=self.config.max_running,
                 method=method if self.drafters else None,
                 planner=self.config.planner,
+                feature_drafts=frozenset(
+                    name for name, d in self.drafters.items() if d.is_feature_level
+                ),
+                feature_size=runner.cfg.hidden_size,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters), self.config.lbss),
@@ -224,18 +228,27 @@ class SpecEngine:
                 chunk=tuple(r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk]),
                 chunk_start=r.num_prefilled,
                 chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
+                want_features=self.core.wants_features(r),
             )
             for r, chunk in batch.prefill
         ]
         entries += [
             VerifyRequest(
-                r.request_id, r.step, r.params, r.seed, r.tokens_left, tree=trees[r.request_id]
+                r.request_id,
+                r.step,
+                r.params,
+                r.seed,
+                r.tokens_left,
+                tree=trees[r.request_id],
+                want_features=self.core.wants_features(r),
             )
             for r in batch.decode
         ]
         verified = self.verifier.step(entries) if entries else []
         return {
-            v.request_id: StepResult(v.request_id, v.step, v.new_tokens, len(v.accepted))
+            v.request_id: StepResult(
+                v.request_id, v.step, v.new_tokens, len(v.accepted), features=v.features
+            )
             for v in verified
         }
 

@@ -9,7 +9,9 @@ service run one verification path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
@@ -47,26 +49,39 @@ class Verifier:
         for e in entries:
             if not self.runner.has_request(e.request_id):
                 self.runner.add_request(e.request_id)
+            feature_rows = "all" if e.want_features else "none"
             if e.tree is None:
                 logits = "last" if e.chunk_is_last else "none"
-                items.append(ForwardItem.chain(e.request_id, e.chunk, logits=logits))
+                items.append(
+                    ForwardItem.chain(
+                        e.request_id, e.chunk, logits=logits, feature_rows=feature_rows
+                    )
+                )
             else:
-                items.append(ForwardItem(e.request_id, e.tree.tokens.tolist(), e.tree.parents))
-        all_logits = self.runner.forward(items)
+                tokens = e.tree.tokens.tolist()
+                items.append(
+                    ForwardItem(e.request_id, tokens, e.tree.parents, feature_rows=feature_rows)
+                )
+        outputs = self.runner.forward_full(items)
         commits: dict[str, Sequence[int]] = {}
         results = []
-        for e, logits in zip(entries, all_logits, strict=True):
+        for e, out in zip(entries, outputs, strict=True):
             rng = step_rng(e.seed, e.step, VERIFY_STREAM)
             if e.tree is None:
-                commits[e.request_id] = range(len(e.chunk))
+                kept: Sequence[int] = range(len(e.chunk))
                 tokens = []
                 if e.chunk_is_last:
-                    probs = processed_probs(logits, e.sampling)[0]
+                    probs = processed_probs(out.logits, e.sampling)[0]
                     tokens = [sample(probs, rng.random())]
-                results.append(verified(e, tokens, 0))
+                result = verified(e, tokens, 0)
             else:
-                verdict = verify(e.tree, logits, e.sampling, rng)
-                commits[e.request_id] = verdict.kv_path
-                results.append(verified(e, verdict.emitted, len(verdict.accepted_tokens)))
+                verdict = verify(e.tree, out.logits, e.sampling, rng)
+                kept = verdict.kv_path
+                result = verified(e, verdict.emitted, len(verdict.accepted_tokens))
+            commits[e.request_id] = kept
+            if e.want_features:  # the committed positions' features, for a feature-level draft
+                rows = out.features[list(kept)].to(torch.float16).cpu().numpy()
+                result = replace(result, features=np.ascontiguousarray(rows))
+            results.append(result)
         self.runner.commit(commits)
         return results

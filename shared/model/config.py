@@ -35,6 +35,13 @@ class ModelConfig:
     # A draft whose input embedding is the target's own: the checkpoint does not store it and
     # `load_model` reads it from the target checkpoint (hidden sizes must match).
     shares_target_embedding: bool = False
+    # A feature-level draft (EAGLE-style): each input position also reads a feature vector of
+    # this width (the target's last-layer hidden state), fused with the token embedding by
+    # `feature_fc`. None: an ordinary token-only model.
+    feature_size: int | None = None
+    # The output head is the target's own (its rows for `output_token_ids`), read from the target
+    # checkpoint like a shared embedding.
+    shares_target_head: bool = False
 
     @property
     def num_query_per_kv(self) -> int:
@@ -79,6 +86,8 @@ class ModelConfig:
             num_output_tokens=cfg.get("augury_num_output_tokens"),
             embedding_rank=cfg.get("augury_embedding_rank"),
             shares_target_embedding=bool(cfg.get("augury_shares_target_embedding", False)),
+            feature_size=cfg.get("augury_feature_size"),
+            shares_target_head=bool(cfg.get("augury_shares_target_head", False)),
         )
 
 

@@ -87,6 +87,11 @@ class LlamaModel(nn.Module):
         rank = cfg.embedding_rank
         self.embed_tokens = nn.Embedding(cfg.vocab_size, rank or cfg.hidden_size)
         self.embed_proj = nn.Linear(rank, cfg.hidden_size, bias=False) if rank else None
+        feature = cfg.feature_size
+        # [hidden, hidden + feature]: fuses (token embedding, feature) into the first layer's input
+        self.feature_fc = (
+            nn.Linear(cfg.hidden_size + feature, cfg.hidden_size, bias=False) if feature else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         self.lm_head = nn.Linear(cfg.hidden_size, num_out, bias=False)
@@ -189,6 +194,7 @@ class LlamaModel(nn.Module):
         k_cache: torch.Tensor,  # [L, num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         attention: AttentionFn,
+        features: torch.Tensor | None = None,  # [T, feature_size]: feature-level models only
     ) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
         assert self.rope is not None, "call init_rope() after moving the model to its device"
@@ -198,6 +204,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
+        if self.feature_fc is not None:
+            if features is None or features.shape != (num_tokens, cfg.feature_size):
+                got = None if features is None else tuple(features.shape)
+                raise ValueError(
+                    f"a feature-level model needs features [{num_tokens}, {cfg.feature_size}], "
+                    f"got {got}"
+                )
+            x = self.feature_fc(torch.cat([x, features.to(x.dtype)], dim=-1))
         cos, sin = self.rope.tables(positions, x.dtype)
         planned = self._layer_linears
         for i, layer in enumerate(self.layers):
@@ -218,6 +232,12 @@ class LlamaModel(nn.Module):
             x = x + down_proj(torch.nn.functional.silu(gate) * up)
         return x
 
+    def output_features(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden]
+        """What the output head reads: the last layer's output after the final norm. The
+        target's are the features a feature-level draft consumes; a feature-level draft's own
+        are its prediction of the target's features at the next position."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, num_out]
         head = self._head_linear or self.lm_head
-        return head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        return head(self.output_features(hidden)).float()

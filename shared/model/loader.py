@@ -15,6 +15,7 @@ from shared.model.llama import LlamaModel
 OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
 EMBED_PROJ_KEY = "augury.embed_proj.weight"
 EMBED_KEY = "model.embed_tokens.weight"
+FEATURE_FC_KEY = "augury.feature_fc.weight"
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -36,9 +37,13 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def read_target_embedding(draft: str | Path, target: str | Path | None) -> torch.Tensor:
+def read_target_embedding(
+    draft: str | Path, target: str | Path | None, *, head: bool = False
+) -> torch.Tensor:
     """The input embedding a draft shares with its target (`augury_shares_target_embedding`),
-    read from the target checkpoint after checking that vocabulary and width agree."""
+    read from the target checkpoint after checking that vocabulary and width agree. With
+    `head`, the target's output head instead (`augury_shares_target_head`): its `lm_head.weight`,
+    or the embedding when the target ties them."""
     draft = Path(draft)
     cfg = read_config(draft)
     if target is None:
@@ -53,11 +58,15 @@ def read_target_embedding(draft: str | Path, target: str | Path | None) -> torch
             f"embedding of {target} (vocab {target_cfg.vocab_size}, hidden "
             f"{target_cfg.hidden_size})"
         )
-    for file in sorted(target.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            if EMBED_KEY in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                return f.get_tensor(EMBED_KEY)
-    raise UnsupportedModelError(f"target checkpoint {target} lacks tensor {EMBED_KEY!r}")
+    names = [EMBED_KEY]
+    if head:
+        names = ["lm_head.weight"] + (names if target_cfg.tie_word_embeddings else [])
+    for name in names:
+        for file in sorted(target.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    return f.get_tensor(name)
+    raise UnsupportedModelError(f"target checkpoint {target} lacks tensor {names[0]!r}")
 
 
 def load_model(
@@ -70,13 +79,17 @@ def load_model(
     """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections.
 
     `target_path` is the target checkpoint, needed only by a draft that shares its input embedding
-    (`augury_shares_target_embedding`); other checkpoints ignore it.
+    or output head (`augury_shares_target_embedding`, `augury_shares_target_head`); other
+    checkpoints ignore it.
     """
     path = Path(path)
     cfg = read_config(path)
     w = _read_tensors(path)
     if cfg.shares_target_embedding:
         w[EMBED_KEY] = read_target_embedding(path, target_path)
+    if cfg.shares_target_head:
+        rows = w[OUTPUT_TOKEN_IDS_KEY].long() if OUTPUT_TOKEN_IDS_KEY in w else slice(None)
+        w["lm_head.weight"] = read_target_embedding(path, target_path, head=True)[rows]
 
     def take(name: str) -> torch.Tensor:
         if name not in w:
@@ -87,6 +100,8 @@ def load_model(
     model.embed_tokens.weight.copy_(take(EMBED_KEY))
     if model.embed_proj is not None:
         model.embed_proj.weight.copy_(take(EMBED_PROJ_KEY))
+    if model.feature_fc is not None:
+        model.feature_fc.weight.copy_(take(FEATURE_FC_KEY))
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         layer.input_norm.copy_(take(p + "input_layernorm.weight"))

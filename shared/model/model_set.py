@@ -16,6 +16,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DRAFTS_DIR = REPO_ROOT / "models" / "drafts"
 # Smallest (fastest, least accurate) first.
 DRAFT_NAMES = ("draft-s", "draft-m", "draft-l")
+# Feature-level drafts: they read the target's features, which the verifier must send with its
+# results (see `shared.engine.feature_drafting`).
+FEATURE_DRAFT_NAMES = ("draft-e",)
+ALL_DRAFT_NAMES = DRAFT_NAMES + FEATURE_DRAFT_NAMES
 
 
 @dataclass(frozen=True)

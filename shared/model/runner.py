@@ -32,10 +32,29 @@ class ForwardItem:
     # earlier forward, or of an earlier token of this item; -1 attaches it to the prefix end.
     parents: Sequence[int]
     logits: LogitsRows = "all"
+    # A feature-level model's input features, one row per token ([n, feature_size]).
+    features: torch.Tensor | None = None
+    # Rows whose output features (`LlamaModel.output_features`) to return.
+    feature_rows: LogitsRows = "none"
 
     @classmethod
-    def chain(cls, request_id: str, tokens: Sequence[int], logits: LogitsRows = "last"):
-        return cls(request_id, tokens, list(range(-1, len(tokens) - 1)), logits)
+    def chain(
+        cls,
+        request_id: str,
+        tokens: Sequence[int],
+        logits: LogitsRows = "last",
+        *,
+        features: torch.Tensor | None = None,
+        feature_rows: LogitsRows = "none",
+    ) -> ForwardItem:
+        parents = list(range(-1, len(tokens) - 1))
+        return cls(request_id, tokens, parents, logits, features, feature_rows)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [rows asked by `ForwardItem.logits`, num_output_tokens], fp32
+    features: torch.Tensor  # [rows asked by `ForwardItem.feature_rows`, hidden]
 
 
 @dataclass
@@ -152,9 +171,13 @@ class ModelRunner:
             if not -1 <= p < base + i:
                 raise InvalidRequestError(f"node {base + i} has parent {p}: not an earlier node")
 
-    @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """One packed forward; returns each item's logits [rows, num_output_tokens]."""
+        return [out.logits for out in self.forward_full(items)]
+
+    @torch.inference_mode()
+    def forward_full(self, items: Sequence[ForwardItem]) -> list[ForwardOutput]:
+        """One packed forward; each item's logits and, where asked, output features."""
         seqs = [self._seqs[item.request_id] for item in items]
         plans = []
         for item, seq in zip(items, seqs, strict=True):
@@ -182,6 +205,8 @@ class ModelRunner:
         query_start = [0]
         logit_rows: list[int] = []
         row_counts: list[int] = []
+        feature_rows: list[int] = []
+        feature_counts: list[int] = []
         for item, seq, (base, new_depths) in zip(items, seqs, plans, strict=True):
             n = len(item.tokens)
             start = query_start[-1]
@@ -200,6 +225,9 @@ class ModelRunner:
             chosen = rows[item.logits]
             logit_rows.extend(chosen)
             row_counts.append(len(chosen))
+            chosen = rows[item.feature_rows]
+            feature_rows.extend(chosen)
+            feature_counts.append(len(chosen))
 
         dev = self.device
         tree_lens = [len(seq.parents) for seq in seqs]
@@ -222,6 +250,12 @@ class ModelRunner:
             prefix_lens_host=prefix_lens,
             tree_lens_host=tree_lens,
         )
+        input_features = None
+        if self.cfg.feature_size:
+            missing = [item.request_id for item in items if item.features is None]
+            if missing:
+                raise InvalidRequestError(f"feature-level model: no features for {missing[0]}")
+            input_features = torch.cat([item.features for item in items]).to(dev)
         hidden = self.model.hidden_states(
             torch.tensor(tokens, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -229,9 +263,19 @@ class ModelRunner:
             self.cache.k,
             self.cache.v,
             self.attention,
+            input_features,
         )
         logits = self.model.logits(hidden[logit_rows]) if logit_rows else hidden.new_empty(0, 0)
-        return list(logits.split(row_counts)) if logit_rows else [logits] * len(items)
+        per_item_logits = logits.split(row_counts) if logit_rows else [logits] * len(items)
+        features = hidden.new_empty(0, hidden.shape[1])
+        if feature_rows:
+            features = self.model.output_features(hidden[feature_rows])
+        per_item_features = (
+            features.split(feature_counts) if feature_rows else [features] * len(items)
+        )
+        return [
+            ForwardOutput(lg, ft) for lg, ft in zip(per_item_logits, per_item_features, strict=True)
+        ]
 
     # ---- after the forward --------------------------------------------------------------------
     def commit(self, paths: Mapping[str, Sequence[int]]) -> None:

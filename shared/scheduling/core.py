@@ -27,11 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
+import numpy as np
+
 from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
+from shared.scheduling.features import FeatureLog
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, is_shared_device
 from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
 from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
@@ -69,6 +72,10 @@ class CoreConfig:
     # goodput: size each request's speculation by the cost model (zero included);
     # fixed: always draft the method's full tree
     planner: SpeculationPlanner = "goodput"
+    # Draft models that read the target's features (EAGLE-style), and the features' width: the
+    # core then asks the verifier for features and keeps them per request (`features.py`).
+    feature_drafts: frozenset[str] = frozenset()
+    feature_size: int = 0
 
 
 class KVView(Protocol):
@@ -97,6 +104,8 @@ class DraftPlan:
     new_tokens: tuple[int, ...]  # ... and those it must append (the last is the root)
     max_depth: int
     max_nodes: int
+    # feature-level drafts: the target's features before each new token (`DraftRequest.features`)
+    features: np.ndarray | None = None
 
 
 @dataclass
@@ -136,6 +145,8 @@ class StepResult:
     tokens: Sequence[int] = ()  # accepted draft tokens then the bonus (or a prefill's first)
     num_accepted: int = 0
     error: str | None = None  # "kind: detail"
+    # the target's features at the positions it committed (asked with `wants_features`)
+    features: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,7 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
         seed=request.seed,
         max_nodes=plan.max_nodes,
         max_depth=plan.max_depth,
+        features=plan.features,
     )
 
 
@@ -219,6 +231,7 @@ class SchedulerCore:
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
+        self._features: dict[str, FeatureLog] = {}  # feature-level drafts: the target's
 
     # ---- the pool ------------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], max_tokens: int) -> None:
@@ -262,6 +275,21 @@ class SchedulerCore:
     def set_drafters(self, replicas: Mapping[str, Sequence[str]]) -> None:
         """The live draft models and their replicas (the executor's view of its drafters)."""
         self.drafters = {model: list(names) for model, names in replicas.items() if names}
+
+    def wants_features(self, request: RequestState) -> bool:
+        """Whether the verifier should return the target's features for this request."""
+        return bool(self.config.feature_drafts) and request.speculate
+
+    def _plan_features(self, request: RequestState, base: int) -> tuple[int, np.ndarray] | None:
+        """(base, features) for a feature-level draft of the request: the features before each
+        token it appends, from `base` or, if those are not held, from 0; None if neither is."""
+        log = self._features.get(request.request_id)
+        end = request.num_tokens - 1  # the root's feature is not computed yet
+        for start in (base, 0):
+            lo = max(start, 1) - 1
+            if log is not None and log.covers(lo, end):
+                return start, log.take(lo, end)
+        return None
 
     def take_releases(self) -> list[Release]:
         releases, self._releases = self._releases, []
@@ -584,6 +612,12 @@ class SchedulerCore:
             tokens = request.all_tokens
             if base >= len(tokens):  # nothing new to root a tree at: start that drafter over
                 base = 0
+            features = None
+            if model in self.config.feature_drafts:
+                planned = self._plan_features(request, base)
+                if planned is None:  # never computed: this step verifies the root alone
+                    continue
+                base, features = planned
             nodes = sum(method.tokens_at_depth(d) for d in range(1, depth + 1))
             batch.drafts[q.request_id] = DraftPlan(
                 model,
@@ -593,6 +627,7 @@ class SchedulerCore:
                 tuple(tokens[base:]),
                 depth,
                 min(nodes, method.max_draft_tokens),
+                features,
             )
 
     def _place(self, request: RequestState, model: str) -> None:
@@ -712,6 +747,10 @@ class SchedulerCore:
                 continue
             request.step += 1
             request.attained_service_ms += elapsed_ms
+            if result.features is not None and self.config.feature_drafts:
+                first = request.num_prefilled if rid in chunks else request.num_tokens - 1
+                log = self._features.setdefault(rid, FeatureLog(self.config.feature_size))
+                log.put(first, result.features)
             drafted = 0
             if rid in chunks:
                 request.num_prefilled += chunks[rid]
@@ -885,3 +924,4 @@ class SchedulerCore:
         self.chooser.forget(rid)
         self.policy.forget(rid)
         self._speculation.pop(rid, None)
+        self._features.pop(rid, None)

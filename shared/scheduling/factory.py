@@ -22,6 +22,8 @@ class TargetInfo:
     vocab_size: int
     max_context: int
     eos_token_ids: tuple[int, ...] = ()
+    hidden_size: int = 0  # the width of the target's features
+    feature_drafts: frozenset[str] = frozenset()  # draft models that read them
 
 
 def method_from_settings(spec: SpeculationSettings) -> DraftMethod | None:
@@ -69,6 +71,8 @@ def build_core(
             micro_batch_drop=config.micro_batch_drop,
             method=method_from_settings(config.speculation),
             planner=config.speculation.planner,
+            feature_drafts=target.feature_drafts,
+            feature_size=target.hidden_size,
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps),
         chooser=make_chooser(config.draft_chooser, draft_models, config.lbss),

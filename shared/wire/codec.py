@@ -23,6 +23,9 @@ MAX_MAP_ITEMS = 4096
 
 TOKEN_DTYPE = np.dtype("<i4")  # token ids and tree indices travel as int32 little-endian
 FLOAT_DTYPE = np.dtype("<f8")
+F16_DTYPE = np.dtype("<f2")  # hidden-state features travel as float16 little-endian, C order
+MAX_FEATURE_ROWS = 4096
+MAX_FEATURE_COLS = 8192
 
 T = TypeVar("T")
 
@@ -84,6 +87,18 @@ def pack_ints(values: Sequence[int] | np.ndarray) -> bytes:
 
 def pack_floats(values: Sequence[float] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=FLOAT_DTYPE).tobytes()
+
+
+def pack_matrix_f16(matrix: np.ndarray) -> dict[str, Any]:
+    """A 2-D matrix as {"rows", "cols", "data"}: its values as float16 bytes, row after row."""
+    array = np.asarray(matrix)
+    if array.ndim != 2:
+        raise ValueError(f"expected a 2-D matrix, got {array.ndim} dimensions")
+    rows, cols = array.shape
+    if rows > MAX_FEATURE_ROWS or cols > MAX_FEATURE_COLS:
+        raise ValueError(f"a matrix is at most {MAX_FEATURE_ROWS} x {MAX_FEATURE_COLS}")
+    data = np.ascontiguousarray(array, dtype=F16_DTYPE).tobytes()
+    return {"rows": int(rows), "cols": int(cols), "data": data}
 
 
 class PayloadReader:
@@ -181,6 +196,20 @@ class PayloadReader:
     def float_array(self, name: str) -> np.ndarray:
         raw = self._get(name, (bytes,), None, True)
         return self._frombuffer(name, raw, FLOAT_DTYPE).astype(np.float64)
+
+    def optional_f16_matrix(self, name: str) -> np.ndarray | None:
+        """A pack_matrix_f16 map -> a float16 [rows, cols] array of its own (None when absent)."""
+        matrix = self.optional_sub(name)
+        if matrix is None:
+            return None
+        rows = matrix.integer("rows", minimum=0)
+        cols = matrix.integer("cols", minimum=0)
+        if rows > MAX_FEATURE_ROWS or cols > MAX_FEATURE_COLS:
+            self.fail(name, f"at most {MAX_FEATURE_ROWS} x {MAX_FEATURE_COLS}, got {rows} x {cols}")
+        raw = matrix.blob("data")
+        if len(raw) != rows * cols * F16_DTYPE.itemsize:
+            matrix.fail("data", f"{len(raw)} bytes do not hold {rows} x {cols} float16 values")
+        return np.frombuffer(raw, dtype=F16_DTYPE).reshape(rows, cols).astype(np.float16)
 
     def _frombuffer(self, name: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
         if len(raw) % dtype.itemsize:

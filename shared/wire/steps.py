@@ -2,18 +2,21 @@
 
 Scheduler -> a drafter replica: `DraftJob`; drafter -> scheduler: `CandidateTrees`.
 Scheduler -> verifier: `VerifyJob`; verifier -> scheduler: `VerifyResult`.
-Messages carrying token trees compare by identity (trees hold numpy arrays).
+Messages carrying token trees compare by identity (trees hold numpy arrays); entries carrying
+the target's hidden-state features compare them by value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
+
+import numpy as np
 
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import TokenTree
 from shared.wire.base import WireMessage
-from shared.wire.codec import PayloadReader, pack_ints
+from shared.wire.codec import PayloadReader, pack_ints, pack_matrix_f16
 from shared.wire.requests import MAX_ID_LEN, check_request_id
 from shared.wire.values import (
     DraftMethod,
@@ -35,6 +38,34 @@ def _release_payload(request_ids: tuple[str, ...]) -> list[str]:
     return list(request_ids)
 
 
+# ---- hidden-state features -------------------------------------------------------------------
+
+
+def _check_features(features: np.ndarray | None) -> None:
+    if features is not None and (
+        not isinstance(features, np.ndarray) or features.ndim != 2 or features.dtype != np.float16
+    ):
+        raise ValueError("features are a 2-D float16 array")
+
+
+def _features_payload(features: np.ndarray | None) -> dict[str, Any]:
+    """Written only when set, so entries without features keep their version-1 bytes."""
+    return {} if features is None else {"features": pack_matrix_f16(features)}
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    """Field-wise equality of two entries of one type, comparing `features` arrays by value."""
+    if type(a) is not type(b):
+        return False
+    others = [f.name for f in fields(a) if f.name != "features"]
+    if [getattr(a, n) for n in others] != [getattr(b, n) for n in others]:
+        return False
+    x, y = a.features, b.features
+    if x is None or y is None:
+        return x is y
+    return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+
+
 # ---- drafting --------------------------------------------------------------------------------
 
 
@@ -46,6 +77,10 @@ class DraftRequest:
     committed since (the whole prompt when base_len is 0). It drops whatever it speculated past
     them, appends them, and grows a tree rooted at the last one. A drafter whose state does not
     hold exactly `base_len` tokens answers with an error so the scheduler resends from 0.
+
+    `features` (feature-level drafters; written only when set): float16 [rows, H], the target's
+    last-layer hidden states at the position before each of `new_tokens` (the first prompt
+    token has none, so rows = len(new_tokens) - 1 when base_len is 0, else len(new_tokens)).
     """
 
     request_id: str
@@ -59,6 +94,7 @@ class DraftRequest:
     # limit) and no deeper than `max_depth` (0: the method's depth). Sent only when set.
     max_nodes: int = 0
     max_depth: int = 0
+    features: np.ndarray | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -66,17 +102,28 @@ class DraftRequest:
             raise ValueError("step, base_len, max_nodes and max_depth are >= 0")
         if self.base_len + len(self.new_tokens) == 0:
             raise ValueError("a draft needs at least one committed token")
+        _check_features(self.features)
+        rows = len(self.new_tokens) - (1 if self.base_len == 0 else 0)
+        if self.features is not None and len(self.features) != rows:
+            raise ValueError(f"features need {rows} rows for these new tokens")
+
+    def __eq__(self, other: object) -> bool:
+        return _same_entry(self, other)
 
     def payload(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "step": int(self.step),
-            "base_len": int(self.base_len),
-            "new_tokens": pack_ints(self.new_tokens),
-            "method": method_payload(self.method),
-            "sampling": sampling_payload(self.sampling),
-            "seed": int(self.seed),
-        } | {name: int(v) for name, v in self._limits().items() if v}
+        return (
+            {
+                "request_id": self.request_id,
+                "step": int(self.step),
+                "base_len": int(self.base_len),
+                "new_tokens": pack_ints(self.new_tokens),
+                "method": method_payload(self.method),
+                "sampling": sampling_payload(self.sampling),
+                "seed": int(self.seed),
+            }
+            | {name: int(v) for name, v in self._limits().items() if v}
+            | _features_payload(self.features)
+        )
 
     def _limits(self) -> dict[str, int]:
         return {"max_nodes": self.max_nodes, "max_depth": self.max_depth}
@@ -94,6 +141,7 @@ class DraftRequest:
             seed=fields.integer("seed", minimum=0),
             max_nodes=fields.integer("max_nodes", 0, minimum=0),
             max_depth=fields.integer("max_depth", 0, minimum=0),
+            features=fields.optional_f16_matrix("features"),
         )
 
 
@@ -204,6 +252,9 @@ class VerifyRequest:
     `context_len` (trees; written only when set): the tokens whose KV the verifier must already
     hold, the root's position. A verifier holding any other length answers `out_of_sync`
     instead of extending a KV that a stale, redelivered job has already moved.
+
+    `want_features` (written only when set): return the target's hidden states with the result
+    (VerifiedRequest.features), for a feature-level drafter.
     """
 
     request_id: str
@@ -216,6 +267,7 @@ class VerifyRequest:
     chunk_is_last: bool = False
     tree: TokenTree | None = None
     context_len: int | None = None
+    want_features: bool = False
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -227,17 +279,21 @@ class VerifyRequest:
             raise ValueError("context_len is >= 0 and belongs to a tree")
 
     def payload(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "step": int(self.step),
-            "sampling": sampling_payload(self.sampling),
-            "seed": int(self.seed),
-            "max_new_tokens": int(self.max_new_tokens),
-            "chunk": pack_ints(self.chunk),
-            "chunk_start": int(self.chunk_start),
-            "chunk_is_last": bool(self.chunk_is_last),
-            "tree": optional_tree_payload(self.tree),
-        } | ({} if self.context_len is None else {"context_len": int(self.context_len)})
+        return (
+            {
+                "request_id": self.request_id,
+                "step": int(self.step),
+                "sampling": sampling_payload(self.sampling),
+                "seed": int(self.seed),
+                "max_new_tokens": int(self.max_new_tokens),
+                "chunk": pack_ints(self.chunk),
+                "chunk_start": int(self.chunk_start),
+                "chunk_is_last": bool(self.chunk_is_last),
+                "tree": optional_tree_payload(self.tree),
+            }
+            | ({} if self.context_len is None else {"context_len": int(self.context_len)})
+            | ({"want_features": True} if self.want_features else {})
+        )
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -253,6 +309,7 @@ class VerifyRequest:
             chunk_is_last=fields.flag("chunk_is_last", False),
             tree=read_optional_tree(fields, "tree"),
             context_len=fields.optional_integer("context_len"),
+            want_features=fields.flag("want_features", False),
         )
 
 
@@ -289,6 +346,10 @@ class VerifiedRequest:
     `accepted` are tree tokens the target accepted, root's child first; `bonus` is the target's
     own next token (None after a chunk that was not the last, or when an accepted token finished
     the request). An `error` (e.g. out_of_kv_memory) means nothing was committed.
+
+    `features` (when the entry asked for them; written only when set): float16 [rows, H], the
+    target's last-layer hidden states of a tree's accepted KV path (the root, then each accepted
+    token: 1 + len(accepted) rows) or of each token of a prefill chunk.
     """
 
     request_id: str
@@ -297,9 +358,14 @@ class VerifiedRequest:
     bonus: int | None = None
     finish: FinishReason | None = None
     error: str | None = None
+    features: np.ndarray | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
+        _check_features(self.features)
+
+    def __eq__(self, other: object) -> bool:
+        return _same_entry(self, other)
 
     @property
     def new_tokens(self) -> tuple[int, ...]:
@@ -313,7 +379,7 @@ class VerifiedRequest:
             "bonus": None if self.bonus is None else int(self.bonus),
             "finish": finish_payload(self.finish),
             "error": self.error,
-        }
+        } | _features_payload(self.features)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -328,6 +394,7 @@ class VerifiedRequest:
             bonus=bonus,
             finish=read_finish(fields, "finish"),
             error=fields.optional_text("error", max_len=MAX_REASON_LEN),
+            features=fields.optional_f16_matrix("features"),
         )
 
 

@@ -1,0 +1,223 @@
+"""A feature-level (EAGLE-style) draft on a tiny target: export and runtime agree with training,
+its trees read the target's features at the right positions, greedy output equals plain
+decoding, the core keeps and hands out features correctly, and training learns a rule that
+only the features reveal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from distill import train
+from distill.data import TopKCache
+from distill.model import DraftSpec, TrainableDraft, export_draft, load_trainable
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.features import FeatureLog
+
+SPEC = DraftSpec(
+    "tiny-e",
+    hidden_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    embedding_rank=None,
+    num_output_tokens=48,
+    train_steps=0,
+    lr=0.0,
+    shares_target_embedding=True,
+    feature_size=64,
+)
+PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15, 16], [70], [33, 34, 35]]
+
+
+@pytest.fixture(scope="module")
+def feature_draft_dir(tiny_target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = load_file(str(tiny_target_dir / "model.safetensors"))
+    output_ids = torch.arange(0, 96, 2)  # a reduced vocabulary: even tokens only
+    draft = TrainableDraft(SPEC, 96, output_ids, rope_theta=10000.0, max_positions=512)
+    draft.init_from_target(target, seed=0)
+    with torch.no_grad():  # make the embedding half of the fusion matter too
+        draft.feature_fc.weight[:, :64].normal_(
+            0.0, 0.2, generator=torch.Generator().manual_seed(1)
+        )
+    out = tmp_path_factory.mktemp("feature_draft")
+    return export_draft(draft, out, bos_token_id=1, eos_token_id=2, metadata={})
+
+
+def target_features(target_dir: Path, tokens: list[int]) -> torch.Tensor:
+    """The target's features (last layer after the final norm) at every position, [n, 64]."""
+    runner = ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=1 << 20)
+    runner.add_request("t")
+    [out] = runner.forward_full([ForwardItem.chain("t", tokens, "none", feature_rows="all")])
+    return out.features
+
+
+def test_export_stores_neither_the_embedding_nor_the_head(feature_draft_dir: Path):
+    with safe_open(str(feature_draft_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())  # noqa: SIM118
+    assert "augury.feature_fc.weight" in names
+    assert not {"model.embed_tokens.weight", "lm_head.weight"} & names
+
+
+def test_runtime_forward_equals_training_forward(feature_draft_dir: Path, tiny_target_dir: Path):
+    toks = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    feats = target_features(tiny_target_dir, toks)
+    model = load_model(feature_draft_dir, target_path=tiny_target_dir)
+    assert model.cfg.feature_size == 64
+    runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20)
+    runner.add_request("a")
+    pairs, inputs = toks[1:], feats[:-1]  # token i+1 reads the feature at position i
+    [a] = runner.forward_full([ForwardItem.chain("a", pairs[:9], "all", features=inputs[:9])])
+    runner.commit({"a": range(9)})
+    [b] = runner.forward_full(
+        [ForwardItem.chain("a", pairs[9:], "all", features=inputs[9:], feature_rows="all")]
+    )
+    trained = load_trainable(feature_draft_dir, tiny_target_dir)
+    with torch.no_grad():
+        ref_logits, ref_features = trained.forward_features(torch.tensor([pairs]), inputs[None])
+    torch.testing.assert_close(torch.cat([a.logits, b.logits]), ref_logits[0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(b.features, ref_features[0, 9:], atol=2e-4, rtol=2e-4)
+    assert model.output_token_ids.tolist() == list(range(0, 96, 2))
+
+
+def test_runtime_refuses_a_forward_without_features(feature_draft_dir: Path, tiny_target_dir):
+    runner = ModelRunner(load_model(feature_draft_dir, target_path=tiny_target_dir))
+    runner.add_request("a")
+    with pytest.raises(Exception, match="features"):
+        runner.forward([ForwardItem.chain("a", [3, 4])])
+
+
+def make_engine(target_dir: Path, draft_dir: Path, method: DraftMethod, **cfg) -> SpecEngine:
+    verifier = Verifier(ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=2 << 20))
+    model = load_model(draft_dir, target_path=target_dir)
+    drafter = Drafter(ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20), name="draft-e")
+    return SpecEngine(verifier, drafter, method, EngineConfig(planner="fixed", **cfg))
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_target_dir: Path) -> list[list[int]]:
+    verifier = Verifier(ModelRunner(load_model(tiny_target_dir), block_size=4))
+    engine = SpecEngine(verifier, None, None)
+    return [r.output for r in engine.generate(PROMPTS, SamplingParams(max_tokens=20))]
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        DraftMethod("chain", k=4),
+        DraftMethod("static", expansion=(3, 2, 1)),
+        DraftMethod("beam", depth=4, width=3),
+        DraftMethod("dynamic", budget=12, max_size=8, max_depth=5, max_width=3),
+    ],
+    ids=["chain", "static", "beam", "dynamic"],
+)
+def test_greedy_with_a_feature_draft_equals_plain(
+    tiny_target_dir: Path, feature_draft_dir: Path, plain_outputs, method: DraftMethod
+):
+    engine = make_engine(tiny_target_dir, feature_draft_dir, method)
+    reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=20))
+    assert [r.output for r in reqs] == plain_outputs
+    assert engine.stats.num_draft_tokens > 0
+    assert not engine.core._features  # finished requests leave no features behind
+
+
+def test_each_tree_reads_the_target_features_before_its_root(
+    tiny_target_dir: Path, feature_draft_dir: Path, plain_outputs
+):
+    """The root's children are what the training module predicts from the target's true
+    features: an off-by-one in the features the core hands out, or in how the drafter pairs
+    them with tokens, changes them."""
+    engine = make_engine(tiny_target_dir, feature_draft_dir, DraftMethod("chain", k=1))
+    seen: list[tuple[int, int]] = []  # (committed tokens, drafted child of the root)
+
+    def observe(batch, results) -> None:
+        for r in batch.decode:
+            tree = batch.trees[r.request_id]
+            if tree.num_nodes > 1:
+                seen.append((r.num_tokens, int(tree.tokens[1])))
+
+    engine.observer = observe
+    prompt = PROMPTS[1]
+    [req] = engine.generate([prompt], SamplingParams(max_tokens=16))
+    tokens = prompt + req.output
+    assert req.output == plain_outputs[1][:16]
+    feats = target_features(tiny_target_dir, tokens)
+    trained = load_trainable(feature_draft_dir, tiny_target_dir)
+    with torch.no_grad():
+        logits, _ = trained.forward_features(torch.tensor([tokens[1:]]), feats[None, :-1])
+    expected = trained.output_token_ids[logits[0].argmax(-1)]  # pair i predicts after token i+1
+    assert len(seen) >= 8
+    for n, child in seen:
+        assert child == int(expected[n - 2]), f"after {n} tokens"
+
+
+def test_feature_log_keeps_positions_in_order():
+    log = FeatureLog(2)
+    rows = np.arange(12, dtype=np.float16).reshape(6, 2)
+    log.put(0, rows[:4])
+    log.put(4, rows[4:5])
+    assert (log.start, log.end) == (0, 5) and log.covers(1, 5) and not log.covers(1, 6)
+    np.testing.assert_array_equal(log.take(1, 5), rows[1:5])
+    log.put(2, rows[[5]])  # a recomputation overwrites from its first position on
+    assert log.end == 3
+    np.testing.assert_array_equal(log.take(0, 3), np.concatenate([rows[:2], rows[[5]]]))
+    assert log.take(3, 3).shape == (0, 2)
+    log.put(7, rows[:1])  # a gap starts the log over
+    assert (log.start, log.end) == (7, 8)
+    with pytest.raises(KeyError):
+        log.take(0, 1)
+    with pytest.raises(ValueError):
+        log.put(8, np.zeros((1, 3), np.float16))
+
+
+def running_sum_cache(num_sequences: int = 80, length: int = 24, seed: int = 0):
+    """Tokens at random; the target's hidden state is a running sum of the tokens mod 8 (its
+    feature: one-hot) and its next token is a fixed function of that state. Only the features
+    carry the state: the tokens alone predict nothing."""
+    rng = np.random.default_rng(seed)
+    vocab, states = 32, 8
+    successor = rng.permutation(vocab)[:states]
+    tokens = rng.integers(0, vocab, (num_sequences, length))
+    state = np.cumsum(tokens, axis=1) % states
+    features = np.zeros((num_sequences * length, 16), dtype=np.float16)
+    features[np.arange(num_sequences * length), state.reshape(-1)] = 4.0
+    top_ids = np.stack([successor[state], (successor[state] + 1) % vocab], -1).astype(np.int32)
+    top_logp = np.log(np.broadcast_to([0.95, 0.05], top_ids.shape)).astype(np.float16)
+    cache = TopKCache(
+        tokens=tokens.reshape(-1).astype(np.int32),
+        offsets=np.arange(num_sequences + 1, dtype=np.int64) * length,
+        kinds=["chat"] * num_sequences,
+        generated=np.arange(num_sequences) % 2 == 0,
+        topk_ids=top_ids.reshape(-1, 2),
+        topk_logp=top_logp.reshape(-1, 2),
+    )
+    return cache, features, vocab
+
+
+def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
+    monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
+    monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
+    cache, features, vocab = running_sum_cache()
+    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=300, lr=1e-2, feature_size=16)
+    torch.manual_seed(0)
+    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
+    gen = torch.Generator().manual_seed(0)
+    for p in draft.parameters():
+        if p.dim() == 2:
+            p.data.normal_(0.0, 0.1, generator=gen)
+    stats = train.train_draft(
+        draft, spec, cache, np.zeros(cache.num_sequences, np.int64), seed=0, features=features
+    )
+    assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the deeper level
