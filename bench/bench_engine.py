@@ -4,7 +4,8 @@ One process, same prompts, same models, batch 1, greedy:
   (a) transformers `generate`                    (the baseline, ratio 1.00)
   (b) our plain decoding                          (no draft)
   (c) our speculative decoding, each draft x each method (chain and tree)
-  (d) transformers assisted generation (`assistant_model`) with the same draft
+  (d) transformers assisted generation (`assistant_model`) with the same draft (token-level
+      drafts only: transformers has no assistant that reads the target's features)
 
     python -m bench.bench_engine --per-kind 4 --max-tokens 96 --markdown docs/bench_engine.md
 
@@ -34,7 +35,7 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.model.model_set import draft_dirs, target_dir
+from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 
@@ -144,7 +145,7 @@ def main() -> None:
             plain,
         ),
     ]
-    drafts = draft_dirs()
+    drafts = all_draft_dirs()
     for name in args.drafts:
         draft = load_model(drafts[name], dtype=dtype, target_path=tdir)
         for method_name in args.methods:
@@ -155,7 +156,7 @@ def main() -> None:
                 eos_token_ids=[eos],
             )
             configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
-        if not args.no_assisted:
+        if not args.no_assisted and not draft.cfg.feature_size:
             assistant = hf_llama_from_draft(drafts[name], tdir).to(dtype)
             configs.append(
                 Config(

@@ -162,6 +162,64 @@ def trees_cmd(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def kinds_cmd(args: argparse.Namespace) -> None:
+    """Each named draft through the real engine, per kind (everyday chat included), with the
+    draft's step cost against the target's."""
+    from distill.evaluate import engine_by_kind, measure_costs, target_references
+    from shared.datasets import EVAL_KINDS
+
+    torch.set_num_threads(args.threads)
+    tdir = target_dir()
+    cache = args.cache / "eval_references_kinds.json"
+    refs = target_references(tdir, args.n, args.max_new_tokens, cache, EVAL_KINDS)
+    refs = [r for r in refs if len(r.continuation) >= 2]
+    names = args.names.split(",")
+    drafts = {n: args.drafts / n for n in names}
+    costs = measure_costs(tdir, drafts)
+    rows = engine_by_kind(tdir, drafts, refs)
+    result = {
+        "n_per_kind": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "kinds": list(EVAL_KINDS),
+        "target_decode_ms": round(1e3 * costs.target_decode, 3),
+        "target_verify_ms": {n: round(1e3 * t, 3) for n, t in costs.target_verify.items()},
+        "draft_step_ms": {k: round(1e3 * v[1], 3) for k, v in costs.draft_step.items()},
+        "rows": rows,
+    }
+    out = args.drafts / "engine_kinds.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"Target decode step {result['target_decode_ms']:.1f} ms; draft step (width 1): "
+        + ", ".join(
+            f"{k} {v:.2f} ms ({v / result['target_decode_ms']:.1%})"
+            for k, v in result["draft_step_ms"].items()
+        ),
+        "",
+        "| draft | method | " + " | ".join(EVAL_KINDS) + " | mix | outputs = greedy |",
+        "|---|---|" + "---|" * (len(EVAL_KINDS) + 2),
+    ]
+    for name in names:
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["draft"] == name and r["method"] == method]
+            cells = {r["kind"]: r for r in mine}
+            forwards = sum(r["engine_target_forwards"] for r in mine)
+            tokens = sum(
+                r["engine_mean_accepted_length"] * r["engine_target_forwards"] for r in mine
+            )
+            same = sum(r["outputs_equal_target_greedy"] for r in mine)
+            total = sum(r["requests"] for r in mine)
+            per_kind = " | ".join(
+                f"{cells[k]['engine_mean_accepted_length']:.2f}" if k in cells else "-"
+                for k in EVAL_KINDS
+            )
+            lines.append(
+                f"| {name} | {method} | {per_kind} | {tokens / max(forwards, 1):.2f} | "
+                f"{same}/{total} |"
+            )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -185,11 +243,20 @@ def main() -> None:
     t.add_argument("--per-kind", type=int, default=4)
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--threads", type=int, default=2)
+    k = sub.add_parser("kinds", help="drafts through the real engine, per prompt kind")
+    k.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
+    k.add_argument("--names", default="draft-e")
+    k.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    k.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
+    k.add_argument("--max-new-tokens", type=int, default=128)
+    k.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.cmd == "build":
         build(args)
     elif args.cmd == "trees":
         trees_cmd(args)
+    elif args.cmd == "kinds":
+        kinds_cmd(args)
     else:
         evaluate_cmd(args)
 

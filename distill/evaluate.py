@@ -50,13 +50,19 @@ def _runner(model, tokens: int) -> ModelRunner:
 
 @torch.inference_mode()
 def target_references(
-    target_dir: Path, n_per_kind: int, max_new_tokens: int, cache_path: Path | None
+    target_dir: Path,
+    n_per_kind: int,
+    max_new_tokens: int,
+    cache_path: Path | None,
+    kinds: tuple[str, ...] = KINDS,
 ) -> list[Reference]:
     """The target's greedy continuations of the evaluation prompts (fp32, our runtime, batched
     decode); cached as JSON when a path is given."""
     if cache_path is not None and cache_path.is_file():
         raw = json.loads(cache_path.read_text())
-        if raw["n_per_kind"] == n_per_kind and raw["max_new_tokens"] == max_new_tokens:
+        same_kinds = raw.get("kinds", list(KINDS)) == list(kinds)
+        same_size = raw["n_per_kind"] == n_per_kind and raw["max_new_tokens"] == max_new_tokens
+        if same_kinds and same_size:
             return [Reference(**r) for r in raw["refs"]]
     from transformers import AutoTokenizer
 
@@ -66,7 +72,7 @@ def target_references(
     eos = int(tok.eos_token_id)
     model = load_model(target_dir, torch.float32)
     refs: list[Reference] = []
-    for kind in KINDS:
+    for kind in kinds:
         prompts = [prompt_ids(tok, m) for m in eval_prompts(kind, n_per_kind)]
         refs.extend(
             Reference(kind, p, c)
@@ -81,6 +87,7 @@ def target_references(
         payload = {
             "n_per_kind": n_per_kind,
             "max_new_tokens": max_new_tokens,
+            "kinds": list(kinds),
             "refs": [r.__dict__ for r in refs],
         }
         cache_path.write_text(json.dumps(payload))
@@ -193,13 +200,20 @@ def _time_widths(
     runner.add_request("r")
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
-    runner.prefill({"r": torch.randint(3, vocab, (prefix,), generator=gen).tolist()})
+    width = model.cfg.feature_size  # a feature-level draft reads a feature per token
+
+    def features(n: int) -> torch.Tensor | None:
+        return torch.randn(n, width, generator=gen) if width else None
+
+    prompt = torch.randint(3, vocab, (prefix,), generator=gen).tolist()
+    runner.forward([ForwardItem.chain("r", prompt, features=features(prefix))])
+    runner.commit({"r": range(prefix)})
     times: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(repeats + 2):
         for w in widths:
             toks = torch.randint(3, vocab, (w,), generator=gen).tolist()
             t = time.perf_counter()
-            runner.forward([ForwardItem("r", toks, [-1] + [0] * (w - 1))])
+            runner.forward([ForwardItem("r", toks, [-1] + [0] * (w - 1), features=features(w))])
             runner.commit({"r": [0]})
             times[w].append(time.perf_counter() - t)
     return {w: statistics.median(ts[2:]) for w, ts in times.items()}
@@ -449,6 +463,37 @@ def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method)
         "engine_acceptance_rate": round(engine.stats.acceptance_rate, 3),
         "wall_seconds_batched": round(seconds, 1),
     }
+
+
+ENGINE_METHODS = {
+    "chain k=4": ("chain", {"k": 4}),
+    "static <4,1,1,1>": ("static", {"expansion": (4, 1, 1, 1)}),
+    "static <2,2,1,1>": ("static", {"expansion": (2, 2, 1, 1)}),
+    "dynamic (<=16 nodes, depth<=6)": ("dynamic", {"max_size": 16, "max_depth": 6}),
+}
+
+
+def engine_by_kind(
+    target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
+) -> list[dict]:
+    """Every draft and tree method through the real engine (greedy), per prompt kind: mean
+    accepted tokens per target forward and whether outputs equal the target's greedy ones.
+    Exact for every draft, a feature-level one included (whose deeper levels read its own
+    predicted features, which no teacher-forced simulation reproduces)."""
+    from shared.engine.methods import DraftMethod
+
+    rows = []
+    kinds = sorted({r.kind for r in refs}, key=[*KINDS, "everyday"].index)
+    for d in draft_dirs.values():
+        for label, (kind_of_method, args) in ENGINE_METHODS.items():
+            for kind in kinds:
+                mine = [r for r in refs if r.kind == kind]
+                extra = {"budget": 16 * len(mine)} if kind_of_method == "dynamic" else {}
+                method = DraftMethod(kind_of_method, **args, **extra)
+                row = engine_run(target_dir, d, mine, method)
+                rows.append({"method": label, "kind": kind, **row})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def engine_crosscheck(

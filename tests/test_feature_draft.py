@@ -221,3 +221,27 @@ def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
         draft, spec, cache, np.zeros(cache.num_sequences, np.int64), seed=0, features=features
     )
     assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the deeper level
+
+
+def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory):
+    """Chi-square over the whole joint of 3 sampled tokens (4000 seeded requests)."""
+    from tests.conftest import make_tiny_checkpoint
+    from tests.stats import P_VALUE_FLOOR, fit_p_value
+    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact_joint
+
+    target_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("sv_target_e"), seed=3, vocab_size=VOCAB, hidden_size=32
+    )
+    spec = DraftSpec("sv-e", 32, 1, 4, 2, 64, None, VOCAB, 0, 0.0, (), True, feature_size=32)
+    draft = TrainableDraft(spec, VOCAB, torch.arange(VOCAB), rope_theta=10000.0, max_positions=512)
+    draft.init_from_target(load_file(str(target_dir / "model.safetensors")), seed=0)
+    draft_dir = export_draft(
+        draft, tmp_path_factory.mktemp("sv_e"), bos_token_id=1, eos_token_id=2, metadata={}
+    )
+    engine = make_engine(target_dir, draft_dir, DraftMethod("chain", k=3), max_running=NUM_REQUESTS)
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+    ]
+    outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
+    assert engine.stats.num_draft_tokens > 0
+    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR

@@ -48,5 +48,10 @@ def draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
     return out
 
 
+def all_draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
+    """Every committed draft checkpoint present, feature-level ones included, by name."""
+    return {n: root / n for n in ALL_DRAFT_NAMES if (root / n / "config.json").is_file()}
+
+
 def default_model_set() -> ModelSet:
     return ModelSet(target=target_dir(), drafts=draft_dirs())
