@@ -61,9 +61,10 @@ def target_references(
     if cache_path is not None and cache_path.is_file():
         raw = json.loads(cache_path.read_text())
         same_kinds = raw.get("kinds", list(KINDS)) == list(kinds)
-        same_size = raw["n_per_kind"] == n_per_kind and raw["max_new_tokens"] == max_new_tokens
-        if same_kinds and same_size:
-            return [Reference(**r) for r in raw["refs"]]
+        enough = raw["n_per_kind"] >= n_per_kind and raw["max_new_tokens"] == max_new_tokens
+        if same_kinds and enough:  # the first n of each kind (prompts are a fixed list)
+            refs = [Reference(**r) for r in raw["refs"]]
+            return [r for k in kinds for r in [x for x in refs if x.kind == k][:n_per_kind]]
     from transformers import AutoTokenizer
 
     from distill.data import prompt_ids
