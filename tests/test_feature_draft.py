@@ -5,6 +5,7 @@ only the features reveal."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,21 +25,10 @@ from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.scheduling.features import FeatureLog
+from tests.test_draft_export import SPEC as EXPORT_SPEC
 
-SPEC = DraftSpec(
-    "tiny-e",
-    hidden_size=64,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    embedding_rank=None,
-    num_output_tokens=48,
-    train_steps=0,
-    lr=0.0,
-    shares_target_embedding=True,
-    feature_size=64,
-)
+# the shared-embedding draft of test_draft_export, made feature-level (head: the target's)
+SPEC = replace(EXPORT_SPEC, name="tiny-e", num_output_tokens=48, target_layers=(), feature_size=64)
 PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15, 16], [70], [33, 34, 35]]
 
 

@@ -93,26 +93,27 @@ class Drafter:
         self.name = name
         self.output_ids = runner.model.output_token_ids  # [num_out] full-vocab ids
         self.is_feature_level = bool(runner.cfg.feature_size)
-        self._num_committed: dict[str, int] = {}
 
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
-        self._num_committed.pop(request_id, None)
 
     def num_committed(self, request_id: str) -> int:
-        """Committed tokens of the request this drafter holds (0 if none)."""
-        return self._num_committed.get(request_id, 0)
+        """Committed tokens of the request this drafter holds (0 if none): its cached entries,
+        plus the first token for a feature-level draft (which caches none for it)."""
+        if not self.runner.has_request(request_id):
+            return 0
+        return self.runner.num_cached(request_id) + int(self.is_feature_level)
 
     def feature_problem(self, req: DraftRequest) -> str | None:
-        """Why a feature-level draft cannot take this request's features (None: it can)."""
+        """Why a feature-level draft cannot take this request's features (None: it can). The
+        row count is the wire type's to check; the width is the model's."""
         if not self.is_feature_level:
             return None
-        rows = len(req.new_tokens) - (1 if req.base_len == 0 else 0)
         width = self.runner.cfg.feature_size
         if req.features is None:
             return "missing_features: a feature-level draft needs the target's features"
-        if req.features.shape != (rows, width):
-            return f"missing_features: need [{rows}, {width}], got {list(req.features.shape)}"
+        if req.features.shape[1] != width:
+            return f"missing_features: need {width} columns, got {req.features.shape[1]}"
         return None
 
     def _append_committed(self, requests: Sequence[DraftRequest]) -> list[tuple[torch.Tensor, ...]]:
@@ -124,7 +125,7 @@ class Drafter:
                 items.append(ForwardItem.chain(r.request_id, r.new_tokens))
                 rooted.append(r)
                 continue
-            tokens = r.new_tokens[1:] if r.base_len == 0 else r.new_tokens
+            tokens = r.feature_tokens
             if tokens:  # the first token of a request has no feature before it: no entry
                 assert r.features is not None
                 feats = torch.from_numpy(r.features).to(self.runner.device, self.runner.dtype)
@@ -134,8 +135,6 @@ class Drafter:
                 rooted.append(r)
         outputs = self.runner.forward_full(items) if items else []
         self.runner.commit({item.request_id: range(len(item.tokens)) for item in items})
-        for r in requests:
-            self._num_committed[r.request_id] = r.base_len + len(r.new_tokens)
         by_id = {
             r.request_id: (out.logits, out.features) for r, out in zip(rooted, outputs, strict=True)
         }

@@ -239,5 +239,9 @@ class LlamaModel(nn.Module):
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, num_out]
+        return self.head_logits(self.output_features(hidden))
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, num_out]
+        """Logits from `output_features` already computed."""
         head = self._head_linear or self.lm_head
-        return head(self.output_features(hidden)).float()
+        return head(features).float()

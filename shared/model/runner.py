@@ -265,11 +265,16 @@ class ModelRunner:
             self.attention,
             input_features,
         )
-        logits = self.model.logits(hidden[logit_rows]) if logit_rows else hidden.new_empty(0, 0)
-        per_item_logits = logits.split(row_counts) if logit_rows else [logits] * len(items)
         features = hidden.new_empty(0, hidden.shape[1])
         if feature_rows:
             features = self.model.output_features(hidden[feature_rows])
+        if not logit_rows:
+            logits = hidden.new_empty(0, 0)
+        elif logit_rows == feature_rows:  # a verified tree: the head reads the same features
+            logits = self.model.head_logits(features)
+        else:
+            logits = self.model.logits(hidden[logit_rows])
+        per_item_logits = logits.split(row_counts) if logit_rows else [logits] * len(items)
         per_item_features = (
             features.split(feature_counts) if feature_rows else [features] * len(items)
         )

@@ -103,9 +103,15 @@ class DraftRequest:
         if self.base_len + len(self.new_tokens) == 0:
             raise ValueError("a draft needs at least one committed token")
         _check_features(self.features)
-        rows = len(self.new_tokens) - (1 if self.base_len == 0 else 0)
+        rows = len(self.feature_tokens)
         if self.features is not None and len(self.features) != rows:
             raise ValueError(f"features need {rows} rows for these new tokens")
+
+    @property
+    def feature_tokens(self) -> tuple[int, ...]:
+        """The new tokens that have a feature before them (one per row of `features`): all of
+        them, but the request's first token when drafting starts over."""
+        return self.new_tokens[1:] if self.base_len == 0 else self.new_tokens
 
     def __eq__(self, other: object) -> bool:
         return _same_entry(self, other)
