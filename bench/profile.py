@@ -33,7 +33,15 @@ from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostPr
 def random_model(path: Path, dtype: torch.dtype, device: str) -> LlamaModel:
     """A model with the checkpoint's architecture and random weights (no target needed)."""
     torch.manual_seed(0)
-    model = LlamaModel(read_config(path)).to(device=device, dtype=dtype)
+    # Built on the device in the target dtype: an 8B model in fp32 on the host would take 32 GB
+    # and minutes of initialization.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(read_config(path))
+    finally:
+        torch.set_default_dtype(previous)
     model.output_token_ids = model.output_token_ids.long()
     model.init_rope(torch.device(device))
     return model.eval()
