@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, apply_event
+from bench.chaos.cluster import Draft
 from bench.chaos.compare import Reference, compare
 from bench.chaos.faults import Kill
 from bench.chaos.report import (
@@ -248,8 +249,7 @@ def test_services_survive_a_sigkill_of_each_service(
         target=tiny_with_tokenizer,
         # the target as its own draft: its greedy path is accepted, so steps commit several
         # tokens and what a restarted drafter drafts is checked
-        draft_name="self",
-        draft_dir=tiny_with_tokenizer,
+        drafts=(Draft("self", tiny_with_tokenizer),),
         requests=40,  # arrivals over ~50 s: past the last kill on a slower machine too
         rate=0.8,
         max_tokens=16,

@@ -3,6 +3,8 @@
     python -m bench.chaos                                   # 100 requests, every service killed
     python -m bench.chaos --kill gateway verifier drafter   # leave the scheduler alone
     python -m bench.chaos --requests 24 --max-tokens 12 --redis-url redis://127.0.0.1:6379/0
+    python -m bench.chaos --drafts draft-s:2 draft-l --kill drafter:draft-s \
+        --env AUGURY_SCHEDULER__DRAFT_CHOOSER=lbss     # a replica of draft-s dies under LBSS
 
 Exits 0 when the run passed, 1 when it found a problem (see bench/chaos/report.py), 2 on bad
 arguments. The table goes to stdout and, with chaos.json, to `--out`.
@@ -15,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.cluster import SERVICES
+from bench.chaos.cluster import SERVICES, Draft
 from bench.chaos.run import ChaosConfig, recovery_settings, run_chaos
 from shared.model.model_set import DRAFT_NAMES, REPO_ROOT
 
@@ -34,7 +36,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length cap (ids)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kill", nargs="+", choices=SERVICES, default=list(SERVICES))
+    p.add_argument(
+        "--kill", nargs="+", default=list(SERVICES),
+        help=f"kill targets in order: {', '.join(SERVICES)} or drafter:<model> (its first "
+        "replica)",
+    )  # fmt: skip
     p.add_argument("--first-kill-s", type=float, default=10.0, help="after the replay starts")
     p.add_argument(
         "--kill-spacing-s", type=float, default=5.0, help="after a killed service is back"
@@ -48,8 +54,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--redis-url", help="an existing Redis (default: an embedded one)")
     p.add_argument("--target-dir", type=Path, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--draft", default=DRAFT_NAMES[0], help="the draft model's name")
-    p.add_argument("--draft-dir", type=Path, help="default: the committed draft of that name")
+    p.add_argument(
+        "--drafts", nargs="+", default=[DRAFT_NAMES[0]], metavar="DRAFT[:REPLICAS]",
+        help="draft models (a committed draft's name or a checkpoint directory), each with its "
+        "number of drafter replicas (default 1)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     p.add_argument(
         "--env",
@@ -63,8 +72,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_drafts(specs: Sequence[str]) -> tuple[Draft, ...]:
+    """`name[:replicas]` each: a committed draft's name, or a checkpoint directory."""
+    from shared.model.model_set import draft_dirs
+
+    committed = draft_dirs()
+    drafts = []
+    for spec in specs:
+        where, sep, count = spec.rpartition(":") if ":" in spec else (spec, "", "1")
+        if not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"--drafts takes DRAFT[:REPLICAS] with REPLICAS >= 1, got {spec!r}")
+        path = committed.get(where) or Path(where)
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--drafts: {where!r} is neither a committed draft nor a checkpoint")
+        drafts.append(Draft(where if where in committed else path.name, path, int(count)))
+    return tuple(drafts)
+
+
 def config_from(args: argparse.Namespace) -> ChaosConfig:
-    from shared.model.model_set import draft_dirs, target_dir
+    from shared.model.model_set import target_dir
 
     settings = recovery_settings()
     for item in args.env:
@@ -74,8 +100,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         settings[name] = value
     return ChaosConfig(
         target=args.target_dir or target_dir(),
-        draft_name=args.draft,
-        draft_dir=args.draft_dir or draft_dirs()[args.draft],
+        drafts=parse_drafts(args.drafts),
         requests=args.requests,
         rate=args.rate,
         max_tokens=args.max_tokens,
@@ -100,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run_chaos(config_from(args))
+    except ValueError as error:  # a kill target that names no service or draft
+        print(f"chaos run: {error}", file=sys.stderr)
+        return 2
     except RuntimeError as error:  # the services did not start
         print(f"chaos run failed: {error}", file=sys.stderr)
         return 1

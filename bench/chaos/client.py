@@ -53,6 +53,7 @@ class Received:
     # speculation, from the final chunk's `augury` block (0 when it never came)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    steps_by_draft: dict[str, int] = field(default_factory=dict)  # draft model -> steps drafted
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +194,9 @@ def apply_event(received: Received, event: dict[str, Any], now: float) -> None:
     if isinstance(statistics, dict):
         received.draft_tokens = int(statistics.get("draft_tokens") or 0)
         received.accepted_tokens = int(statistics.get("accepted_tokens") or 0)
+        steps = statistics.get("steps_by_draft")
+        if isinstance(steps, dict):
+            received.steps_by_draft = {str(k): int(v) for k, v in steps.items()}
     usage = event.get("usage")
     tokens = received.completion_tokens
     if isinstance(usage, dict):

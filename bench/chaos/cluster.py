@@ -2,8 +2,12 @@
 
 Every process runs `python -m services <service>` in a session (process group) of its own, so
 a kill takes whatever it started with it; each start gets a fresh replica name
-(`<cell>-<service>-<n>`), as a real restart on another pod would. All of them share one Redis
+(`<cell>-<instance>-<n>`), as a real restart on another pod would. All of them share one Redis
 and one cell, and take the same settings (environment variables) on every start.
+
+An *instance* is one slot of the deployment: `gateway`, `scheduler`, `verifier`, and one
+`drafter:<model>:<i>` per replica of each draft model. A kill names a *target*: a service (its
+first instance: `drafter` is the first drafter) or `drafter:<model>` (that model's first replica).
 """
 
 from __future__ import annotations
@@ -29,17 +33,43 @@ STOP_TIMEOUT_S = 60.0  # SIGTERM, then SIGKILL: each service has its own 20 s st
 
 
 @dataclass(frozen=True)
+class Draft:
+    """A draft model and how many drafter replicas serve it."""
+
+    name: str
+    dir: Path
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
 class Models:
     target: Path
-    draft_name: str
-    draft_dir: Path
+    drafts: tuple[Draft, ...]
+
+    def __post_init__(self) -> None:
+        if not self.drafts or any(d.replicas < 1 for d in self.drafts):
+            raise ValueError("a chaos run needs at least one drafter replica of every draft")
+        names = [d.name for d in self.drafts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"draft models named twice: {names}")
+
+    def instances(self) -> list[str]:
+        """Every instance to start, model services first (the scheduler waits on them)."""
+        drafters = [f"drafter:{d.name}:{i}" for d in self.drafts for i in range(d.replicas)]
+        return ["verifier", *drafters, "scheduler", "gateway"]
+
+
+def kill_targets(models: Models) -> list[str]:
+    """What a kill may name: the services, and `drafter:<model>` for each draft model."""
+    return [*SERVICES, *(f"drafter:{d.name}" for d in models.drafts)]
 
 
 @dataclass
 class Incarnation:
-    """One process of a service."""
+    """One process of an instance."""
 
     service: str
+    instance: str
     replica: str
     process: subprocess.Popen[bytes]
     log: Path
@@ -48,7 +78,7 @@ class Incarnation:
 
 @dataclass
 class Cluster:
-    """The running processes, by service; `start` and `kill` keep `current` up to date."""
+    """The running processes, by instance; `start` and `kill` keep `current` up to date."""
 
     redis_url: str
     cell: str
@@ -66,7 +96,7 @@ class Cluster:
 
     def env(self, replica: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AUGURY_")}
-        drafts = [{"name": self.models.draft_name, "dir": str(self.models.draft_dir)}]
+        drafts = [{"name": d.name, "dir": str(d.dir)} for d in self.models.drafts]
         env.update(
             {
                 "PYTHONPATH": str(REPO_ROOT),
@@ -81,12 +111,26 @@ class Cluster:
         )
         return env
 
-    def start(self, service: str) -> Incarnation:
-        if service not in SERVICES:
-            raise ValueError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
-        number = sum(1 for i in self.every if i.service == service)
-        replica = f"{self.cell}-{service}-{number}"
-        args = [service, "--name", self.models.draft_name] if service == "drafter" else [service]
+    def instance_for(self, target: str) -> str:
+        """The live instance a kill of `target` hits (see the module's docstring)."""
+        if target not in kill_targets(self.models):
+            known = ", ".join(kill_targets(self.models))
+            raise ValueError(f"unknown kill target {target!r}; one of {known}")
+        for instance in self.current:
+            if instance == target or instance.startswith(target + ":"):
+                return instance
+        raise ValueError(f"no live instance of {target!r} to kill")
+
+    def start(self, instance: str) -> Incarnation:
+        if instance not in self.models.instances():
+            known = ", ".join(self.models.instances())
+            raise ValueError(f"unknown instance {instance!r}; one of {known}")
+        service, _, draft = instance.partition(":")
+        number = sum(1 for i in self.every if i.instance == instance)
+        replica = f"{self.cell}-{instance.replace(':', '-')}-{number}"
+        args = [service]
+        if service == "drafter":
+            args += ["--name", draft.partition(":")[0]]
         command = [sys.executable, "-m", "services", *args, "--threads", str(self.threads)]
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{replica}.log"
@@ -101,14 +145,15 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killed whole
             )
-        incarnation = Incarnation(service, replica, process, log, time.monotonic())
-        self.current[service] = incarnation
+        incarnation = Incarnation(service, instance, replica, process, log, time.monotonic())
+        self.current[instance] = incarnation
         self.every.append(incarnation)
         return incarnation
 
-    def kill(self, service: str) -> Incarnation:
-        """SIGKILL the service's process group (no shutdown, no goodbye to Redis)."""
-        incarnation = self.current.pop(service)
+    def kill(self, target: str) -> Incarnation:
+        """SIGKILL the target's live instance's process group (no shutdown, no goodbye to
+        Redis); `start(incarnation.instance)` brings it back."""
+        incarnation = self.current.pop(self.instance_for(target))
         _signal_group(incarnation.process, signal.SIGKILL)
         incarnation.process.wait()
         return incarnation

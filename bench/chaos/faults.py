@@ -1,4 +1,6 @@
 """The faults: each listed service SIGKILLed in turn while the replay runs, and started again.
+A kill target is a service or one draft model's drafter (`drafter:<model>`, its first replica;
+`bench/chaos/cluster.py`); the killed instance is started again as a new replica.
 
 The first kill comes `first_kill_s` after the start, each next one `spacing_s` after the
 previous service is back (its new replica's heartbeat is in Redis); when it is due, a kill
@@ -22,7 +24,7 @@ from bench.chaos.cluster import Cluster, wait_alive
 class Kill:
     """One fault; times in seconds after the replay's start."""
 
-    service: str
+    service: str  # the kill target: a service, or drafter:<model>
     killed_replica: str
     killed_at_s: float
     restarted_replica: str | None = None
@@ -78,7 +80,7 @@ async def inject(
         kills.append(kill)
         say(f"killed {service} ({killed.replica}) with SIGKILL")
         await asyncio.sleep(plan.restart_after_s)
-        restarted = cluster.start(service)
+        restarted = cluster.start(killed.instance)
         kill.restarted_replica, kill.restarted_at_s = restarted.replica, now()
         say(f"restarted {service} as {restarted.replica}")
         try:

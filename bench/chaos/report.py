@@ -223,6 +223,18 @@ def kills_table(kills: Sequence[Kill]) -> str:
     return "\n".join(lines)
 
 
+def steps_table(steps: dict[str, dict[str, int]]) -> str:
+    """Steps drafted per draft model, by phase: where the draft choice put the requests."""
+    models = sorted({m for by_model in steps.values() for m in by_model})
+    lines = [
+        "| phase | " + " | ".join(f"steps on {m}" for m in models) + " |",
+        "|---|" + "---:|" * len(models),
+    ]
+    for phase, by_model in steps.items():
+        lines.append(f"| {phase} | " + " | ".join(str(by_model.get(m, 0)) for m in models) + " |")
+    return "\n".join(lines)
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -282,7 +294,20 @@ class Report:
     def speculation(self) -> str:
         drafted = sum(o.received.draft_tokens for o in self.outcomes)
         accepted = sum(o.received.accepted_tokens for o in self.outcomes)
-        return f"Speculation (completed requests): {accepted} of {drafted} draft tokens accepted."
+        line = f"Speculation (completed requests): {accepted} of {drafted} draft tokens accepted."
+        steps = self.steps_by_draft()
+        if len(steps) > 1 or any(len(by) > 1 for by in steps.values()):
+            line += "\n\n" + steps_table(steps)
+        return line
+
+    def steps_by_draft(self) -> dict[str, dict[str, int]]:
+        """Per phase: the speculative steps each draft model drafted for its requests."""
+        out: dict[str, dict[str, int]] = {}
+        for o in sorted(self.outcomes, key=lambda o: o.index):
+            by_model = out.setdefault(o.phase, {})
+            for model, count in o.received.steps_by_draft.items():
+                by_model[model] = by_model.get(model, 0) + count
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {

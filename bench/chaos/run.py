@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos.client import COMPLETED, FAILED, HUNG, Received, Replay
-from bench.chaos.cluster import SERVICES, Cluster, Models, wait_ready
+from bench.chaos.cluster import SERVICES, Cluster, Draft, Models, kill_targets, wait_ready
 from bench.chaos.compare import Reference
 from bench.chaos.faults import FaultPlan, Kill, inject
 from bench.chaos.reference import plain_greedy_ids
@@ -45,14 +45,13 @@ def recovery_settings() -> dict[str, str]:
 @dataclass(frozen=True)
 class ChaosConfig:
     target: Path
-    draft_name: str
-    draft_dir: Path
+    drafts: tuple[Draft, ...]  # draft models and their replicas: one drafter process each
     requests: int = 100
     rate: float = 1.0  # requests per second, Poisson arrivals
     max_tokens: int = 32
     prompt_tokens: int = 64  # each prompt: the last this many ids of a templated evaluation prompt
     seed: int = 0
-    kill: tuple[str, ...] = SERVICES
+    kill: tuple[str, ...] = SERVICES  # kill targets, in order (`cluster.kill_targets`)
     first_kill_s: float = 10.0
     spacing_s: float = 5.0  # after a killed service is back, until the next kill
     restart_after_s: float = 2.0
@@ -67,6 +66,7 @@ class ChaosConfig:
 
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
+        out["drafts"] = [{**d, "dir": str(d["dir"])} for d in out["drafts"]]
         return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
 
@@ -77,6 +77,10 @@ def stderr(line: str) -> None:
 def run_chaos(config: ChaosConfig, say: Say = stderr) -> Report:
     """The whole run; processes it started are gone when it returns or raises."""
     started = time.monotonic()
+    known = kill_targets(Models(config.target, config.drafts))
+    unknown = [target for target in config.kill if target not in known]
+    if unknown:
+        raise ValueError(f"unknown kill targets {unknown}; known: {', '.join(known)}")
     tokenizer = load_tokenizer(config.target)
     requests = make_workload(
         tokenizer,
@@ -101,7 +105,7 @@ def run_chaos(config: ChaosConfig, say: Say = stderr) -> Report:
             redis_url=url,
             cell=cell,
             port=free_port(),
-            models=Models(config.target, config.draft_name, config.draft_dir),
+            models=Models(config.target, config.drafts),
             logs=config.logs / cell,
             settings=config.settings,
             threads=config.threads,
@@ -148,8 +152,8 @@ async def serve(
     cluster: Cluster, config: ChaosConfig, requests: Sequence[ChaosRequest], say: Say
 ) -> tuple[list[Received], list[Kill], list[str]]:
     """Start every service, wait until they answer, then replay with the kills beside."""
-    for service in ("verifier", "drafter", "scheduler", "gateway"):
-        cluster.start(service)
+    for instance in cluster.models.instances():
+        cluster.start(instance)
     say(f"starting the services in cell {cluster.cell} (logs in {cluster.logs})")
     began = time.monotonic()
     await wait_ready(cluster, config.start_timeout_s)

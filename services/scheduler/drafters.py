@@ -42,6 +42,13 @@ class DrafterDirectory:
         for beat in beats:
             if beat.model:
                 replicas[beat.model].append(beat.replica)
+        live = {model: sorted(names) for model, names in replicas.items()}
+        was = {model: sorted(names) for model, names in self.core.drafters.items()}
+        if live != was:
+            # requests on a replica that left move to a live one of the same model when they
+            # next draft; the draft choice's statistics are per model and stay
+            log.info("drafter replicas now %s (were %s); requests per replica %s",
+                     live, was, self.load())  # fmt: skip
         self.core.set_drafters(replicas)
         await self.refresh_cost()
 
