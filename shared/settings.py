@@ -225,6 +225,9 @@ class SchedulerSettings(_Group):
     # bandit), greedy-length, eps-greedy; shared/scheduling/draft_choice.py
     draft_chooser: Literal["fixed", "lbss", "greedy-length", "eps-greedy"] = "fixed"
     lbss: LbssSettings = LbssSettings()
+    # Spin's fast switching: keep the KV of each drafting request in step on the draft model the
+    # chooser expects it to move to next, so that a switch costs no prefill (lbss, eps-greedy)
+    fast_switching: bool = False
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

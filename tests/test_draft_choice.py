@@ -1,6 +1,6 @@
 """Draft-model choosers: Spin's LBSS (matching under capacities, epochs and chunks as Alg. 1-2,
-an estimator that settles on the best model) and its baselines, and greedy output unchanged
-under every one of them."""
+an estimator that settles on the best model) and its baselines, greedy output unchanged under
+every one of them, and fast switching (the next model's KV kept in step ahead of a switch)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,14 @@ from shared.scheduling.draft_choice import (
 from shared.scheduling.lbss import Lbss, max_weight_assignment
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
-from tests.test_scheduler_core import FakeKV, check_releases, executor, make_core, make_request
+from tests.test_scheduler_core import (
+    FakeKV,
+    check_releases,
+    executor,
+    greedy,
+    make_core,
+    make_request,
+)
 
 MODELS = ["big", "mid", "small"]
 
@@ -274,3 +281,96 @@ def test_each_request_is_charged_its_own_share_of_the_step() -> None:
         DraftOutcome("a", "slow", 2, 1, 50.0, shares["a"]).goodput
         < DraftOutcome("b", "fast", 2, 1, 50.0, shares["b"]).goodput
     )  # the same step, the same tokens: the slow draft's request earned less
+
+
+# ---- fast switching (Spin §IV-C) ---------------------------------------------------------------
+def test_lbss_names_the_next_chunks_draw_ahead_of_it() -> None:
+    lbss = Lbss(settings=LbssSettings(alpha=8, beta=2), seed=1)
+    reqs = [request(f"r{i}") for i in range(6)]
+    foreseen: dict[str, str | None] = {}
+    for slot in range(8):  # one exploration stage: 4 chunks of 2 slots
+        chosen = lbss.assign(reqs, MODELS, None)
+        for r in reqs:
+            if slot in (2, 4, 6):  # a chunk's first slot: the draw named one slot earlier
+                expected = foreseen[r.request_id] or r.draft_model  # None: no switch foreseen
+                assert chosen[r.request_id] == expected
+            r.draft_model = chosen[r.request_id]
+            foreseen[r.request_id] = lbss.next_model(r, MODELS)
+    lbss.observe(DraftOutcome("r0", "small", 3, 3, 10.0))  # exploiting now: the best other
+    lbss.observe(DraftOutcome("r0", "mid", 3, 0, 10.0))
+    reqs[0].draft_model = "big"
+    assert not lbss.is_exploring and lbss.next_model(reqs[0], MODELS) == "small"
+    assert FixedDraftModel().next_model(reqs[0], MODELS) is None
+
+
+def test_fast_switching_keeps_the_next_draft_in_step_so_a_switch_costs_no_prefill() -> None:
+    def run(fast: bool) -> tuple[object, list[tuple[int, int]]]:
+        lbss = Lbss(settings=LbssSettings(alpha=4, beta=1), seed=3)
+        core = make_core(
+            chooser=lbss, method=DraftMethod("chain", k=3), planner="fixed", fast_switching=fast
+        )
+        core.set_drafters({"small": ["s0"], "big": ["b0", "b1"]})
+        ex = executor(core, FakeKV(), agree=0.6, draft_failure=0.05)
+        rids = [f"r{i}" for i in range(6)]
+        for rid in rids:
+            core.add(make_request(rid, 12, max_tokens=60))
+        ex.run()  # the fake drafters assert every plan's base matches what the replica holds
+        for rid in rids:
+            assert ex.streamed[rid] == greedy(make_request(rid, 12).prompt, 60)
+        check_releases(ex, rids)  # standbys too are released once their request finished
+        switches, last = [], {}
+        for plans in ex.plans:  # a switch: the first plan of a request on another model
+            for rid, plan in plans.items():
+                if last.get(rid) not in (None, plan.model):
+                    switches.append((plan.base_len, len(plan.new_tokens)))
+                last[rid] = plan.model
+        return (core, ex), switches
+
+    (core, ex), switches = run(fast=True)
+    (cold_core, _), cold = run(fast=False)
+    assert ex.warmed and all(p.max_depth == 1 for _, p in ex.warmed)
+    assert cold and all(base == 0 for base, _ in cold)  # without: every switch re-prefills
+    warm = [(base, n) for base, n in switches if base > 0]
+    assert len(warm) >= len(switches) // 2, switches
+    assert all(n <= 3 + 2 for _, n in warm)  # only what the last verified step committed
+    assert core.switches["warm"] == len(warm)
+    assert core.switches["warm_tokens"] / len(warm) < cold_core.switches["cold_tokens"] / len(cold)
+
+
+def test_greedy_output_is_plain_decoding_with_fast_switching(
+    tiny_target_dir, tiny_draft_dir
+) -> None:
+    def runner(path):
+        return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=1 << 20)
+
+    plain = SpecEngine(Verifier(runner(tiny_target_dir)))
+    expected = [r.output for r in plain.generate(PROMPTS, SamplingParams(max_tokens=32))]
+
+    class CheckedDrafter(Drafter):
+        """Asserts that every job, warm-up or draft, starts where this drafter's KV ends."""
+
+        def draft(self, requests, method):  # noqa: ANN001, ANN202
+            for r in requests:
+                held = self.num_committed(r.request_id)
+                assert r.base_len in (0, held), f"{self.name}/{r.request_id}: {held} held"
+            return super().draft(requests, method)
+
+    drafters = {
+        "echo": CheckedDrafter(runner(tiny_target_dir), name="echo"),
+        "tiny": CheckedDrafter(runner(tiny_draft_dir), name="tiny"),
+    }
+    config = EngineConfig(
+        draft_chooser="lbss",
+        planner="fixed",
+        lbss=LbssSettings(alpha=4, beta=1),
+        fast_switching=True,
+    )
+    engine = SpecEngine(
+        Verifier(runner(tiny_target_dir)), drafters, DraftMethod("chain", k=3), config
+    )
+    reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=32))
+    assert [r.output for r in reqs] == expected
+    assert engine.stats.num_accepted > 0
+    assert engine.core.switches["warm"] > 0  # switched onto standbys the engine warmed
+    for drafter in drafters.values():  # finished: no draft KV left on either drafter
+        assert not any(drafter.runner.has_request(r.request_id) for r in reqs)

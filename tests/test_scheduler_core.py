@@ -229,6 +229,7 @@ class FakeExecutor:
     batches: list[MicroBatch] = field(default_factory=list)
     oom_errors: int = 0
     plans: list[dict[str, DraftPlan]] = field(default_factory=list)
+    warmed: list[tuple[str, DraftPlan]] = field(default_factory=list)  # fast switching
 
     def tick(self) -> float:
         self.now += 1.0
@@ -290,6 +291,16 @@ class FakeExecutor:
                 continue
             drafted[rid] = self.drafters.draft(plan, request)
             self.core.note_drafted(rid, True)
+        for rid, plan in batch.warm.items():  # fast switching: a standby catches up
+            request = self.core.requests[rid]
+            assert rid in batch.drafts and plan.model != request.draft_model
+            self.warmed.append((rid, plan))
+            if self.rng.random() < self.draft_failure:
+                self.drafters.fail(plan, request)
+                self.core.note_warmed(rid, plan, False)
+                continue
+            self.drafters.draft(plan, request)
+            self.core.note_warmed(rid, plan, True)
         trees = self.core.select_trees(batch, drafted, self.tick())
         assert set(trees) == {r.request_id for r in batch.decode}
         nodes = sum(t.num_nodes for t in trees.values())

@@ -157,3 +157,39 @@ async def test_stop_tokens_and_errors(server: EmbeddedRedis, tiny_target_dir: Pa
     assert vocab_error is not None and vocab_error.param == "prompt"
     long_error = client.outcomes["long"].error
     assert long_error is not None and long_error.code == "context_length_exceeded"
+
+
+async def test_fast_switching_through_the_services_keeps_greedy_output(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    # two draft models and LBSS switching requests between them every slot of its exploration;
+    # the standby drafter is warmed in the same round as the step's drafts
+    models = ModelPaths(tiny_target_dir, {"self": tiny_target_dir, "tiny": tiny_draft_dir})
+    prompts = prompts_of(6)
+    params = [SamplingParams(max_tokens=24 + 2 * i) for i in range(len(prompts))]
+    expected = plain_greedy(tiny_target_dir, prompts, params)
+    scheduler = {
+        "draft_chooser": "lbss",
+        "lbss": {"alpha": 4, "beta": 1},
+        "fast_switching": True,
+        "speculation": {"method": "chain", "planner": "fixed"},
+    }
+    async with running(server.url, "g-fast-switching", models, scheduler=scheduler) as (
+        stack,
+        client,
+    ):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            await client.submit(f"r{i}", prompt, p)
+        await client.wait([f"r{i}" for i in range(len(prompts))])
+        for i, want in enumerate(expected):
+            assert client.outcomes[f"r{i}"].tokens == want, f"request {i}"
+        assert stack.scheduler is not None
+        core = stack.scheduler.core
+        assert core.switches["warm"] > 0  # switched onto a standby the services kept in step
+        assert stack.scheduler.stats.acceptance.num_accepted > 0
+        # a warm switch sends only the newest tokens; had the scheduler miscounted what the
+        # standby holds, that drafter would have answered out_of_sync
+        assert core.switches["warm_tokens"] <= 5 * core.switches["warm"]
+        assert not any(d.stats.errors for d in stack.drafters), [
+            dict(d.stats.errors) for d in stack.drafters
+        ]

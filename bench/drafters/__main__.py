@@ -92,16 +92,42 @@ def table(results: Sequence[object], drafts: Sequence[str]) -> str:
     lines = [
         "| workload | "
         + " | ".join(labels)
-        + " | LBSS / best fixed | LBSS / eps-greedy | LBSS / oracle |",
-        "|---|" + "---:|" * (len(labels) + 3),
+        + " | LBSS / best fixed | LBSS / eps-greedy | LBSS / oracle | fast switching / LBSS |",
+        "|---|" + "---:|" * (len(labels) + 4),
     ]
     for result in results:
         assert isinstance(result, KindResult)
         r = ratios(result, drafts)
         cells = [f"{result.goodput[label]:.1f}" for label in labels]
-        cells += [
-            f"{r[k]:.2f}x" for k in ("lbss / best fixed", "lbss / eps-greedy", "lbss / oracle")
-        ]
+        keys = ("lbss / best fixed", "lbss / eps-greedy", "lbss / oracle", "fast / lbss")
+        cells += [f"{r[k]:.2f}x" for k in keys]
+        lines.append(f"| {result.kind} | " + " | ".join(cells) + " |")
+    lines += ["", switch_table(results)]
+    return "\n".join(lines)
+
+
+def switch_table(results: Sequence[object]) -> str:
+    """What LBSS's draft switches cost the new drafter, without and with fast switching: the
+    committed tokens it still had to append when the switch happened (a prefill on the step's
+    critical path), per switch."""
+    from bench.drafters.experiments import FAST, KindResult
+
+    lines = [
+        "| workload | switches (LBSS) | tokens to append per switch | switches (fast) | "
+        "of which warm | tokens to append per switch |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        assert isinstance(result, KindResult)
+        cells = []
+        for label in ("lbss", FAST):
+            s = result.switches.get(label, {})
+            count = s.get("warm", 0) + s.get("cold", 0)
+            tokens = s.get("warm_tokens", 0) + s.get("cold_tokens", 0)
+            cells.append(str(count))
+            if label == FAST:
+                cells.append(str(s.get("warm", 0)))
+            cells.append(f"{tokens / count:.1f}" if count else "-")
         lines.append(f"| {result.kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -204,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "goodput_tps": r.goodput,
                 "lbss_settled": r.settled,
                 "oracle_best": r.oracle,
+                "switches": r.switches,
             }
             for r in results
         ],

@@ -8,16 +8,18 @@ recording, each request following its own prompt's recorded text under whichever
 drafts it. Goodput is the output tokens of all requests over the time the last one took.
 
 Choosers (`shared/scheduling/draft_choice.py`): `fixed` on each draft model alone, Spin's
-`greedy-length`, `eps-greedy` (0.2), `lbss` and the `oracle`. The oracle's best draft for a
-request is the one it decoded fastest with (tokens per second from its first token to its last)
-in the runs where every request used one draft: the best static choice per request that the
-simulator itself can see, under the same batch. It is not a bound on every schedule (a request's
-speed also depends on what the others draft with).
+`greedy-length`, `eps-greedy` (0.2), `lbss`, `lbss` with fast switching
+(`scheduler.fast_switching`: the standby draft's KV kept in step on its own device) and the
+`oracle`. The oracle's best draft for a request is the one it decoded fastest with (tokens per
+second from its first token to its last) in the runs where every request used one draft: the
+best static choice per request that the simulator itself can see, under the same batch. It is
+not a bound on every schedule (a request's speed also depends on what the others draft with).
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,11 +32,15 @@ from shared.settings import LbssSettings
 KINDS = ("chat", "code", "math")
 
 
+FAST = "lbss + fast switching"
+
+
 @dataclass(frozen=True)
 class ChooserRun:
     label: str
     chooser: str
     drafts: tuple[str, ...]
+    fast_switching: bool = False
 
 
 def chooser_runs(drafts: Sequence[str]) -> list[ChooserRun]:
@@ -42,6 +48,7 @@ def chooser_runs(drafts: Sequence[str]) -> list[ChooserRun]:
     every = tuple(drafts)
     runs = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
     runs += [ChooserRun(name, name, every) for name in ("greedy-length", "eps-greedy", "lbss")]
+    runs.append(ChooserRun(FAST, "lbss", every, fast_switching=True))
     return [*runs, ChooserRun("oracle", "oracle", every)]
 
 
@@ -81,7 +88,9 @@ def simulate(
     *,
     micro_batches: int = 1,
     auto_micro_batches: bool = False,
+    switches: Counter[str] | None = None,
 ) -> list[RequestRecord]:
+    """The run's records; `switches` (if given) gets the core's draft-switch counts."""
     config = SimConfig(
         max_running=setup.batch_size,
         micro_batches=micro_batches,
@@ -91,8 +100,12 @@ def simulate(
         lbss=setup.lbss,
         oracle=dict(oracle or {}),
         shared_device=False,
+        fast_switching=run.fast_switching,
     )
-    records = Simulator(config, setup.cost, setup.acceptance).run(requests)
+    simulator = Simulator(config, setup.cost, setup.acceptance)
+    records = simulator.run(requests)
+    if switches is not None:
+        switches.update(simulator.core.switches)
     failed = [r for r in records if not r.is_completed]
     if failed:
         raise RuntimeError(f"{len(failed)} simulated requests failed: {failed[0].error}")
@@ -130,6 +143,8 @@ class KindResult:
     goodput: dict[str, float]  # chooser label -> tokens/s
     settled: dict[str, dict[str, int]]  # lbss: draft model -> requests that drafted most on it
     oracle: dict[str, int]  # draft model -> requests it is best for
+    # lbss runs: switches "warm" / "cold" and the tokens the new drafter had to append at them
+    switches: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def most_used(record: RequestRecord) -> str | None:
@@ -152,21 +167,24 @@ def fig11(
         requests = workload(kind, prompt_lengths[kind], setup.max_tokens, copies)
         goodput: dict[str, float] = {}
         settled: dict[str, dict[str, int]] = {}
+        switches: dict[str, dict[str, int]] = {}
         fixed: dict[str, list[RequestRecord]] = {}
         best: dict[str, str] = {}
         for run in chooser_runs(drafts):
             if run.chooser == "oracle":
                 best = oracle_choice(fixed)
-            records = simulate(setup, requests, run, best)
+            counted: Counter[str] = Counter()
+            records = simulate(setup, requests, run, best, switches=counted)
             if run.chooser == "fixed":
                 fixed[run.drafts[0]] = records
             goodput[run.label] = goodput_tps(records)
             if run.chooser == "lbss":
                 used = [most_used(r) for r in records]
                 settled[run.label] = {d: used.count(d) for d in drafts}
+                switches[run.label] = dict(counted)
             say(f"{kind}: {run.label} {goodput[run.label]:.1f} tok/s")
         oracle = {d: list(best.values()).count(d) for d in drafts}
-        results.append(KindResult(kind, goodput, settled, oracle))
+        results.append(KindResult(kind, goodput, settled, oracle, switches))
     return results
 
 
@@ -179,6 +197,7 @@ def ratios(result: KindResult, drafts: Sequence[str]) -> dict[str, float]:
         "lbss / eps-greedy": g["lbss"] / g["eps-greedy"],
         "lbss / oracle": g["lbss"] / g["oracle"],
         "oracle / best fixed": g["oracle"] / best_fixed,
+        "fast / lbss": g[FAST] / g["lbss"],
     }
 
 

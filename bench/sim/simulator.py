@@ -73,6 +73,7 @@ class SimConfig:
     slo: SloSettings = field(default_factory=SloSettings)  # for the SLO-aware selectors
     draft_chooser: str = "fixed"
     lbss: LbssSettings = field(default_factory=LbssSettings)  # for draft_chooser "lbss"
+    fast_switching: bool = False  # as `scheduler.fast_switching`
     oracle: dict[str, str] = field(default_factory=dict)  # "oracle": request id -> best draft
     planner: str = "goodput"
     drafts: tuple[str, ...] = ("draft-s",)
@@ -132,6 +133,7 @@ class Simulator:
                 micro_batch_drop=config.micro_batch_drop,
                 method=method if config.drafts else None,
                 planner=config.planner,  # type: ignore[arg-type]
+                fast_switching=config.fast_switching,
             ),
             policy=make_policy(config.policy, config.length_predictor, config.laps),
             chooser=make_chooser(
@@ -243,6 +245,7 @@ class Simulator:
                 len(rids),
             )
             draft_done = max(draft_done, self._occupy(f"draft:{model}", now, ms))
+        self._warm(batch, now)
         trees = self.core.select_trees(batch, drafted, draft_done)
         results = self._verify(batch, trees, sessions)
         num_tokens = batch.prefill_tokens + sum(t.num_nodes for t in trees.values())
@@ -250,6 +253,20 @@ class Simulator:
         ms += max(0.0, self.overhead_ms(len(batch.decode)))
         done = self._occupy("verifier", draft_done, ms)
         return _InFlight(done, next(self._order), batch, results)
+
+    def _warm(self, batch: MicroBatch, now: float) -> None:
+        """Fast switching's warm-ups: each standby draft appends the committed tokens it lacks,
+        on its own device once that is free (after its part of this step's drafting); the step
+        does not wait for them unless the device is shared."""
+        by_model: dict[str, list[str]] = {}
+        for rid, plan in batch.warm.items():
+            by_model.setdefault(plan.model, []).append(rid)
+        for model, rids in sorted(by_model.items()):
+            tokens = sum(len(batch.warm[rid].new_tokens) for rid in rids)
+            context = mean_context([self.core.requests[r] for r in rids])
+            self._occupy(f"draft:{model}", now, self.cost.draft_forward_ms(model, tokens, context))
+            for rid in rids:
+                self.core.note_warmed(rid, batch.warm[rid], True)
 
     def overhead_ms(self, num_decoding: int) -> float:
         return step_overhead_ms(

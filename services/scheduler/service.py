@@ -487,40 +487,53 @@ class SchedulerService:
 
     # ---- drafting --------------------------------------------------------------------------------
     async def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], float]:
-        """The trees the drafters answered in time, and the slowest replica's drafting time."""
+        """The trees the drafters answered in time, and the slowest replica's drafting time.
+        Fast switching's warm-ups (`batch.warm`) go to the standby replicas in the same round:
+        a replica that only warms works beside the drafting ones."""
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
-        for rid, plan in batch.drafts.items():
+        for rid, plan in [*batch.drafts.items(), *batch.warm.items()]:
             request = self.core.requests[rid]
             jobs.setdefault((plan.model, plan.replica), []).append(draft_request(request, plan))
         if not jobs:
             return {}, 0.0
-        waits = [self._candidates.expect((batch.id, replica)) for _, replica in jobs]
+        waits = {replica: self._candidates.expect((batch.id, replica)) for _, replica in jobs}
         await self._publish(
             [
                 (draft_stream(self.cell, model, replica), DraftJob(batch.id, tuple(entries)))
                 for (model, replica), entries in jobs.items()
             ]
         )
-        done, pending = await asyncio.wait(waits, timeout=self.draft_timeout_s)
+        done, pending = await asyncio.wait(waits.values(), timeout=self.draft_timeout_s)
         self.stats.draft_timeouts += len(pending)
-        sent = {e.request_id: e for entries in jobs.values() for e in entries}
+        sent = {(replica, e.request_id): e for (_, replica), es in jobs.items() for e in es}
+        warm = {(plan.replica, rid): plan for rid, plan in batch.warm.items()}
         trees: dict[str, TokenTree] = {}
         draft_ms = 0.0
-        for answer in (w.result() for w in done if not w.cancelled()):
+        for replica, wait in waits.items():
+            if wait not in done or wait.cancelled():
+                continue
+            answer = wait.result()
             draft_ms = max(draft_ms, answer.draft_ms)
             for drafted in answer.entries:
-                entry = sent.get(drafted.request_id)
+                key = (replica, drafted.request_id)
+                entry = sent.get(key)
                 if entry is None or entry.step != drafted.step:
                     continue
-                del sent[drafted.request_id]
+                del sent[key]
                 root = self.core.requests[drafted.request_id].all_tokens[-1]
                 ok = drafted.tree is not None and drafted.tree.root_token == root
+                if key in warm:
+                    self.core.note_warmed(drafted.request_id, warm[key], ok)
+                    continue
                 self.core.note_drafted(drafted.request_id, ok)
                 if ok:
                     assert drafted.tree is not None
                     trees[drafted.request_id] = drafted.tree
-        for rid in sent:  # no answer in time: that drafter's state is unknown
-            self.core.note_drafted(rid, False)
+        for key in sent:  # no answer in time: that drafter's state is unknown
+            if key in warm:
+                self.core.note_warmed(key[1], warm[key], False)
+            else:
+                self.core.note_drafted(key[1], False)
         return trees, draft_ms
 
     # ---- verification ----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class EngineConfig(BaseModel):
     laps: LapsSettings = LapsSettings()
     draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy
     lbss: LbssSettings = LbssSettings()
+    fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
     slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
@@ -114,6 +115,7 @@ class SpecEngine:
                     name for name, d in self.drafters.items() if d.is_feature_level
                 ),
                 feature_size=runner.cfg.hidden_size,
+                fast_switching=self.config.fast_switching,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters), self.config.lbss),
@@ -253,18 +255,28 @@ class SpecEngine:
         }
 
     def _draft(self, batch: MicroBatch) -> dict[str, TokenTree]:
-        groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
-        for rid, plan in batch.drafts.items():
+        """The step's trees; fast switching's warm-ups (`batch.warm`) run beside them and only
+        bring the standby drafters' KV in step."""
+        groups: dict[tuple[str, DraftMethod, bool], list[DraftRequest]] = {}
+        entries = [(rid, plan, False) for rid, plan in batch.drafts.items()]
+        entries += [(rid, plan, True) for rid, plan in batch.warm.items()]
+        for rid, plan, is_warm in entries:
             request = self.core.requests[rid]
             drafter = self.drafters[plan.model]
             if plan.base_len == 0 and drafter.runner.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(draft_request(request, plan))
+            key = (plan.model, plan.method, is_warm)
+            groups.setdefault(key, []).append(draft_request(request, plan))
         trees: dict[str, TokenTree] = {}
-        for (model, method), requests in groups.items():
-            trees |= self.drafters[model].draft(requests, method.for_batch(len(requests)))
+        for (model, method, is_warm), requests in groups.items():
+            drafted = self.drafters[model].draft(requests, method.for_batch(len(requests)))
             for r in requests:
-                self.core.note_drafted(r.request_id, True)
+                if is_warm:
+                    self.core.note_warmed(r.request_id, batch.warm[r.request_id], True)
+                else:
+                    self.core.note_drafted(r.request_id, True)
+            if not is_warm:
+                trees |= drafted
         return trees
 
     def _release(self) -> None:

@@ -38,7 +38,13 @@ from shared.scheduling.features import FeatureLog
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, is_shared_device
 from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
 from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
-from shared.scheduling.request import AcceptanceStats, FinishReason, RequestState, append_tokens
+from shared.scheduling.request import (
+    AcceptanceStats,
+    FinishReason,
+    RequestState,
+    Standby,
+    append_tokens,
+)
 from shared.scheduling.speculation import (
     CALIBRATION_CLIP,
     DECAY,
@@ -54,6 +60,8 @@ from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSele
 from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]
+# A standby drafter's catch-up: append the committed tokens; the one node it drafts is unused.
+WARM_METHOD = DraftMethod("chain", k=1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class CoreConfig:
     # core then asks the verifier for features and keeps them per request (`features.py`).
     feature_drafts: frozenset[str] = frozenset()
     feature_size: int = 0
+    # Spin's fast switching: keep each drafting request's KV in step on the model the chooser
+    # expects it to move to next (`MicroBatch.warm`), so that the switch costs no prefill
+    fast_switching: bool = False
 
 
 class KVView(Protocol):
@@ -115,6 +126,9 @@ class MicroBatch:
     decode: list[RequestState] = field(default_factory=list)
     prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # request, chunk
     drafts: dict[str, DraftPlan] = field(default_factory=dict)  # request id -> plan
+    # fast switching: request id -> the standby drafter's catch-up (no tree is used: run it
+    # beside the step's drafting, then tell the core with `note_warmed`)
+    warm: dict[str, DraftPlan] = field(default_factory=dict)
     swap_out: list[RequestState] = field(default_factory=list)  # preempted: keep KV on host
     drop: list[RequestState] = field(default_factory=list)  # preempted: KV released, recompute
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
@@ -228,6 +242,9 @@ class SchedulerCore:
         self._releases: list[Release] = []
         self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
         self.preemptions: Counter[str] = Counter()  # by kind: kept, swapped, recomputed
+        # draft-model switches: "warm" (to a standby in step, fast switching) and "cold", and
+        # "<kind>_tokens", the committed tokens the new drafter still had to append at them
+        self.switches: Counter[str] = Counter()
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
@@ -629,11 +646,34 @@ class SchedulerCore:
                 min(nodes, method.max_draft_tokens),
                 features,
             )
+        if self.config.fast_switching:
+            for rid in batch.drafts:
+                self._plan_standby(self.requests[rid], batch)
 
     def _place(self, request: RequestState, model: str) -> None:
-        """Draft the request on a replica of `model` (its current one while it lives)."""
+        """Draft the request on a replica of `model` (its current one while it lives; a warm
+        standby replica of `model` when it switches to it)."""
         replicas = self.drafters[model]
         if model != request.draft_model:
+            standby = request.standby
+            is_warm = (
+                standby is not None
+                and standby.model == model
+                and standby.replica in replicas
+                and standby.num_seen > 0
+            )
+            if request.draft_model is not None:  # a switch: what the new drafter must catch up
+                behind = request.num_tokens - (standby.num_seen if is_warm and standby else 0)
+                kind = "warm" if is_warm else "cold"
+                self.switches[kind] += 1
+                self.switches[f"{kind}_tokens"] += behind
+            if is_warm and standby is not None:
+                self._release_current(request)
+                request.standby = None
+                replica = self.matcher.place(request.request_id, standby.replica, replicas)
+                request.draft_model, request.drafter = model, replica
+                request.num_seen_by_drafter = standby.num_seen
+                return
             self._release_draft(request)
         replica = self.matcher.place(request.request_id, request.drafter, replicas)
         if replica != request.drafter:
@@ -642,7 +682,61 @@ class SchedulerCore:
             request.num_seen_by_drafter = 0  # a new replica starts from the first token
         request.draft_model, request.drafter = model, replica
 
+    def _plan_standby(self, request: RequestState, batch: MicroBatch) -> None:
+        """Fast switching (Spin §IV-C): keep a replica of the model the chooser expects the
+        request to move to next in step with its committed tokens (`batch.warm`)."""
+        target = self.chooser.next_model(request, sorted(self.drafters))
+        if target is None or target == request.draft_model or target not in self.drafters:
+            self._release_standby(request)
+            return
+        if target in self.config.feature_drafts:  # it needs the target's features: no warm-up
+            self._release_standby(request)
+            return
+        standby = request.standby
+        if standby is not None and (
+            standby.model != target or standby.replica not in self.drafters[target]
+        ):
+            self._release_standby(request)
+            standby = None
+        if standby is None:
+            load = self.matcher.load()
+            replica = min(self.drafters[target], key=lambda r: (load.get(r, 0), r))
+            standby = request.standby = Standby(target, replica)
+        tokens = request.all_tokens
+        if standby.num_seen >= len(tokens):
+            return  # in step already
+        batch.warm[request.request_id] = DraftPlan(
+            target,
+            standby.replica,
+            WARM_METHOD,
+            standby.num_seen,
+            tuple(tokens[standby.num_seen :]),
+            max_depth=1,
+            max_nodes=1,
+        )
+
+    def note_warmed(self, request_id: str, plan: DraftPlan, ok: bool) -> None:
+        """A standby drafter answered a warm-up (`MicroBatch.warm`): ok, it holds the plan's
+        tokens; not ok (or no answer), its state is unknown and the next warm-up starts over."""
+        request = self.requests.get(request_id)
+        standby = request.standby if request is not None else None
+        if standby is not None and (standby.model, standby.replica) == (plan.model, plan.replica):
+            standby.num_seen = plan.base_len + len(plan.new_tokens) if ok else 0
+
+    def _release_standby(self, request: RequestState) -> None:
+        standby = request.standby
+        if standby is not None:
+            self._releases.append(
+                Release(request.request_id, False, (standby.model, standby.replica))
+            )
+            request.standby = None
+
     def _release_draft(self, request: RequestState) -> None:
+        """Leave the request's drafters, current and standby (their state is to be freed)."""
+        self._release_current(request)
+        self._release_standby(request)
+
+    def _release_current(self, request: RequestState) -> None:
         """Leave the request's current drafter (its state there is to be freed)."""
         if request.draft_model is not None and request.drafter is not None:
             self._releases.append(

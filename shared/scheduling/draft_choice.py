@@ -72,6 +72,12 @@ class DraftChooser(Protocol):
         """Feedback after a verified step that used a draft."""
         ...
 
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        """The model the request will most likely move to from its current one (Spin's fast
+        switching keeps that model's KV of the request in step ahead of the switch); None
+        when no switch is foreseen."""
+        ...
+
     def forget(self, request_id: str) -> None:
         """The request finished."""
         ...
@@ -121,6 +127,12 @@ class GoodputTable:
             del self.counts[(request_id, model)]
             del self.sums[(request_id, model)]
 
+    def best_other(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        """The live model other than the request's current one with the highest estimated
+        goodput (Spin's destination for a fast switch outside exploration)."""
+        others = sorted(m for m in live_models if m != request.draft_model)
+        return max(others, key=lambda m: self.estimate(request.request_id, m), default=None)
+
 
 class FixedDraftModel:
     """The first of the preferred models that is alive (configured order), else any live one;
@@ -148,6 +160,9 @@ class FixedDraftModel:
 
     def observe(self, outcome: DraftOutcome) -> None:
         pass
+
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> None:
+        return None  # a request keeps its model
 
     def forget(self, request_id: str) -> None:
         pass
@@ -189,6 +204,9 @@ class GreedyByLength:
     def observe(self, outcome: DraftOutcome) -> None:
         pass
 
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> None:
+        return None  # a request keeps its model
+
     def forget(self, request_id: str) -> None:
         self._chosen.pop(request_id, None)
 
@@ -221,6 +239,9 @@ class EpsilonGreedy:
     def observe(self, outcome: DraftOutcome) -> None:
         self.table.add(outcome)
 
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        return self.table.best_other(request, live_models)
+
     def forget(self, request_id: str) -> None:
         self.table.forget(request_id)
 
@@ -246,6 +267,9 @@ class Oracle:
 
     def observe(self, outcome: DraftOutcome) -> None:
         pass
+
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> None:
+        return None  # a request keeps its model
 
     def forget(self, request_id: str) -> None:
         pass

@@ -12,6 +12,12 @@ Each epoch has two stages:
   columns), the weight being the request's estimated goodput on the model (Eq. 10). A request
   that arrives during the stage is matched when it first drafts, against what is left.
 
+Fast switching (Spin §IV-C): `next_model` names the model a request will most likely move to, so
+that the core can keep that model's KV of the request in step ahead of the switch. Within an
+exploration stage it is the next chunk's random draw (a draw is a function of the seed, the chunk
+and the request, so knowing it early changes nothing); otherwise the model with the highest
+estimated goodput other than the current one.
+
 Goodput is what the core observes after each verified step: tokens committed per ms of the step
 (`DraftOutcome.goodput`), averaged per (request, model) over every step seen; a request that
 never ran on a model is estimated by the model's mean over all requests. Switching costs a
@@ -65,6 +71,7 @@ class Lbss:
         self.slot = 0  # within the current stage
         self.stage = 0  # stages begun so far (ids for the assignments made in one)
         self.slot_ms: float | None = None
+        self.seed = seed
         self._rng = random.Random(seed)
         self._explored: dict[str, tuple[tuple[int, int], str]] = {}  # rid -> (chunk, model)
         self._matched: dict[str, tuple[int, str]] = {}  # rid -> (stage, model)
@@ -95,6 +102,16 @@ class Lbss:
         else:
             self.slot_ms = SLOT_MS_DECAY * self.slot_ms + (1 - SLOT_MS_DECAY) * outcome.step_ms
 
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        models = sorted(live_models)
+        held = self._explored.get(request.request_id)
+        if self.is_exploring and held is not None and held[0][0] == self.stage:
+            following = (self.stage, held[0][1] + 1)
+            if following[1] * self.settings.beta < self.settings.alpha:  # a chunk of this stage
+                drawn = self._draw(request.request_id, following, models)
+                return drawn if drawn != request.draft_model else None
+        return self.table.best_other(request, models)
+
     def forget(self, request_id: str) -> None:
         self.table.forget(request_id)
         self._explored.pop(request_id, None)
@@ -117,7 +134,7 @@ class Lbss:
         for r in requests:
             held = self._explored.get(r.request_id)
             if held is None or held[0] != chunk or held[1] not in drawn:
-                held = (chunk, self._rng.choice(models))
+                held = (chunk, self._draw(r.request_id, chunk, models))
                 self._explored[r.request_id] = held
             drawn[held[1]].append(r.request_id)
         chosen = {}
@@ -127,6 +144,10 @@ class Lbss:
                 ids = self._rng.sample(ids, keep)
             chosen.update(dict.fromkeys(ids, model))
         return chosen
+
+    def _draw(self, request_id: str, chunk: tuple[int, int], models: list[str]) -> str:
+        """The request's random model for an exploration chunk, the same whenever it is asked."""
+        return random.Random(f"{self.seed}:{chunk}:{request_id}").choice(models)
 
     def _exploit(
         self, requests: Sequence[RequestState], models: list[str], cost: CostModel | None
@@ -157,7 +178,12 @@ class Lbss:
         if cost is None or not cost.has_draft(model) or not self.slot_ms:
             return goodput
         tokens = request.num_tokens
-        prefill_ms = cost.draft_forward_ms(model, tokens, tokens)
+        standby = request.standby
+        if standby is not None and standby.model == model:  # fast switching: mostly prefilled
+            tokens -= standby.num_seen
+        if tokens <= 0:
+            return goodput
+        prefill_ms = cost.draft_forward_ms(model, tokens, request.num_tokens)
         stage_ms = self.stage_slots * self.slot_ms
         lost = min(1.0, self.settings.switch_cost * prefill_ms / stage_ms)
         return goodput * (1 - lost)

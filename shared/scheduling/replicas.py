@@ -16,7 +16,8 @@ class ReplicaMatcher(Protocol):
     name: str
 
     def place(self, request_id: str, current: str | None, replicas: Sequence[str]) -> str:
-        """A replica (one of `replicas`, never empty) for the request."""
+        """A replica (one of `replicas`, never empty) for the request; `current` while it is
+        one of them."""
         ...
 
     def release(self, request_id: str) -> None: ...
@@ -32,7 +33,11 @@ class LeastLoadedSticky:
         self._load: Counter[str] = Counter()
 
     def place(self, request_id: str, current: str | None, replicas: Sequence[str]) -> str:
-        if current is not None and current in replicas and self._where.get(request_id) == current:
+        if current is not None and current in replicas:
+            if self._where.get(request_id) != current:  # e.g. a fast switch to its standby
+                self.release(request_id)
+                self._where[request_id] = current
+                self._load[current] += 1
             return current
         self.release(request_id)
         replica = min(replicas, key=lambda r: (self._load[r], r))

@@ -69,6 +69,16 @@ class AcceptanceStats:
         return 1.0 + self.num_accepted / self.num_target_forwards
 
 
+@dataclass
+class Standby:
+    """A replica of the draft model a request will most likely move to, kept in step with the
+    request's committed tokens ahead of the switch (Spin's fast switching)."""
+
+    model: str
+    replica: str
+    num_seen: int = 0  # committed tokens that replica holds
+
+
 @dataclass(eq=False)  # a request is equal only to itself: `in` checks stay O(1) each
 class RequestState:
     request_id: str
@@ -91,6 +101,7 @@ class RequestState:
     kv: KVState = "resident"
     draft_model: str | None = None  # the model drafting for it now ...
     drafter: str | None = None  # ... on this replica (sticky)
+    standby: Standby | None = None  # fast switching: where it will most likely draft next
     in_flight: bool = False  # part of a micro-batch on its way through drafters and verifier
     cancelled: bool = False
     finish_reason: FinishReason | None = None
@@ -149,6 +160,8 @@ class RequestState:
         self.prefill_tokens = self.all_tokens
         self.num_prefilled = 0
         self.num_seen_by_drafter = 0
+        if self.standby is not None:
+            self.standby.num_seen = 0
 
     def record_step(
         self,
