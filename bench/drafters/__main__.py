@@ -55,7 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
     p.add_argument(
         "--choosers", nargs="+", default=["fixed", "eps-greedy", "lbss"],
-        choices=("fixed", "greedy-length", "eps-greedy", "lbss"),
+        choices=("fixed", "greedy-length", "eps-greedy", "lbss", "eps-greedy+fast", "lbss+fast"),
+        help="draft choosers; NAME+fast: that chooser with fast switching",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")

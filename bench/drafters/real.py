@@ -35,6 +35,10 @@ class RealRun:
     label: str
     chooser: str
     drafts: tuple[str, ...]  # configured order: `fixed` takes the first
+    fast_switching: bool = False
+
+
+FAST_SUFFIX = "+fast"  # a chooser name with it: that chooser with scheduler.fast_switching
 
 
 def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
@@ -44,7 +48,8 @@ def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
             for d in drafts:  # that draft first: the one `fixed` takes
                 runs.append(RealRun(f"fixed {d}", "fixed", (d, *(x for x in drafts if x != d))))
         else:
-            runs.append(RealRun(name, name, tuple(drafts)))
+            chooser = name.removesuffix(FAST_SUFFIX)
+            runs.append(RealRun(name, chooser, tuple(drafts), name != chooser))
     return runs
 
 
@@ -56,6 +61,7 @@ def run_env(run: RealRun, batch_size: int, planner: str) -> dict[str, str]:
     dirs = draft_dirs()
     return {
         "AUGURY_SCHEDULER__DRAFT_CHOOSER": run.chooser,
+        "AUGURY_SCHEDULER__FAST_SWITCHING": str(run.fast_switching).lower(),
         "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(batch_size),
         "AUGURY_SCHEDULER__SPECULATION__PLANNER": planner,
         "AUGURY_MODELS__DRAFTS": json.dumps([{"name": d, "dir": str(dirs[d])} for d in run.drafts]),
