@@ -656,18 +656,17 @@ class SchedulerCore:
         replicas = self.drafters[model]
         if model != request.draft_model:
             standby = request.standby
-            is_warm = (
-                standby is not None
-                and standby.model == model
-                and standby.replica in replicas
-                and standby.num_seen > 0
-            )
+            if standby is not None and not (
+                standby.model == model and standby.replica in replicas and standby.num_seen > 0
+            ):
+                standby = None  # not a standby of this model that holds anything
             if request.draft_model is not None:  # a switch: what the new drafter must catch up
-                behind = request.num_tokens - (standby.num_seen if is_warm and standby else 0)
-                kind = "warm" if is_warm else "cold"
+                kind = "warm" if standby is not None else "cold"
                 self.switches[kind] += 1
-                self.switches[f"{kind}_tokens"] += behind
-            if is_warm and standby is not None:
+                self.switches[f"{kind}_tokens"] += request.num_tokens - (
+                    standby.num_seen if standby is not None else 0
+                )
+            if standby is not None:
                 self._release_current(request)
                 request.standby = None
                 replica = self.matcher.place(request.request_id, standby.replica, replicas)
@@ -686,10 +685,12 @@ class SchedulerCore:
         """Fast switching (Spin §IV-C): keep a replica of the model the chooser expects the
         request to move to next in step with its committed tokens (`batch.warm`)."""
         target = self.chooser.next_model(request, sorted(self.drafters))
-        if target is None or target == request.draft_model or target not in self.drafters:
-            self._release_standby(request)
-            return
-        if target in self.config.feature_drafts:  # it needs the target's features: no warm-up
+        if (
+            target is None
+            or target == request.draft_model
+            or target not in self.drafters
+            or target in self.config.feature_drafts  # it needs the target's features to warm
+        ):
             self._release_standby(request)
             return
         standby = request.standby
