@@ -228,6 +228,10 @@ class SchedulerSettings(_Group):
     # Spin's fast switching: keep the KV of each drafting request in step on the draft model the
     # chooser expects it to move to next, so that a switch costs no prefill (lbss, eps-greedy)
     fast_switching: bool = False
+    # SpecInfer's merged trees: the standby drafter (as fast switching picks it) also drafts a
+    # tree for "standby": every request that has one, "at-risk": requests behind their TPOT
+    # objective; merged with the current drafter's tree before selection
+    merge_drafts: Literal["off", "standby", "at-risk"] = "off"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling.core import DraftPlan, draft_request
 from shared.scheduling.draft_choice import (
     DraftOutcome,
     EpsilonGreedy,
@@ -374,3 +376,70 @@ def test_greedy_output_is_plain_decoding_with_fast_switching(
     assert engine.core.switches["warm"] > 0  # switched onto standbys the engine warmed
     for drafter in drafters.values():  # finished: no draft KV left on either drafter
         assert not any(drafter.runner.has_request(r.request_id) for r in reqs)
+
+
+# ---- merged trees (SpecInfer) ------------------------------------------------------------------
+def test_merged_trees_verify_the_union_of_both_drafters_paths() -> None:
+    chooser = EpsilonGreedy(epsilon=0.0)  # the standby is always the other model
+    core = make_core(
+        chooser=chooser, method=DraftMethod("chain", k=3), planner="fixed", merge_drafts="standby"
+    )
+    core.set_drafters({"small": ["s0"], "big": ["b0"]})
+    ex = executor(core, FakeKV(), agree=0.5, draft_failure=0.05)
+    rids = [f"r{i}" for i in range(5)]
+    for rid in rids:
+        core.add(make_request(rid, 6, max_tokens=40))
+    ex.run()
+    for rid in rids:
+        assert ex.streamed[rid] == greedy(make_request(rid, 6).prompt, 40)
+    check_releases(ex, rids)
+    merged = [p for _, p in ex.warmed]
+    assert merged and all(p.stream == 1 for p in merged)  # full drafts, not warm-ups
+    # two chains of 3 from the same root: a merged tree holds both where they differ
+    assert max(t.num_nodes for t in ex.verified) > 1 + 3
+    request = make_request("x", 3)
+    plan = DraftPlan("big", "b0", DraftMethod("chain", k=3), 0, (1, 2, 3), 3, 3)
+    own, second = draft_request(request, plan), draft_request(request, replace(plan, stream=1))
+    assert own.seed == request.seed and second.seed != own.seed  # a random stream of its own
+
+
+def test_at_risk_merges_only_requests_behind_their_objective() -> None:
+    core = make_core(method=DraftMethod("chain", k=3), merge_drafts="at-risk")
+    behind, on_track, no_slo = (make_request(rid, 4) for rid in ("behind", "ok", "none"))
+    for r, tpot in ((behind, 10.0), (on_track, 1000.0)):
+        r.tpot_slo_ms = tpot
+    for r in (behind, on_track, no_slo):
+        r.output = [1, 2, 3]
+        r.first_token_time, r.last_token_time = 0.0, 0.1  # 50 ms per token after the first
+    assert core._merges(behind) and not core._merges(on_track) and not core._merges(no_slo)
+
+
+def test_greedy_output_is_plain_decoding_with_merged_trees(tiny_target_dir, tiny_draft_dir) -> None:
+    def runner(path):
+        return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=1 << 20)
+
+    plain = SpecEngine(Verifier(runner(tiny_target_dir)))
+    expected = [r.output for r in plain.generate(PROMPTS, SamplingParams(max_tokens=24))]
+    drafters = {
+        "echo": Drafter(runner(tiny_target_dir), name="echo"),
+        "tiny": Drafter(runner(tiny_draft_dir), name="tiny"),
+    }
+    config = EngineConfig(draft_chooser="eps-greedy", planner="fixed", merge_drafts="standby")
+    engine = SpecEngine(
+        Verifier(runner(tiny_target_dir)), drafters, DraftMethod("chain", k=3), config
+    )
+    merged = []
+    select = engine.core.select_trees
+
+    def spy(batch, drafted, now, partners=None):
+        merged.extend(partners or {})
+        return select(batch, drafted, now, partners)
+
+    engine.core.select_trees = spy
+    reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
+    assert [r.output for r in reqs] == expected
+    assert merged, "no step merged a standby's tree"
+    assert engine.core.num_merged_trees == len(merged)
+    # "echo" (the target) is a drafter in every merged step, own or standby: its chain is the
+    # greedy path, so every merged step accepts all 3 of its tokens where room allows
+    assert engine.stats.num_accepted >= 2 * len(merged)

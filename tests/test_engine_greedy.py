@@ -121,8 +121,8 @@ def test_target_as_its_own_draft_accepts_its_greedy_path(tiny_target_dir, plain_
     verified = {}  # (request, step) -> the verified tree
     select = engine.core.select_trees
 
-    def spy(batch, drafted, now):
-        trees = select(batch, drafted, now)
+    def spy(batch, drafted, now, partners=None):
+        trees = select(batch, drafted, now, partners)
         for r in batch.decode:
             verified[r.request_id, r.step] = trees[r.request_id]
         return trees

@@ -76,3 +76,48 @@ def test_seed_reproduces_output_whatever_the_batch(tiny_target_dir, tiny_draft_d
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=43, max_tokens=12)
     differs = make_engine(tiny_target_dir, tiny_draft_dir, method).generate([[5, 6, 7]], other_seed)
     assert differs[0].output != alone[0].output
+
+
+def test_sampled_outputs_with_merged_trees_follow_target(small_vocab_dirs, tmp_path_factory):
+    """Two different drafters speculate every request in the same step (the standby's tree
+    merged with the current drafter's, each sampled node verified against its own drafter's
+    proposal): still the target's distribution."""
+    from shared.engine.drafting import Drafter
+    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.verifier import Verifier
+    from shared.model import load_model
+    from shared.model.runner import ModelRunner
+
+    target_dir, draft_dir = small_vocab_dirs
+
+    def runner(path, kv_bytes=4 << 20):
+        return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=kv_bytes)
+
+    other_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("sv_other"), seed=5, vocab_size=VOCAB, hidden_size=16, num_layers=1
+    )
+    drafters = {
+        "small": Drafter(runner(draft_dir), name="small"),
+        "other": Drafter(runner(other_dir), name="other"),
+    }
+    config = EngineConfig(
+        max_running=NUM_REQUESTS, draft_chooser="eps-greedy", merge_drafts="standby"
+    )
+    engine = SpecEngine(
+        Verifier(runner(target_dir, 8 << 20)), drafters, DraftMethod("chain", k=3), config
+    )
+    merged_steps = 0
+    select = engine.core.select_trees
+
+    def count(batch, drafted, now, partners=None):
+        nonlocal merged_steps
+        merged_steps += len(partners or {})
+        return select(batch, drafted, now, partners)
+
+    engine.core.select_trees = count
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+    ]
+    outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
+    assert merged_steps > NUM_REQUESTS // 2
+    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR

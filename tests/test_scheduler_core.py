@@ -229,7 +229,8 @@ class FakeExecutor:
     batches: list[MicroBatch] = field(default_factory=list)
     oom_errors: int = 0
     plans: list[dict[str, DraftPlan]] = field(default_factory=list)
-    warmed: list[tuple[str, DraftPlan]] = field(default_factory=list)  # fast switching
+    warmed: list[tuple[str, DraftPlan]] = field(default_factory=list)  # standby jobs
+    verified: list[TokenTree] = field(default_factory=list)  # every tree verified
 
     def tick(self) -> float:
         self.now += 1.0
@@ -291,17 +292,21 @@ class FakeExecutor:
                 continue
             drafted[rid] = self.drafters.draft(plan, request)
             self.core.note_drafted(rid, True)
-        for rid, plan in batch.warm.items():  # fast switching: a standby catches up
+        partners: dict[str, TokenTree] = {}
+        for rid, plan in (batch.warm | batch.merge).items():  # a request's standby drafter
             request = self.core.requests[rid]
             assert rid in batch.drafts and plan.model != request.draft_model
+            assert not (rid in batch.warm and rid in batch.merge)
             self.warmed.append((rid, plan))
             if self.rng.random() < self.draft_failure:
                 self.drafters.fail(plan, request)
                 self.core.note_warmed(rid, plan, False)
                 continue
-            self.drafters.draft(plan, request)
+            tree = self.drafters.draft(plan, request)
             self.core.note_warmed(rid, plan, True)
-        trees = self.core.select_trees(batch, drafted, self.tick())
+            if rid in batch.merge:
+                partners[rid] = tree
+        trees = self.core.select_trees(batch, drafted, self.tick(), partners)
         assert set(trees) == {r.request_id for r in batch.decode}
         nodes = sum(t.num_nodes for t in trees.values())
         assert batch.prefill_tokens + nodes <= self.core.config.token_budget
@@ -331,6 +336,7 @@ class FakeExecutor:
                     continue
             tokens, accepted = verify_tree(tree)
             results[rid] = StepResult(rid, r.step, tokens, accepted)
+            self.verified.append(tree)
         self.inflight.append(InFlight(batch, results))
         return True
 

@@ -159,11 +159,13 @@ async def test_stop_tokens_and_errors(server: EmbeddedRedis, tiny_target_dir: Pa
     assert long_error is not None and long_error.code == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("merge", ["off", "standby"])
 async def test_fast_switching_through_the_services_keeps_greedy_output(
-    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path, merge: str
 ) -> None:
     # two draft models and LBSS switching requests between them every slot of its exploration;
-    # the standby drafter is warmed in the same round as the step's drafts
+    # the standby drafter is warmed in the same round as the step's drafts ("off"), or drafts
+    # a tree of its own that is merged with the current drafter's ("standby")
     models = ModelPaths(tiny_target_dir, {"self": tiny_target_dir, "tiny": tiny_draft_dir})
     prompts = prompts_of(6)
     params = [SamplingParams(max_tokens=24 + 2 * i) for i in range(len(prompts))]
@@ -172,9 +174,10 @@ async def test_fast_switching_through_the_services_keeps_greedy_output(
         "draft_chooser": "lbss",
         "lbss": {"alpha": 4, "beta": 1},
         "fast_switching": True,
+        "merge_drafts": merge,
         "speculation": {"method": "chain", "planner": "fixed"},
     }
-    async with running(server.url, "g-fast-switching", models, scheduler=scheduler) as (
+    async with running(server.url, f"g-fast-{merge}", models, scheduler=scheduler) as (
         stack,
         client,
     ):
@@ -190,6 +193,7 @@ async def test_fast_switching_through_the_services_keeps_greedy_output(
         # a warm switch sends only the newest tokens; had the scheduler miscounted what the
         # standby holds, that drafter would have answered out_of_sync
         assert core.switches["warm_tokens"] <= 5 * core.switches["warm"]
+        assert (core.num_merged_trees > 0) == (merge == "standby")
         assert not any(d.stats.errors for d in stack.drafters), [
             dict(d.stats.errors) for d in stack.drafters
         ]

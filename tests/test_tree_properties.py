@@ -66,6 +66,32 @@ def test_merge_is_union_with_deterministic_paths_deduplicated(tree_list):
 
 
 @settings(max_examples=60, deadline=None)
+@given(st.lists(trees(max_nodes=25), min_size=2, max_size=4))
+def test_merged_sampled_nodes_keep_their_own_drafters_proposal(tree_list):
+    """Each draft's proposals are its own: a sampled node must still point at the distribution
+    its drafter sampled it from after the merge (verification divides by that q)."""
+    tagged = []
+    for index, tree in enumerate(tree_list):  # tree i proposes only token i, with probability 1
+        proposal = SparseDist(np.array([index]), np.array([1.0]))
+        tagged.append(
+            TokenTree.build(tree.tokens, tree.parents, tree.logq, tree.proposal_of, [proposal])
+        )
+    merged = merge_trees(tagged)
+    expected = [
+        index
+        for index, tree in enumerate(tagged)
+        for i in range(1, tree.num_nodes)
+        if tree.proposal_of[i] != DETERMINISTIC
+    ]
+    got = [
+        int(merged.proposals[merged.proposal_of[i]].ids[0])
+        for i in range(1, merged.num_nodes)
+        if merged.proposal_of[i] != DETERMINISTIC
+    ]
+    assert got == expected
+
+
+@settings(max_examples=60, deadline=None)
 @given(trees(max_nodes=40), st.data())
 def test_subtree_keeps_paths_of_kept_nodes(tree, data):
     keep = {0}

@@ -441,8 +441,8 @@ class SchedulerService:
             await self._count_preemptions()  # the core's, up to this batch
             if batch.is_empty:
                 return
-            drafted, draft_ms = await self._draft(batch)
-            trees = self.core.select_trees(batch, drafted, time.time())
+            drafted, partners, draft_ms = await self._draft(batch)
+            trees = self.core.select_trees(batch, drafted, time.time(), partners)
             job = VerifyJob(batch.id, self._verify_entries(batch, trees))
             result = await self._verify(job)
             results = {
@@ -486,16 +486,20 @@ class SchedulerService:
         )
 
     # ---- drafting --------------------------------------------------------------------------------
-    async def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], float]:
-        """The trees the drafters answered in time, and the slowest replica's drafting time.
-        Fast switching's warm-ups (`batch.warm`) go to the standby replicas in the same round:
-        a replica that only warms works beside the drafting ones."""
+    async def _draft(
+        self, batch: MicroBatch
+    ) -> tuple[dict[str, TokenTree], dict[str, TokenTree], float]:
+        """The trees the drafters answered in time, the standby replicas' trees to merge with
+        them (`batch.merge`), and the slowest replica's drafting time. Fast switching's
+        warm-ups (`batch.warm`) go to the standby replicas in the same round: a replica that
+        only warms works beside the drafting ones."""
+        standby = batch.warm | batch.merge
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
-        for rid, plan in [*batch.drafts.items(), *batch.warm.items()]:
+        for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]
             jobs.setdefault((plan.model, plan.replica), []).append(draft_request(request, plan))
         if not jobs:
-            return {}, 0.0
+            return {}, {}, 0.0
         waits = {replica: self._candidates.expect((batch.id, replica)) for _, replica in jobs}
         await self._publish(
             [
@@ -506,8 +510,9 @@ class SchedulerService:
         done, pending = await asyncio.wait(waits.values(), timeout=self.draft_timeout_s)
         self.stats.draft_timeouts += len(pending)
         sent = {(replica, e.request_id): e for (_, replica), es in jobs.items() for e in es}
-        warm = {(plan.replica, rid): plan for rid, plan in batch.warm.items()}
+        on_standby = {(plan.replica, rid): plan for rid, plan in standby.items()}
         trees: dict[str, TokenTree] = {}
+        partners: dict[str, TokenTree] = {}
         draft_ms = 0.0
         for replica, wait in waits.items():
             if wait not in done or wait.cancelled():
@@ -522,19 +527,22 @@ class SchedulerService:
                 del sent[key]
                 root = self.core.requests[drafted.request_id].all_tokens[-1]
                 ok = drafted.tree is not None and drafted.tree.root_token == root
-                if key in warm:
-                    self.core.note_warmed(drafted.request_id, warm[key], ok)
+                if key in on_standby:
+                    self.core.note_warmed(drafted.request_id, on_standby[key], ok)
+                    if ok and drafted.request_id in batch.merge:
+                        assert drafted.tree is not None
+                        partners[drafted.request_id] = drafted.tree
                     continue
                 self.core.note_drafted(drafted.request_id, ok)
                 if ok:
                     assert drafted.tree is not None
                     trees[drafted.request_id] = drafted.tree
         for key in sent:  # no answer in time: that drafter's state is unknown
-            if key in warm:
-                self.core.note_warmed(key[1], warm[key], False)
+            if key in on_standby:
+                self.core.note_warmed(key[1], on_standby[key], False)
             else:
                 self.core.note_drafted(key[1], False)
-        return trees, draft_ms
+        return trees, partners, draft_ms
 
     # ---- verification ----------------------------------------------------------------------------
     def _verify_entries(

@@ -24,6 +24,7 @@ from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.model.kv_cache import SwappedKV
 from shared.scheduling.core import (
     CoreConfig,
+    MergePolicy,
     MicroBatch,
     SchedulerCore,
     SpeculationPlanner,
@@ -56,6 +57,7 @@ class EngineConfig(BaseModel):
     draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy
     lbss: LbssSettings = LbssSettings()
     fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
+    merge_drafts: MergePolicy = "off"  # the standby also drafts a tree, merged (SpecInfer)
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
     slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
@@ -116,6 +118,7 @@ class SpecEngine:
                 ),
                 feature_size=runner.cfg.hidden_size,
                 fast_switching=self.config.fast_switching,
+                merge_drafts=self.config.merge_drafts,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
             chooser=make_chooser(self.config.draft_chooser, list(self.drafters), self.config.lbss),
@@ -219,7 +222,8 @@ class SpecEngine:
         for request in batch.swap_in:
             runner.swap_in(request.request_id, self._swapped.pop(request.request_id))
         self._release()  # drafts left behind by preemption or a change of draft model
-        trees = self.core.select_trees(batch, self._draft(batch), self.clock())
+        drafted, partners = self._draft(batch)
+        trees = self.core.select_trees(batch, drafted, self.clock(), partners)
         entries = [
             VerifyRequest(
                 r.request_id,
@@ -254,30 +258,32 @@ class SpecEngine:
             for v in verified
         }
 
-    def _draft(self, batch: MicroBatch) -> dict[str, TokenTree]:
-        """The step's trees; fast switching's warm-ups (`batch.warm`) run beside them and only
-        bring the standby drafters' KV in step."""
-        groups: dict[tuple[str, DraftMethod, bool], list[DraftRequest]] = {}
-        entries = [(rid, plan, False) for rid, plan in batch.drafts.items()]
-        entries += [(rid, plan, True) for rid, plan in batch.warm.items()]
-        for rid, plan, is_warm in entries:
+    def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], dict[str, TokenTree]]:
+        """The step's trees, and the standby drafters' trees to merge with them (`batch.merge`);
+        fast switching's warm-ups (`batch.warm`) run beside them and only bring the standby
+        drafters' KV in step. A request's own drafter and its standby are different models."""
+        standby = batch.warm | batch.merge
+        groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
+        for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]
             drafter = self.drafters[plan.model]
             if plan.base_len == 0 and drafter.runner.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
-            key = (plan.model, plan.method, is_warm)
-            groups.setdefault(key, []).append(draft_request(request, plan))
+            groups.setdefault((plan.model, plan.method), []).append(draft_request(request, plan))
         trees: dict[str, TokenTree] = {}
-        for (model, method, is_warm), requests in groups.items():
+        partners: dict[str, TokenTree] = {}
+        for (model, method), requests in groups.items():
             drafted = self.drafters[model].draft(requests, method.for_batch(len(requests)))
             for r in requests:
-                if is_warm:
-                    self.core.note_warmed(r.request_id, batch.warm[r.request_id], True)
+                rid = r.request_id
+                if rid in standby and standby[rid].model == model:
+                    self.core.note_warmed(rid, standby[rid], True)
+                    if rid in batch.merge:
+                        partners[rid] = drafted[rid]
                 else:
-                    self.core.note_drafted(r.request_id, True)
-            if not is_warm:
-                trees |= drafted
-        return trees
+                    self.core.note_drafted(rid, True)
+                    trees[rid] = drafted[rid]
+        return trees, partners
 
     def _release(self) -> None:
         for release in self.core.take_releases():

@@ -30,7 +30,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from shared.engine.methods import DraftMethod, tree_capacity
-from shared.engine.tree import DETERMINISTIC, TokenTree
+from shared.engine.sampling import SEED_BITS
+from shared.engine.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
@@ -60,6 +61,10 @@ from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSele
 from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]
+# Which requests the standby drafter also drafts a tree for, merged with the current drafter's
+# (SpecInfer's merge-based trees): none, every request with a standby, or requests with a TPOT
+# objective that they are not meeting
+MergePolicy = Literal["off", "standby", "at-risk"]
 # A standby drafter's catch-up: append the committed tokens; the one node it drafts is unused.
 WARM_METHOD = DraftMethod("chain", k=1)
 
@@ -87,6 +92,7 @@ class CoreConfig:
     # Spin's fast switching: keep each drafting request's KV in step on the model the chooser
     # expects it to move to next (`MicroBatch.warm`), so that the switch costs no prefill
     fast_switching: bool = False
+    merge_drafts: MergePolicy = "off"
 
 
 class KVView(Protocol):
@@ -117,6 +123,9 @@ class DraftPlan:
     max_nodes: int
     # feature-level drafts: the target's features before each new token (`DraftRequest.features`)
     features: np.ndarray | None = None
+    # a second drafter of the same request in the same step samples from its own random stream:
+    # sibling draws from different drafters must be independent for lossless verification
+    stream: int = 0
 
 
 @dataclass
@@ -129,6 +138,9 @@ class MicroBatch:
     # fast switching: request id -> the standby drafter's catch-up (no tree is used: run it
     # beside the step's drafting, then tell the core with `note_warmed`)
     warm: dict[str, DraftPlan] = field(default_factory=dict)
+    # merged trees: request id -> its standby drafter's full draft, merged with the current
+    # drafter's tree before selection (the executor hands it to `select_trees` as a partner)
+    merge: dict[str, DraftPlan] = field(default_factory=dict)
     swap_out: list[RequestState] = field(default_factory=list)  # preempted: keep KV on host
     drop: list[RequestState] = field(default_factory=list)  # preempted: KV released, recompute
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
@@ -195,7 +207,7 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
         new_tokens=plan.new_tokens,
         method=plan.method,
         sampling=request.params,
-        seed=request.seed,
+        seed=request.seed + (plan.stream << SEED_BITS),
         max_nodes=plan.max_nodes,
         max_depth=plan.max_depth,
         features=plan.features,
@@ -245,6 +257,7 @@ class SchedulerCore:
         # draft-model switches: "warm" (to a standby in step, fast switching) and "cold", and
         # "<kind>_tokens", the committed tokens the new drafter still had to append at them
         self.switches: Counter[str] = Counter()
+        self.num_merged_trees = 0  # trees verified as the union of two drafters' (merge_drafts)
         self._arrivals = itertools.count()
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
@@ -646,7 +659,7 @@ class SchedulerCore:
                 min(nodes, method.max_draft_tokens),
                 features,
             )
-        if self.config.fast_switching:
+        if self.config.fast_switching or self.config.merge_drafts != "off":
             for rid in batch.drafts:
                 self._plan_standby(self.requests[rid], batch)
 
@@ -681,12 +694,24 @@ class SchedulerCore:
             request.num_seen_by_drafter = 0  # a new replica starts from the first token
         request.draft_model, request.drafter = model, replica
 
+    def _merges(self, request: RequestState) -> bool:
+        """Whether the request's standby drafts a tree to merge this step (`merge_drafts`)."""
+        match self.config.merge_drafts:
+            case "standby":
+                return True
+            case "at-risk":
+                return request.tpot_slo_ms is not None and request.is_on_track is False
+        return False
+
     def _plan_standby(self, request: RequestState, batch: MicroBatch) -> None:
         """Fast switching (Spin §IV-C): keep a replica of the model the chooser expects the
-        request to move to next in step with its committed tokens (`batch.warm`)."""
+        request to move to next in step with its committed tokens (`batch.warm`). With merged
+        trees, that replica drafts a tree of its own for the request instead (`batch.merge`)."""
+        merges = self._merges(request)
         target = self.chooser.next_model(request, sorted(self.drafters))
         if (
-            target is None
+            not (merges or self.config.fast_switching)
+            or target is None
             or target == request.draft_model
             or target not in self.drafters
             or target in self.config.feature_drafts  # it needs the target's features to warm
@@ -706,6 +731,17 @@ class SchedulerCore:
         tokens = request.all_tokens
         if standby.num_seen >= len(tokens):
             return  # in step already
+        own = batch.drafts[request.request_id]
+        if merges:
+            batch.merge[request.request_id] = replace(
+                own,
+                model=target,
+                replica=standby.replica,
+                base_len=standby.num_seen,
+                new_tokens=tuple(tokens[standby.num_seen :]),
+                stream=1,
+            )
+            return
         batch.warm[request.request_id] = DraftPlan(
             target,
             standby.replica,
@@ -783,10 +819,20 @@ class SchedulerCore:
             request.num_seen_by_drafter = request.num_tokens if ok else 0
 
     def select_trees(
-        self, batch: MicroBatch, drafted: Mapping[str, TokenTree], now: float
+        self,
+        batch: MicroBatch,
+        drafted: Mapping[str, TokenTree],
+        now: float,
+        partners: Mapping[str, TokenTree] | None = None,
     ) -> dict[str, TokenTree]:
-        """Each decoding request's tree to verify (root only where nothing was drafted)."""
+        """Each decoding request's tree to verify (root only where nothing was drafted).
+        `partners`: the trees `batch.merge`'s drafters answered, merged with the request's own
+        (SpecInfer's merge: the union of their paths) before selection."""
         trees = {r.request_id: drafted.get(r.request_id) or root_only(r) for r in batch.decode}
+        for rid, partner in (partners or {}).items():
+            if rid in trees and partner.root_token == trees[rid].root_token:
+                trees[rid] = merge_trees([trees[rid], partner])
+                self.num_merged_trees += 1
         calibration = {}
         for r in batch.decode:
             if r.draft_model is not None:

@@ -74,6 +74,7 @@ def build_core(
             feature_drafts=target.feature_drafts,
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,
+            merge_drafts=config.merge_drafts,
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps),
         chooser=make_chooser(config.draft_chooser, draft_models, config.lbss),
