@@ -6,6 +6,8 @@ One process, same prompts, same models, batch 1, greedy:
   (c) our speculative decoding, each draft x each method (chain and tree)
   (d) transformers assisted generation (`assistant_model`) with the same draft (token-level
       drafts only: transformers has no assistant that reads the target's features)
+  (e) with `--merge A B`: our speculative decoding drafting with A, each step's tree merged
+      with B's (SpecInfer's merge-based trees, `scheduler.merge_drafts`), each method
 
     python -m bench.bench_engine --per-kind 4 --max-tokens 96 --markdown docs/bench_engine.md
 
@@ -32,7 +34,7 @@ from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
-from shared.engine.spec_engine import SpecEngine
+from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import all_draft_dirs, target_dir
@@ -101,6 +103,9 @@ def main() -> None:
     ap.add_argument("--drafts", nargs="+", default=["draft-s", "draft-m", "draft-l"])
     ap.add_argument("--methods", nargs="+", default=["chain4", "tree16"], choices=list(METHODS))
     ap.add_argument("--no-assisted", action="store_true", help="skip (d)")
+    ap.add_argument(
+        "--merge", nargs=2, metavar=("A", "B"), help="(e): draft with A, merge B's trees in"
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path)
@@ -164,6 +169,27 @@ def main() -> None:
                     lambda p, a=assistant: hf_run(p, assistant_model=a),
                 )
             )
+    if args.merge:
+        pair = {
+            name: Drafter(
+                ModelRunner(
+                    load_model(drafts[name], dtype=dtype, target_path=tdir),
+                    kv_memory_bytes=KV_BYTES,
+                ),
+                name=name,
+            )
+            for name in args.merge
+        }
+        for method_name in args.methods:
+            engine = SpecEngine(
+                Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
+                pair,  # "fixed" drafts every request with the first, A
+                METHODS[method_name],
+                EngineConfig(merge_drafts="standby"),
+                eos_token_ids=[eos],
+            )
+            label = f"(e) ours, {'+'.join(args.merge)} merged, {method_name}"
+            configs.append(Config(label, ours(engine), engine))
     measure(configs, prompts)
     reference = configs[1].outputs
     rows = [

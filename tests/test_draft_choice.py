@@ -443,3 +443,19 @@ def test_greedy_output_is_plain_decoding_with_merged_trees(tiny_target_dir, tiny
     # "echo" (the target) is a drafter in every merged step, own or standby: its chain is the
     # greedy path, so every merged step accepts all 3 of its tokens where room allows
     assert engine.stats.num_accepted >= 2 * len(merged)
+
+
+def test_without_a_foreseen_switch_the_partner_is_the_cheapest_other_draft() -> None:
+    core = make_core(
+        chooser=FixedDraftModel(["small", "big", "mid"]),
+        method=DraftMethod("chain", k=3),
+        planner="fixed",
+        merge_drafts="standby",
+    )
+    core.set_drafters({"small": ["s0"], "mid": ["m0"], "big": ["b0"]})
+    ex = executor(core, FakeKV())
+    core.add(make_request("r", 5, max_tokens=12))
+    ex.run()
+    partners = {p.model for _, p in ex.warmed}
+    assert partners == {"big"}  # no cost model: the first other by name
+    check_releases(ex, ["r"])

@@ -709,6 +709,8 @@ class SchedulerCore:
         trees, that replica drafts a tree of its own for the request instead (`batch.merge`)."""
         merges = self._merges(request)
         target = self.chooser.next_model(request, sorted(self.drafters))
+        if target is None and merges:  # no switch foreseen: merge with the cheapest other draft
+            target = self._cheapest_other(request)
         if (
             not (merges or self.config.fast_switching)
             or target is None
@@ -751,6 +753,19 @@ class SchedulerCore:
             max_depth=1,
             max_nodes=1,
         )
+
+    def _cheapest_other(self, request: RequestState) -> str | None:
+        """The live draft model other than the request's current one that costs least per
+        drafted token (by name without a cost model); None if there is none."""
+        others = [
+            m
+            for m in sorted(self.drafters)
+            if m != request.draft_model and m not in self.config.feature_drafts
+        ]
+        cost = self.cost
+        if cost is not None and all(cost.has_draft(m) for m in others):
+            return min(others, key=cost.draft_cost_per_token_ms, default=None)
+        return min(others, default=None)
 
     def note_warmed(self, request_id: str, plan: DraftPlan, ok: bool) -> None:
         """A standby drafter answered a warm-up (`MicroBatch.warm`): ok, it holds the plan's
