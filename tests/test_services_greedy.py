@@ -15,7 +15,7 @@ from shared.bus import EmbeddedRedis
 from shared.bus.preemptions import read_preemptions
 from shared.engine.sampling import SamplingParams
 from shared.wire import FinishReason
-from tests.test_services_support import plain_greedy, running
+from tests.test_services_support import Client, Outcome, plain_greedy, running
 
 pytestmark = pytest.mark.anyio
 
@@ -23,6 +23,17 @@ pytestmark = pytest.mark.anyio
 def prompts_of(n: int) -> list[list[int]]:
     """n prompts of different lengths (1 to 23 tokens) over the tiny vocabulary."""
     return [[(7 * i + 3 * j + 1) % 95 + 1 for j in range(1 + (5 * i) % 23)] for i in range(n)]
+
+
+async def serve_all(
+    client: Client, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[Outcome]:
+    """Submit every prompt at once (ids r0, r1, ...); each request's outcome, in order."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        await client.submit(rid, prompt, p)
+    await client.wait(ids)
+    return [client.outcomes[rid] for rid in ids]
 
 
 CASES = [
@@ -56,11 +67,8 @@ async def test_greedy_equals_plain_decoding(
         stack,
         client,
     ):
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            await client.submit(f"r{i}", prompt, p)
-        await client.wait([f"r{i}" for i in range(len(prompts))])
-        for i, want in enumerate(expected):
-            outcome = client.outcomes[f"r{i}"]
+        outcomes = await serve_all(client, prompts, params)
+        for i, (outcome, want) in enumerate(zip(outcomes, expected, strict=True)):
             assert outcome.tokens == want, f"request {i}"
             assert outcome.finish is FinishReason.LENGTH
         stats = stack.scheduler.stats if stack.scheduler else None
@@ -181,11 +189,8 @@ async def test_fast_switching_through_the_services_keeps_greedy_output(
         stack,
         client,
     ):
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            await client.submit(f"r{i}", prompt, p)
-        await client.wait([f"r{i}" for i in range(len(prompts))])
-        for i, want in enumerate(expected):
-            assert client.outcomes[f"r{i}"].tokens == want, f"request {i}"
+        outcomes = await serve_all(client, prompts, params)
+        assert [o.tokens for o in outcomes] == expected
         assert stack.scheduler is not None
         core = stack.scheduler.core
         assert core.switches["warm"] > 0  # switched onto a standby the services kept in step
