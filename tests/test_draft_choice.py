@@ -459,3 +459,35 @@ def test_without_a_foreseen_switch_the_partner_is_the_cheapest_other_draft() -> 
     partners = {p.model for _, p in ex.warmed}
     assert partners == {"big"}  # no cost model: the first other by name
     check_releases(ex, ["r"])
+
+
+def test_a_merged_step_teaches_the_current_draft_only_what_its_own_tree_achieved() -> None:
+    from shared.engine.tree import TokenTree, merge_trees
+    from shared.scheduling.core import own_part
+    from tests.test_scheduler_core import FakeDrafters
+
+    own = TokenTree.build([9, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.1])  # chain 1, 2
+    partner = TokenTree.build([9, 1, 5, 7], [-1, 0, 1, 2], [0.0, -0.1, -0.2, -0.3])  # 1, 5, 7
+    merged = merge_trees([own, partner])  # 1 is shared: 1 -> 2 and 1 -> 5 -> 7
+    part, accepted = own_part(merged, own, [1, 5, 7])
+    assert part.num_nodes == 3 and accepted == 1  # own had 1 (then 2): only 1 was its
+
+    class ByModel(FakeDrafters):  # "bad" is never right, "good" always
+        def _tree(self, plan, request):
+            self.agree = 1.0 if plan.model == "good" else 0.0
+            return super()._tree(plan, request)
+
+    core = make_core(
+        chooser=FixedDraftModel(["bad", "good"]),
+        method=DraftMethod("chain", k=3),
+        planner="fixed",
+        merge_drafts="standby",
+    )
+    core.set_drafters({"bad": ["b0"], "good": ["g0"]})
+    ex = executor(core, FakeKV())
+    ex.drafters = ByModel(0.0, ex.rng)
+    for rid in ("r0", "r1"):
+        core.add(make_request(rid, 5, max_tokens=40))
+    ex.run()
+    assert core.stats.num_accepted > 20  # the merged trees carried the good draft's paths
+    assert core._model_estimate("bad").successes == 0  # ... which "bad" is not credited with

@@ -147,6 +147,8 @@ class MicroBatch:
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
+    # merged trees: the request's own drafter's tree, before the merge (what its model learns)
+    own_trees: dict[str, TokenTree] = field(default_factory=dict)
     is_observed: bool = False
 
     @property
@@ -212,6 +214,22 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
         max_depth=plan.max_depth,
         features=plan.features,
     )
+
+
+def own_part(verified: TokenTree, own: TokenTree, accepted: Sequence[int]) -> tuple[TokenTree, int]:
+    """A merged tree's part that the request's own drafter proposed (the verified nodes whose
+    token path is one of `own`'s), and how many of the `accepted` draft tokens that part holds:
+    what the current draft model achieved, for its statistics."""
+    own_paths = {tuple(own.tokens[own.path_to(i)][1:].tolist()) for i in range(own.num_nodes)}
+    keep = [
+        i
+        for i in range(verified.num_nodes)
+        if tuple(verified.tokens[verified.path_to(i)][1:].tolist()) in own_paths
+    ]
+    num_accepted = 0
+    while num_accepted < len(accepted) and tuple(accepted[: num_accepted + 1]) in own_paths:
+        num_accepted += 1
+    return verified.subtree(keep), num_accepted
 
 
 def mean_context(requests: Sequence[RequestState]) -> int:
@@ -846,6 +864,7 @@ class SchedulerCore:
         trees = {r.request_id: drafted.get(r.request_id) or root_only(r) for r in batch.decode}
         for rid, partner in (partners or {}).items():
             if rid in trees and partner.root_token == trees[rid].root_token:
+                batch.own_trees[rid] = trees[rid]
                 trees[rid] = merge_trees([trees[rid], partner])
                 self.num_merged_trees += 1
         calibration = {}
@@ -916,9 +935,20 @@ class SchedulerCore:
                 depth = 0
                 if drafted:
                     depth = int(tree.depths().max())
-                    self._learn(
-                        request, tree, depth, result.num_accepted, elapsed_ms, shares.get(rid)
-                    )
+                    learned, accepted = tree, result.num_accepted
+                    if rid in batch.own_trees:  # merged: the current draft's part of it
+                        learned, accepted = own_part(
+                            tree, batch.own_trees[rid], result.tokens[: result.num_accepted]
+                        )
+                    if learned.num_nodes > 1:
+                        self._learn(
+                            request,
+                            learned,
+                            int(learned.depths().max()),
+                            accepted,
+                            elapsed_ms,
+                            shares.get(rid),
+                        )
                 request.record_step(drafted, result.num_accepted, request.draft_model, depth)
                 self.stats.record(drafted, result.num_accepted, depth)
                 self._step_shape.observe(1 + drafted, depth)
