@@ -88,3 +88,42 @@ def anyio_backend() -> str:
 
 
 test_replies_hold_the_ack_until_settled = pytest.mark.anyio(test_replies_hold_the_ack_until_settled)
+
+
+@pytest.mark.anyio
+async def test_preemption_totals_count_each_preemption_once_across_lanes(monkeypatch) -> None:
+    """Two lanes count at once: what one is adding must not be added again by the other, and
+    what a Redis error kept back is added by the next call."""
+    import asyncio
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from services.scheduler import service
+
+    added: Counter[str] = Counter()
+    failing = [False]
+
+    async def slow_add(bus, cell, counts):  # noqa: ANN001, ANN202
+        await asyncio.sleep(0.01)  # the other lane runs meanwhile
+        if failing[0]:
+            raise RedisConnectionError("down")
+        added.update(counts)
+
+    monkeypatch.setattr(service, "add_preemptions", slow_add)
+    scheduler = SimpleNamespace(
+        core=SimpleNamespace(preemptions=Counter(recomputed=3, kept=1)),
+        _counted_preemptions=Counter(),
+        bus=None,
+        cell="c",
+    )
+    count = service.SchedulerService._count_preemptions
+    await asyncio.gather(count(scheduler), count(scheduler))
+    assert added == Counter(recomputed=3, kept=1)
+    failing[0] = True
+    scheduler.core.preemptions["recomputed"] += 2
+    await count(scheduler)
+    failing[0] = False
+    await count(scheduler)
+    assert added == Counter(recomputed=5, kept=1)

@@ -661,12 +661,13 @@ class SchedulerService:
         delta = self.core.preemptions - self._counted_preemptions
         if not delta:
             return
+        # claimed before the await: another lane counting meanwhile must not add it again
+        self._counted_preemptions.update(delta)
         try:
             await add_preemptions(self.bus, self.cell, delta)
         except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            self._counted_preemptions.subtract(delta)
             log.warning("could not count %d preemptions: %s", delta.total(), error)
-        else:
-            self._counted_preemptions.update(delta)
 
     async def _publish(self, messages: list[tuple[str, WireMessage]]) -> None:
         """Write the next hop with the store's changes made since the last write (one
