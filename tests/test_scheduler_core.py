@@ -293,7 +293,7 @@ class FakeExecutor:
             drafted[rid] = self.drafters.draft(plan, request)
             self.core.note_drafted(rid, True)
         partners: dict[str, TokenTree] = {}
-        for rid, plan in (batch.warm | batch.merge).items():  # a request's standby drafter
+        for rid, plan in batch.standby_plans.items():  # a request's standby drafter
             request = self.core.requests[rid]
             assert rid in batch.drafts and plan.model != request.draft_model
             assert not (rid in batch.warm and rid in batch.merge)

@@ -79,7 +79,7 @@ def parse_drafts(specs: Sequence[str]) -> tuple[Draft, ...]:
     committed = draft_dirs()
     drafts = []
     for spec in specs:
-        where, sep, count = spec.rpartition(":") if ":" in spec else (spec, "", "1")
+        where, _, count = spec.rpartition(":") if ":" in spec else (spec, "", "1")
         if not count.isdigit() or int(count) < 1:
             raise SystemExit(f"--drafts takes DRAFT[:REPLICAS] with REPLICAS >= 1, got {spec!r}")
         path = committed.get(where) or Path(where)

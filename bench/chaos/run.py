@@ -77,7 +77,8 @@ def stderr(line: str) -> None:
 def run_chaos(config: ChaosConfig, say: Say = stderr) -> Report:
     """The whole run; processes it started are gone when it returns or raises."""
     started = time.monotonic()
-    known = kill_targets(Models(config.target, config.drafts))
+    models = Models(config.target, config.drafts)
+    known = kill_targets(models)
     unknown = [target for target in config.kill if target not in known]
     if unknown:
         raise ValueError(f"unknown kill targets {unknown}; known: {', '.join(known)}")
@@ -105,7 +106,7 @@ def run_chaos(config: ChaosConfig, say: Say = stderr) -> Report:
             redis_url=url,
             cell=cell,
             port=free_port(),
-            models=Models(config.target, config.drafts),
+            models=models,
             logs=config.logs / cell,
             settings=config.settings,
             threads=config.threads,

@@ -493,7 +493,7 @@ class SchedulerService:
         them (`batch.merge`), and the slowest replica's drafting time. Fast switching's
         warm-ups (`batch.warm`) go to the standby replicas in the same round: a replica that
         only warms works beside the drafting ones."""
-        standby = batch.warm | batch.merge
+        standby = batch.standby_plans
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
         for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]

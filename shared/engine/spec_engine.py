@@ -262,7 +262,7 @@ class SpecEngine:
         """The step's trees, and the standby drafters' trees to merge with them (`batch.merge`);
         fast switching's warm-ups (`batch.warm`) run beside them and only bring the standby
         drafters' KV in step. A request's own drafter and its standby are different models."""
-        standby = batch.warm | batch.merge
+        standby = batch.standby_plans
         groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
         for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]

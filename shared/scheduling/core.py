@@ -152,6 +152,12 @@ class MicroBatch:
     is_observed: bool = False
 
     @property
+    def standby_plans(self) -> dict[str, DraftPlan]:
+        """Every job for a standby replica, warm-up or merged draft (a request has one at most;
+        it is always another model than the request's own drafter)."""
+        return self.warm | self.merge
+
+    @property
     def members(self) -> list[RequestState]:
         return self.decode + [r for r, _ in self.prefill]
 
@@ -216,16 +222,20 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
     )
 
 
+def token_paths(tree: TokenTree) -> list[tuple[int, ...]]:
+    """Each node's draft tokens from the root (the root's own token excluded)."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, tree.num_nodes):  # topological order: a parent's path is already there
+        paths.append((*paths[int(tree.parents[i])], int(tree.tokens[i])))
+    return paths
+
+
 def own_part(verified: TokenTree, own: TokenTree, accepted: Sequence[int]) -> tuple[TokenTree, int]:
     """A merged tree's part that the request's own drafter proposed (the verified nodes whose
     token path is one of `own`'s), and how many of the `accepted` draft tokens that part holds:
     what the current draft model achieved, for its statistics."""
-    own_paths = {tuple(own.tokens[own.path_to(i)][1:].tolist()) for i in range(own.num_nodes)}
-    keep = [
-        i
-        for i in range(verified.num_nodes)
-        if tuple(verified.tokens[verified.path_to(i)][1:].tolist()) in own_paths
-    ]
+    own_paths = set(token_paths(own))
+    keep = [i for i, path in enumerate(token_paths(verified)) if path in own_paths]
     num_accepted = 0
     while num_accepted < len(accepted) and tuple(accepted[: num_accepted + 1]) in own_paths:
         num_accepted += 1
@@ -726,12 +736,14 @@ class SchedulerCore:
         request to move to next in step with its committed tokens (`batch.warm`). With merged
         trees, that replica drafts a tree of its own for the request instead (`batch.merge`)."""
         merges = self._merges(request)
+        if not (merges or self.config.fast_switching):
+            self._release_standby(request)
+            return
         target = self.chooser.next_model(request, sorted(self.drafters))
         if target is None and merges:  # no switch foreseen: merge with the cheapest other draft
             target = self._cheapest_other(request)
         if (
-            not (merges or self.config.fast_switching)
-            or target is None
+            target is None
             or target == request.draft_model
             or target not in self.drafters
             or target in self.config.feature_drafts  # it needs the target's features to warm
