@@ -414,6 +414,29 @@ def test_at_risk_merges_only_requests_behind_their_objective() -> None:
     assert core._merges(behind) and not core._merges(on_track) and not core._merges(no_slo)
 
 
+def test_at_risk_standby_catches_up_instead_of_prefilling_again(monkeypatch) -> None:
+    """A request that falls behind, recovers and falls behind again keeps its standby: the
+    second spell's first merged draft appends only what the standby missed."""
+    core = make_core(
+        chooser=FixedDraftModel(["small", "big"]),
+        method=DraftMethod("chain", k=3),
+        planner="fixed",
+        merge_drafts="at-risk",
+    )
+    core.set_drafters({"small": ["s0"], "big": ["b0"]})
+    spells = itertools.cycle([True] * 3 + [False] * 3)  # behind for 3 steps, on track for 3
+    monkeypatch.setattr(core, "_merges", lambda request: next(spells))
+    ex = executor(core, FakeKV())
+    core.add(make_request("r", 5, max_tokens=40))
+    ex.run()
+    assert ex.streamed["r"] == greedy(make_request("r", 5).prompt, 40)
+    merged = [p for _, p in ex.warmed]
+    assert len(merged) >= 6 and all(p.stream == 1 for p in merged)
+    assert merged[0].base_len == 0  # the first spell prefills the standby once
+    assert all(p.base_len > 0 for p in merged[1:])  # later spells only catch up
+    check_releases(ex, ["r"])
+
+
 def test_greedy_output_is_plain_decoding_with_merged_trees(tiny_target_dir, tiny_draft_dir) -> None:
     def runner(path):
         return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=1 << 20)

@@ -737,7 +737,10 @@ class SchedulerCore:
         trees, that replica drafts a tree of its own for the request instead (`batch.merge`)."""
         merges = self._merges(request)
         if not (merges or self.config.fast_switching):
-            self._release_standby(request)
+            if self.config.merge_drafts != "at-risk":
+                self._release_standby(request)
+            # at-risk: a request back on track keeps its standby, which catches up with what it
+            # missed when the request falls behind again instead of prefilling the whole context
             return
         target = self.chooser.next_model(request, sorted(self.drafters))
         if target is None and merges:  # no switch foreseen: merge with the cheapest other draft
