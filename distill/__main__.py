@@ -2,6 +2,8 @@
 
     python -m distill build --out models/drafts      # data + target cache + train + export
     python -m distill eval --drafts models/drafts    # acceptance, costs, winners -> eval.json
+    python -m distill kinds --names draft-e          # through the real engine, per prompt kind
+    python -m distill winners                        # fastest draft per request, all four drafts
 
 Fixed seeds throughout; the target's top-k cache lives in --cache (ignored by git) and is reused
 when present (delete it to start over).
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from distill import data
+from distill.evaluate import METHOD_KEYS
 from distill.model import DRAFT_SPECS, TrainableDraft, export_draft
 from distill.train import train_draft
 from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
@@ -162,6 +165,31 @@ def trees_cmd(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def winners_cmd(args: argparse.Namespace) -> None:
+    """The per-request winner histogram through the real engine, every named draft (a
+    feature-level one included) and plain decoding as contenders, per kind (everyday included)."""
+    from distill.evaluate import engine_winners, measure_costs, target_references, winners_report
+    from shared.datasets import EVAL_KINDS
+
+    torch.set_num_threads(args.threads)
+    tdir = target_dir()
+    cache = args.cache / "eval_references_kinds.json"
+    refs = target_references(tdir, args.n, args.max_new_tokens, cache, EVAL_KINDS)
+    refs = [r for r in refs if len(r.continuation) >= 2]
+    drafts = {n: args.drafts / n for n in args.names.split(",")}
+    costs = measure_costs(tdir, drafts)
+    result = engine_winners(tdir, drafts, refs, costs, chain=args.chain)
+    result["n_per_kind"] = args.n
+    result["max_new_tokens"] = args.max_new_tokens
+    result["target_decode_ms"] = round(1e3 * costs.target_decode, 3)
+    result["draft_step_ms"] = {k: round(1e3 * v[1], 3) for k, v in costs.draft_step.items()}
+    out = args.drafts / "engine_winners.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    report = winners_report(result)
+    out.with_suffix(".md").write_text(report)
+    print(report)
+
+
 def kinds_cmd(args: argparse.Namespace) -> None:
     """Each named draft through the real engine, per kind (everyday chat included), with the
     draft's step cost against the target's."""
@@ -176,7 +204,7 @@ def kinds_cmd(args: argparse.Namespace) -> None:
     names = args.names.split(",")
     drafts = {n: args.drafts / n for n in names}
     costs = measure_costs(tdir, drafts)
-    rows = engine_by_kind(tdir, drafts, refs)
+    rows = engine_by_kind(tdir, drafts, refs, methods=args.methods.split(","))
     result = {
         "n_per_kind": args.n,
         "max_new_tokens": args.max_new_tokens,
@@ -250,6 +278,19 @@ def main() -> None:
     k.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
     k.add_argument("--max-new-tokens", type=int, default=128)
     k.add_argument("--threads", type=int, default=2)
+    k.add_argument(
+        "--methods",
+        default=",".join(METHOD_KEYS),
+        help="subset of " + ",".join(METHOD_KEYS),
+    )
+    w = sub.add_parser("winners", help="fastest draft per request, through the real engine")
+    w.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
+    w.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
+    w.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    w.add_argument("--n", type=int, default=20, help="evaluation prompts per kind")
+    w.add_argument("--max-new-tokens", type=int, default=128)
+    w.add_argument("--chain", type=int, default=4)
+    w.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.cmd == "build":
         build(args)
@@ -257,6 +298,8 @@ def main() -> None:
         trees_cmd(args)
     elif args.cmd == "kinds":
         kinds_cmd(args)
+    elif args.cmd == "winners":
+        winners_cmd(args)
     else:
         evaluate_cmd(args)
 

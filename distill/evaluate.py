@@ -463,6 +463,8 @@ def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method)
         "engine_mean_accepted_length": round(engine.stats.mean_accepted_length, 3),
         "engine_acceptance_rate": round(engine.stats.acceptance_rate, 3),
         "wall_seconds_batched": round(seconds, 1),
+        # decode forwards per request (the prefill's forward, which gives g[0], not counted)
+        "per_request_forwards": [o.stats.num_target_forwards for o in out],
     }
 
 
@@ -474,8 +476,20 @@ ENGINE_METHODS = {
 }
 
 
+# Short names for the command line (`python -m distill kinds --methods chain4,dynamic16`).
+METHOD_KEYS = {
+    "chain4": "chain k=4",
+    "static4111": "static <4,1,1,1>",
+    "static2211": "static <2,2,1,1>",
+    "dynamic16": "dynamic (<=16 nodes, depth<=6)",
+}
+
+
 def engine_by_kind(
-    target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
+    target_dir: Path,
+    draft_dirs: dict[str, Path],
+    refs: list[Reference],
+    methods: list[str] | None = None,
 ) -> list[dict]:
     """Every draft and tree method through the real engine (greedy), per prompt kind: mean
     accepted tokens per target forward and whether outputs equal the target's greedy ones.
@@ -485,8 +499,13 @@ def engine_by_kind(
 
     rows = []
     kinds = sorted({r.kind for r in refs}, key=[*KINDS, "everyday"].index)
+    unknown = set(methods or ()) - set(METHOD_KEYS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHOD_KEYS)}")
+    labels = [METHOD_KEYS[m] for m in methods] if methods else list(ENGINE_METHODS)
     for d in draft_dirs.values():
-        for label, (kind_of_method, args) in ENGINE_METHODS.items():
+        for label in labels:
+            kind_of_method, args = ENGINE_METHODS[label]
             for kind in kinds:
                 mine = [r for r in refs if r.kind == kind]
                 extra = {"budget": 16 * len(mine)} if kind_of_method == "dynamic" else {}
@@ -495,6 +514,62 @@ def engine_by_kind(
                 rows.append({"method": label, "kind": kind, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def engine_winners(
+    target_dir: Path,
+    draft_dirs: dict[str, Path],
+    refs: list[Reference],
+    costs: Costs,
+    chain: int = 4,
+) -> dict:
+    """Which draft gives each request the lowest estimated latency with a chain of `chain`, from
+    the real engine's per-request target forwards (exact for a feature-level draft too) times
+    this machine's measured round cost at batch 1 (`iteration_seconds`)."""
+    from shared.engine.methods import DraftMethod
+
+    forwards: dict[str, list[int]] = {}
+    equal: dict[str, int] = {}
+    for name, d in draft_dirs.items():
+        row = engine_run(target_dir, d, refs, DraftMethod("chain", k=chain))
+        forwards[name] = row["per_request_forwards"]
+        equal[name] = row["outputs_equal_target_greedy"]
+        print(json.dumps({k: v for k, v in row.items() if k != "per_request_forwards"}))
+    result = {"chain": chain, "outputs_equal_target_greedy": equal, "forwards": forwards}
+    return result | winners_from_forwards(refs, forwards, costs, chain)
+
+
+def winners_from_forwards(
+    refs: list[Reference], forwards: dict[str, list[int]], costs: Costs, chain: int
+) -> dict:
+    """Per kind and over the mix, how many requests each contender serves fastest: a draft's
+    latency is its target forwards for the request times one chain round's cost, plain
+    decoding's is one target decode step per token after the first. Once with plain decoding
+    as a contender (`winners_chain`), once among the drafts only."""
+    kinds = [k for k in [*KINDS, "everyday"] if any(r.kind == k for r in refs)]
+    shape = (1,) * chain
+    result: dict = {}
+    for key, with_target in (("winners_chain", True), ("winners_chain_drafts_only", False)):
+        winners: dict[str, Counter] = {k: Counter() for k in [*kinds, "mix"]}
+        for i, ref in enumerate(refs):
+            n_tok = max(0, len(ref.continuation) - 1)
+            lat = {"none (target only)": n_tok * costs.target_decode} if with_target else {}
+            for name, per_request in forwards.items():
+                lat[name] = per_request[i] * iteration_seconds(costs, name, shape)
+            win = min(lat, key=lambda k: lat[k])
+            winners[ref.kind][win] += 1
+            winners["mix"][win] += 1
+        result[key] = {k: dict(v) for k, v in winners.items()}
+    return result
+
+
+def winners_report(result: dict) -> str:
+    """Markdown histograms of `engine_winners`' result."""
+    lines = [f"Fastest per request, chain of {result['chain']}, plain decoding a contender:", ""]
+    lines += _histogram(result["winners_chain"])
+    lines += ["", "Among the drafts only:", ""]
+    lines += _histogram(result["winners_chain_drafts_only"])
+    return "\n".join(lines) + "\n"
 
 
 def engine_crosscheck(

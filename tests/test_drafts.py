@@ -201,5 +201,8 @@ def test_draft_e_greedy_equals_target_and_accepts_inside_its_range(model_set, re
 
     row = engine_run(model_set.target, draft_e, references, DraftMethod("chain", k=4))
     assert row["outputs_equal_target_greedy"] == len(references)
+    # what `distill winners` reads: every request's own forwards, adding up to the engine's
+    assert len(row["per_request_forwards"]) == len(references)
+    assert sum(row["per_request_forwards"]) == row["engine_target_forwards"]
     lo, hi = DRAFT_E_CHAIN4_RANGE
     assert lo <= row["engine_mean_accepted_length"] <= hi, row
