@@ -216,6 +216,9 @@ class SchedulerSettings(_Group):
     micro_batches: PositiveInt | Literal["auto"] = 1
     max_micro_batches: PositiveInt = 8
     micro_batch_drop: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    # which decoding requests a micro-batch takes: the first in the policy's order ("policy"),
+    # or 1/M of each draft model's requests ("per-draft", Spin §V-B)
+    micro_batch_split: Literal["policy", "per-draft"] = "policy"
     policy: Literal["fcfs", "las", "lp-sjf", "laps-sd"] = "fcfs"
     # for lp-sjf and laps-sd: "learned" (trained on the target's answers, from a committed file)
     # or "oracle" (max_tokens: exact only where requests run to it; for experiments)

@@ -15,7 +15,7 @@ from shared.scheduling.cost_model import (
     ProfileKey,
 )
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, cycle_ms
-from tests.test_scheduler_core import FakeKV, executor, make_request
+from tests.test_scheduler_core import FakeKV, executor, greedy, make_request
 
 H100 = (
     Path(__file__).resolve().parent.parent
@@ -117,3 +117,70 @@ def test_the_setting_auto_starts_the_most_lanes_and_lets_the_core_choose() -> No
         AugurySettings(scheduler={"micro_batches": 3}), TargetInfo(96, 4096), [], None
     )
     assert not fixed.config.auto_micro_batches and fixed.config.micro_batches == 3
+    assert fixed.config.micro_batch_split == "policy"
+    split = build_core(
+        AugurySettings(scheduler={"micro_batch_split": "per-draft"}), TargetInfo(96, 4096), [], None
+    )
+    assert split.config.micro_batch_split == "per-draft"
+
+
+class ByName:
+    """Draft model by request name: "b*" drafts with "big", the rest with "small"."""
+
+    name = "by-name"
+    learns = False
+
+    def assign(self, requests, live_models, cost):  # noqa: ANN001, ANN201
+        return {r.request_id: "big" if r.request_id[0] == "b" else "small" for r in requests}
+
+    def observe(self, outcome) -> None:  # noqa: ANN001
+        pass
+
+    def next_model(self, request, live_models) -> None:  # noqa: ANN001
+        return None
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def _decode_mix(split: str) -> list[dict[str | None, int]]:
+    """Per decode micro-batch of two in flight: how many of its requests each draft holds."""
+    core = SchedulerCore(
+        CoreConfig(
+            vocab_size=96,
+            max_context=4096,
+            micro_batches=2,
+            micro_batch_split=split,  # type: ignore[arg-type]
+            method=DraftMethod("chain", k=2),
+            planner="fixed",
+        ),
+        chooser=ByName(),
+    )
+    core.set_drafters({"big": ["b0"], "small": ["s0"]})
+    ex = executor(core, FakeKV())
+    names = [f"b{i}" for i in range(6)] + [f"s{i}" for i in range(6)]  # the big ones come first
+    for name in names:
+        core.add(make_request(name, 4, max_tokens=30))
+    mixes = []
+    while core.has_unfinished():
+        while ex.schedule():
+            pass
+        for batch in ex.batches[-len(ex.inflight) :]:
+            if len(batch.decode) == len(names) // 2 and all(r.draft_model for r in batch.decode):
+                mix: dict[str | None, int] = {}
+                for r in batch.decode:
+                    mix[r.draft_model] = mix.get(r.draft_model, 0) + 1
+                mixes.append(mix)
+        while ex.inflight:
+            ex.finish_one()
+    for name in names:
+        assert ex.streamed[name] == greedy(make_request(name, 4).prompt, 30)
+    return mixes
+
+
+def test_the_per_draft_split_gives_each_micro_batch_its_share_of_every_drafter() -> None:
+    policy, per_draft = _decode_mix("policy"), _decode_mix("per-draft")
+    assert policy and per_draft
+    assert any(mix.get("big") == 6 for mix in policy)  # the policy's order: the big ones together
+    # Spin: half of each; the first decode step picks before any request has a draft model
+    assert all(mix == {"big": 3, "small": 3} for mix in per_draft[1:])

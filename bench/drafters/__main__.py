@@ -2,6 +2,7 @@
 
     python -m bench.drafters fig11 [--profile PATH] [--batch-size 8] [--copies 2]
     python -m bench.drafters fig13 [--profile PATH] [--batch-size 16] [--max-micro-batches 6]
+                                   [--split policy|per-draft]
     python -m bench.drafters real [--requests 24] [--max-tokens 64] [--batch-size 8]
 
 Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
@@ -48,6 +49,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     common(p, 16)
     p.add_argument("--chooser", default="lbss", choices=("fixed", "lbss", "eps-greedy"))
     p.add_argument("--max-micro-batches", type=int, default=6)
+    p.add_argument(
+        "--split",
+        choices=("policy", "per-draft"),
+        default="policy",
+        help="scheduler.micro_batch_split: which requests each micro-batch takes",
+    )
     p = sub.add_parser("real", help="the choosers as real replays through the services")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64, help="answer length cap")
@@ -194,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chooser=args.chooser,
             max_micro_batches=args.max_micro_batches,
             copies=args.copies,
+            split=args.split,
             say=say,
         )
         data13 = {
@@ -201,13 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "profile": args.profile.name,
             "batch_size": args.batch_size,
             "chooser": args.chooser,
+            "split": args.split,
             "seconds": round(time.monotonic() - started, 1),
             "results": [
                 {"kind": r.kind, "goodput_tps": r.goodput, "auto_tps": r.auto, "best": r.best}
                 for r in pipeline
             ],
         }
-        stem = f"fig13-{args.profile.stem}"
+        stem = f"fig13-{args.profile.stem}" + ("-per-draft" if args.split == "per-draft" else "")
         return write_results(args.out, stem, data13, pipeline_table(pipeline))
     results = fig11(
         setup,

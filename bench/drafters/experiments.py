@@ -88,6 +88,7 @@ def simulate(
     *,
     micro_batches: int = 1,
     auto_micro_batches: bool = False,
+    micro_batch_split: str = "policy",
     switches: Counter[str] | None = None,
 ) -> list[RequestRecord]:
     """The run's records; `switches` (if given) gets the core's draft-switch counts."""
@@ -95,6 +96,7 @@ def simulate(
         max_running=setup.batch_size,
         micro_batches=micro_batches,
         auto_micro_batches=auto_micro_batches,
+        micro_batch_split=micro_batch_split,
         drafts=run.drafts,
         draft_chooser=run.chooser,
         lbss=setup.lbss,
@@ -224,9 +226,11 @@ def fig13(
     chooser: str = "lbss",
     max_micro_batches: int = 6,
     copies: int = 2,
+    split: str = "policy",
     say: Callable[[str], None] = print,
 ) -> list[PipelineResult]:
-    """Spin's Fig. 13: goodput against the number of micro-batches, and the heuristic's pick."""
+    """Spin's Fig. 13: goodput against the number of micro-batches, and the heuristic's pick;
+    `split` is `scheduler.micro_batch_split` (which requests each micro-batch takes)."""
     run = ChooserRun(chooser, chooser, tuple(drafts))
     results = []
     for kind in KINDS:
@@ -235,10 +239,18 @@ def fig13(
         requests = workload(kind, prompt_lengths[kind], setup.max_tokens, copies)
         goodput = {}
         for m in range(1, max_micro_batches + 1):
-            goodput[m] = goodput_tps(simulate(setup, requests, run, micro_batches=m))
+            records = simulate(setup, requests, run, micro_batches=m, micro_batch_split=split)
+            goodput[m] = goodput_tps(records)
             say(f"{kind}: {m} micro-batches {goodput[m]:.1f} tok/s")
         auto = goodput_tps(
-            simulate(setup, requests, run, micro_batches=max_micro_batches, auto_micro_batches=True)
+            simulate(
+                setup,
+                requests,
+                run,
+                micro_batches=max_micro_batches,
+                auto_micro_batches=True,
+                micro_batch_split=split,
+            )
         )
         say(f"{kind}: auto {auto:.1f} tok/s")
         results.append(PipelineResult(kind, goodput, auto))

@@ -66,6 +66,7 @@ class SimConfig:
     micro_batches: int = 1  # as `scheduler.micro_batches` (with auto: the most in flight)
     auto_micro_batches: bool = False  # as `scheduler.micro_batches = auto`
     micro_batch_drop: float = 0.1
+    micro_batch_split: str = "policy"  # as `scheduler.micro_batch_split`
     policy: str = "fcfs"
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = field(default_factory=LapsSettings)
@@ -131,6 +132,7 @@ class Simulator:
                 micro_batches=config.micro_batches,
                 auto_micro_batches=config.auto_micro_batches,
                 micro_batch_drop=config.micro_batch_drop,
+                micro_batch_split=config.micro_batch_split,  # type: ignore[arg-type]
                 method=method if config.drafts else None,
                 planner=config.planner,  # type: ignore[arg-type]
                 fast_switching=config.fast_switching,

@@ -65,6 +65,10 @@ SpeculationPlanner = Literal["goodput", "fixed"]
 # (SpecInfer's merge-based trees): none, every request with a standby, or requests with a TPOT
 # objective that they are not meeting
 MergePolicy = Literal["off", "standby", "at-risk"]
+# Which decoding requests a micro-batch takes: the first in the policy's order ("policy"), or
+# its share of each draft model's requests ("per-draft", Spin §V-B: the batch on each drafter is
+# split into the M micro-batches, so that no micro-batch waits on one drafter holding most of it)
+MicroBatchSplit = Literal["policy", "per-draft"]
 # A standby drafter's catch-up: append the committed tokens; the one node it drafts is unused.
 WARM_METHOD = DraftMethod("chain", k=1)
 
@@ -81,6 +85,7 @@ class CoreConfig:
     # changes size (`shared/scheduling/micro_batches.py`); otherwise always `micro_batches`
     auto_micro_batches: bool = False
     micro_batch_drop: float = 0.1  # auto: the verifier throughput a split may lose
+    micro_batch_split: MicroBatchSplit = "policy"
     method: DraftMethod | None = DraftMethod()  # default drafting method; None: no speculation
     # goodput: size each request's speculation by the cost model (zero included);
     # fixed: always draft the method's full tree
@@ -377,7 +382,8 @@ class SchedulerCore:
         budget = self.config.token_budget
 
         free = kv.num_free_blocks() if kv is not None else 0
-        for request in [r for r in running if not r.is_prefilling][: min(share, budget)]:
+        decoding = [r for r in running if not r.is_prefilling]
+        for request in self._pick_decoding(decoding, min(share, budget), num_micro_batches):
             if request not in self.running:  # preempted for an older one
                 continue
             if kv is not None:
@@ -470,6 +476,26 @@ class SchedulerCore:
             return None
         self._batches_in_flight += 1
         return batch
+
+    def _pick_decoding(
+        self, decoding: list[RequestState], limit: int, num_micro_batches: int
+    ) -> list[RequestState]:
+        """Up to `limit` of the idle decoding requests (in the policy's order) for the next
+        micro-batch; with the per-draft split, at most 1/M of each draft model's decoding
+        requests (idle or in flight; a request counts under the model it drafted with last)."""
+        if self.config.micro_batch_split == "policy" or num_micro_batches == 1:
+            return decoding[:limit]
+        counts = Counter(r.draft_model for r in self.running if not r.is_prefilling)
+        taken: Counter[str | None] = Counter()
+        picked: list[RequestState] = []
+        for request in decoding:
+            if len(picked) >= limit:
+                break
+            model = request.draft_model
+            if taken[model] < math.ceil(counts[model] / num_micro_batches):
+                taken[model] += 1
+                picked.append(request)
+        return picked
 
     def num_micro_batches(self, num_requests: int) -> int:
         """How many micro-batches to keep in flight for a running set of `num_requests`."""

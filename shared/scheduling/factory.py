@@ -69,6 +69,7 @@ def build_core(
             ),
             auto_micro_batches=config.micro_batches == "auto",
             micro_batch_drop=config.micro_batch_drop,
+            micro_batch_split=config.micro_batch_split,
             method=method_from_settings(config.speculation),
             planner=config.speculation.planner,
             feature_drafts=target.feature_drafts,
