@@ -85,7 +85,7 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
     "draft-e": DraftSpec(
         "draft-e", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
-        train_steps=1400, lr=1e-3, shares_target_embedding=True, feature_size=576,
+        train_steps=3000, lr=1e-3, shares_target_embedding=True, feature_size=576,
     ),
 }  # fmt: skip
 
