@@ -89,6 +89,16 @@ def test_runtime_refuses_a_forward_without_features(feature_draft_dir: Path, tin
         runner.forward([ForwardItem.chain("a", [3, 4])])
 
 
+def test_a_feature_draft_can_be_cost_profiled(feature_draft_dir: Path, tiny_target_dir: Path):
+    """Profiling times forwards of made-up tokens; a feature-level draft needs made-up features
+    with them (`augury generate` measures a profile when none is stored for the machine)."""
+    from shared.model.profiling import measure_curve
+
+    runner = ModelRunner(load_model(feature_draft_dir, target_path=tiny_target_dir))
+    curve = measure_curve(runner, [1, 4], [0, 8], repeats=1, warmup=0)
+    assert np.all(np.array(curve.ms_grid) > 0)
+
+
 def make_engine(target_dir: Path, draft_dir: Path, method: DraftMethod, **cfg) -> SpecEngine:
     verifier = Verifier(ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=2 << 20))
     model = load_model(draft_dir, target_path=target_dir)

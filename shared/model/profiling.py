@@ -147,6 +147,8 @@ def measure_curve(
     rids = [[f"{_PREFIX}{j}_{i}" for i in range(num_requests)] for j in range(len(contexts))]
     vocab = cfg.vocab_size
     rng = np.random.default_rng(0)
+    # a feature-level draft reads one feature row per token; their values do not change the cost
+    feature_size, gen = cfg.feature_size, torch.Generator().manual_seed(0)
     times = np.zeros((len(tokens), len(contexts), repeats))
 
     def sync() -> None:
@@ -156,7 +158,13 @@ def measure_curve(
     def once(j: int, n: int) -> float:
         r = min(n, max_requests)
         items = [
-            ForwardItem(rid, rng.integers(0, vocab, k).tolist(), list(range(-1, k - 1)), "all")
+            ForwardItem(
+                rid,
+                rng.integers(0, vocab, k).tolist(),
+                list(range(-1, k - 1)),
+                "all",
+                None if feature_size is None else torch.randn(k, feature_size, generator=gen),
+            )
             for rid, k in zip(rids[j][:r], _split(n, r), strict=True)
         ]
         sync()
