@@ -29,13 +29,13 @@ import torch
 from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
-from shared.engine.presets import DEFAULT_DRAFT, DEFAULT_METHOD
+from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
-from shared.model.model_set import draft_dirs, target_dir
+from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 
@@ -81,7 +81,7 @@ def build_engines(draft: str, threads: int) -> tuple[SpecEngine, SpecEngine]:
     """Plain and speculative engines over one target runner (one kernel plan, one profile)."""
     tdir = target_dir()
     target = ModelRunner(load_model(tdir), kv_memory_bytes=KV_BYTES)
-    ddir = draft_dirs()[draft]
+    ddir = all_draft_dirs()[draft]
     drafter = Drafter(
         ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=KV_BYTES), name=draft
     )
@@ -198,7 +198,7 @@ async def bench_services(args: argparse.Namespace) -> str:
             engine={"kv_memory_bytes": KV_BYTES},
             service={"cell": "bench", "replica": "bench"},
         )
-        models = ModelPaths(target_dir(), {args.draft: draft_dirs()[args.draft]})
+        models = ModelPaths(target_dir(), {args.draft: all_draft_dirs()[args.draft]})
         stack = await start_stack(settings, url, models, gateway=False)
         client = Client(url, settings, "bench-client")
         runner = ServicesRunner(stack, client)
@@ -238,7 +238,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--draft", default=DEFAULT_GENERATE_DRAFT, choices=sorted(all_draft_dirs()))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--services", action="store_true")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])

@@ -15,7 +15,7 @@ import torch
 
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
-from shared.engine.presets import DEFAULT_DRAFT, DEFAULT_METHOD
+from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
@@ -49,7 +49,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT, help="a draft of the model set, or a dir")
+    gen.add_argument(
+        "--draft", default=DEFAULT_GENERATE_DRAFT, help="a draft of the model set, or a dir"
+    )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
     gen.add_argument("--k", type=int, default=M.k, help="chain length")
@@ -81,13 +83,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from shared.model.model_set import DRAFT_NAMES, draft_dirs, target_dir
+    from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
 
     target = args.target or str(target_dir())
     if args.no_spec:
         return target, None
-    if args.draft in DRAFT_NAMES:
-        return target, str(draft_dirs()[args.draft])
+    if args.draft in ALL_DRAFT_NAMES:
+        found = all_draft_dirs().get(args.draft)
+        if found is None:
+            rebuild = "rebuild it with `python -m distill build`"
+            raise SystemExit(f"draft {args.draft!r} is missing; {rebuild}")
+        return target, str(found)
     return target, args.draft
 
 
