@@ -536,7 +536,23 @@ def engine_winners(
         equal[name] = row["outputs_equal_target_greedy"]
         print(json.dumps({k: v for k, v in row.items() if k != "per_request_forwards"}))
     result = {"chain": chain, "outputs_equal_target_greedy": equal, "forwards": forwards}
+    result["mean_accepted"] = accepted_by_kind(refs, forwards)
     return result | winners_from_forwards(refs, forwards, costs, chain)
+
+
+def accepted_by_kind(refs: list[Reference], forwards: dict[str, list[int]]) -> dict:
+    """Per draft, per kind and over the mix: mean accepted tokens per target forward (bonus
+    included), from each request's target forwards; the engine counts the first token, which
+    prefill produces, outside them."""
+    kinds = [k for k in [*KINDS, "everyday"] if any(r.kind == k for r in refs)]
+    result: dict = {}
+    for name, per_request in forwards.items():
+        result[name] = {}
+        for kind in [*kinds, "mix"]:
+            mine = [i for i, r in enumerate(refs) if kind in ("mix", r.kind)]
+            produced = sum(max(0, len(refs[i].continuation) - 1) for i in mine)
+            result[name][kind] = round(produced / max(1, sum(per_request[i] for i in mine)), 3)
+    return result
 
 
 def winners_from_forwards(
@@ -569,6 +585,13 @@ def winners_report(result: dict) -> str:
     lines += _histogram(result["winners_chain"])
     lines += ["", "Among the drafts only:", ""]
     lines += _histogram(result["winners_chain_drafts_only"])
+    accepted = result.get("mean_accepted")
+    if accepted:
+        kinds = list(next(iter(accepted.values())))
+        lines += ["", f"Mean accepted tokens per target forward, chain of {result['chain']}:", ""]
+        lines += ["| draft | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+        for name, by_kind in accepted.items():
+            lines.append(f"| {name} | " + " | ".join(f"{by_kind[k]:.2f}" for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 

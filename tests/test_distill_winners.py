@@ -3,7 +3,13 @@ forwards and this machine's round costs (hand-made numbers, so every winner is k
 
 from __future__ import annotations
 
-from distill.evaluate import Costs, Reference, iteration_seconds, winners_from_forwards
+from distill.evaluate import (
+    Costs,
+    Reference,
+    accepted_by_kind,
+    iteration_seconds,
+    winners_from_forwards,
+)
 
 # target: 10 ms per decode step; verifying a chain of 4 (5 tokens) 12 ms; draft steps 1 / 3 ms
 COSTS = Costs(
@@ -48,3 +54,9 @@ def test_plain_decoding_wins_when_speculation_does_not_pay() -> None:
         "mix": {"none (target only)": 1},
     }
     assert result["winners_chain_drafts_only"] == {"math": {"fast": 1}, "mix": {"fast": 1}}
+
+
+def test_mean_accepted_per_kind_pools_tokens_over_forwards() -> None:
+    refs = [ref("chat", 40), ref("chat", 20), ref("code", 30)]
+    forwards = {"fast": [20, 20, 10]}  # chat: 60 tokens / 40 forwards; code: 30 / 10
+    assert accepted_by_kind(refs, forwards) == {"fast": {"chat": 1.5, "code": 3.0, "mix": 1.8}}
