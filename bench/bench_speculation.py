@@ -206,19 +206,25 @@ async def bench_services(args: argparse.Namespace) -> str:
             f"services, default settings (draft {args.draft}), {len(prompts)} prompts x "
             f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
             "",
-            "| concurrency | plain tok/s | speculative tok/s | ratio, each round | worst |",
-            "|---|---|---|---|---|",
+            "| concurrency | plain tok/s | speculative tok/s | ratio, each round | worst "
+            "| =plain |",
+            "|---|---|---|---|---|---|",
         ]
         try:
             await runner.run(prompts[:2], SamplingParams(max_tokens=4), 2)  # warm-up
             for c in args.concurrency:
                 ratios, plain_tps, spec_tps = [], [], []
+                num_equal = num_outputs = 0
                 for r in range(args.rounds):
                     order = [False, True] if r % 2 else [True, False]
-                    tps = {}
+                    tps, outputs = {}, {}
                     for speculate in order:
                         run = await runner.run(prompts, params, c, speculate=speculate)
                         tps[speculate] = run.tokens_per_s
+                        outputs[speculate] = run.outputs
+                    plain = outputs[False]
+                    num_equal += sum(outputs[True].get(i) == out for i, out in plain.items())
+                    num_outputs += len(plain)
                     ratios.append(tps[True] / tps[False])
                     plain_tps.append(tps[False])
                     spec_tps.append(tps[True])
@@ -226,7 +232,8 @@ async def bench_services(args: argparse.Namespace) -> str:
                 each = " ".join(f"{r:.2f}x" for r in ratios)
                 lines.append(
                     f"| {c} | {sum(plain_tps) / len(plain_tps):.1f} | "
-                    f"{sum(spec_tps) / len(spec_tps):.1f} | {each} | {min(ratios):.2f}x |"
+                    f"{sum(spec_tps) / len(spec_tps):.1f} | {each} | {min(ratios):.2f}x | "
+                    f"{num_equal}/{num_outputs} |"
                 )
         finally:
             await client.close()
