@@ -49,6 +49,13 @@ METHODS = {
     "tree16-p0.2": DraftMethod(
         "dynamic", budget=16, max_size=16, max_depth=8, max_width=4, min_path_prob=0.2
     ),
+    "tree16-p0.3": DraftMethod(
+        "dynamic", budget=16, max_size=16, max_depth=8, max_width=4, min_path_prob=0.3
+    ),
+    "tree8-p0.2": DraftMethod(
+        "dynamic", budget=8, max_size=8, max_depth=8, max_width=2, min_path_prob=0.2
+    ),
+    "chain8-p0.3": DraftMethod("chain", k=8, min_path_prob=0.3),
 }
 KINDS = ("chat", "code", "math")
 KV_BYTES = 64 << 20
