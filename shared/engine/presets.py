@@ -12,8 +12,8 @@ from shared.engine.methods import DraftMethod
 # The first of the independent drafts (services, simulator recordings, the SLO and scheduling
 # benchmarks).
 DEFAULT_DRAFT = "draft-s"
-# `augury generate` and `bench.bench_speculation`, one stream in one process: the feature-level
-# draft, which reads the target's features and pays most there (docs/benchmarks.md).
+# `augury generate` and `bench.bench_speculation`: the feature-level draft, which reads the
+# target's features and pays the most of the four on the CPUs measured (docs/benchmarks.md).
 DEFAULT_GENERATE_DRAFT = "draft-e"
 DEFAULT_METHOD = DraftMethod(
     "dynamic", budget=16, max_size=16, max_depth=6, max_width=4, min_path_prob=0.2
