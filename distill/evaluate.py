@@ -540,11 +540,16 @@ def engine_winners(
     return result | winners_from_forwards(refs, forwards, costs, chain)
 
 
+def kinds_of(refs: list[Reference]) -> list[str]:
+    """The prompt kinds `refs` hold, in the evaluation order (everyday last)."""
+    return [k for k in [*KINDS, "everyday"] if any(r.kind == k for r in refs)]
+
+
 def accepted_by_kind(refs: list[Reference], forwards: dict[str, list[int]]) -> dict:
     """Per draft, per kind and over the mix: mean accepted tokens per target forward (bonus
     included), from each request's target forwards; the engine counts the first token, which
     prefill produces, outside them."""
-    kinds = [k for k in [*KINDS, "everyday"] if any(r.kind == k for r in refs)]
+    kinds = kinds_of(refs)
     result: dict = {}
     for name, per_request in forwards.items():
         result[name] = {}
@@ -562,7 +567,7 @@ def winners_from_forwards(
     latency is its target forwards for the request times one chain round's cost, plain
     decoding's is one target decode step per token after the first. Once with plain decoding
     as a contender (`winners_chain`), once among the drafts only."""
-    kinds = [k for k in [*KINDS, "everyday"] if any(r.kind == k for r in refs)]
+    kinds = kinds_of(refs)
     shape = (1,) * chain
     result: dict = {}
     for key, with_target in (("winners_chain", True), ("winners_chain_drafts_only", False)):
