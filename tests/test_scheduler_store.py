@@ -11,6 +11,7 @@ import pytest
 
 from services.scheduler.store import (
     RESUME_STEP_GAP,
+    Appended,
     Progress,
     RequestStore,
     Resolved,
@@ -26,6 +27,8 @@ from shared.engine.sampling import SamplingParams
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.settings import RedisSettings
 from shared.wire import Submit, Tokens, decode_entry
+from shared.wire.codec import pack_ints
+from shared.wire.streams import scheduler_accepted_key, scheduler_output_key
 
 pytestmark = pytest.mark.anyio
 
@@ -66,9 +69,14 @@ def test_a_stored_submit_reads_back_with_what_was_resolved() -> None:
     assert submit == SUBMIT and back == resolved
 
 
+def round_trip(progress: Progress) -> Progress:
+    record = encode_progress(progress)
+    return decode_progress(record, pack_ints(progress.output), pack_ints(progress.accepted_lengths))
+
+
 def test_progress_resumes_a_request_with_its_output_statistics_and_a_fresh_step() -> None:
     request = decoding_request()
-    progress = decode_progress(encode_progress(Progress.of(request)))
+    progress = round_trip(Progress.of(request))
     assert progress == Progress.of(request)
     resumed = RequestState("r1", [5, 6, 7], SUBMIT.sampling, seed=11)
     progress.apply(resumed)
@@ -87,7 +95,19 @@ def test_unreadable_records_are_refused(damage: bytes) -> None:
     with pytest.raises(StoredRequestError):
         decode_submit(damage)
     with pytest.raises(StoredRequestError):
-        decode_progress(damage)
+        decode_progress(damage, None, None)
+
+
+def test_stored_lists_shorter_than_their_record_counts_are_refused() -> None:
+    record = encode_progress(Progress.of(decoding_request()))  # 3 tokens, 2 accepted lengths
+    longer = decode_progress(record, pack_ints([8, 9, 10, 99]), pack_ints([2, 0]))
+    assert longer.output == [8, 9, 10]
+    with pytest.raises(StoredRequestError, match="output"):
+        decode_progress(record, pack_ints([8, 9]), pack_ints([2, 0]))
+    with pytest.raises(StoredRequestError, match="accepted_lengths"):
+        decode_progress(record, pack_ints([8, 9, 10]), None)
+    with pytest.raises(StoredRequestError, match="output"):
+        decode_progress(record, b"\x08\x00\x00", pack_ints([2, 0]))  # not whole int32s
 
 
 async def test_staged_changes_are_written_with_the_messages_and_finished_requests_leave(
@@ -117,6 +137,57 @@ async def test_staged_changes_are_written_with_the_messages_and_finished_request
     await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
     stored, broken, finished = await store.load()
     assert stored == [] and finished == ["r1"]
+    assert not await bus.redis.exists(scheduler_output_key(cell, "r1"))
+    assert not await bus.redis.exists(scheduler_accepted_key(cell, "r1"))
+
+
+async def test_a_step_stores_only_what_it_added_and_a_successor_reads_it_all(bus: Bus) -> None:
+    cell = f"c{uuid.uuid4().hex[:6]}"
+    store = RequestStore(bus, cell)
+    request = decoding_request()
+    store.stage_submit(SUBMIT, Resolved(11, None, None))
+
+    async def step(new_tokens: list[int], accepted: int, *, write_twice: bool = False) -> None:
+        request.output += new_tokens
+        request.record_step(4, accepted, "draft-s", depth=4)
+        store.stage_progress(request)
+        staged = store.take_staged()
+        assert staged.output["r1"].values == new_tokens  # not the whole output again
+        assert staged.accepted_lengths["r1"].values == [accepted]
+        # a transaction retried after its reply was lost writes the same bytes again
+        for _ in range(2 if write_twice else 1):
+            await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+
+    store.stage_progress(request)  # the first stage carries everything so far
+    first = store.take_staged()
+    assert first.output["r1"].values == [8, 9, 10] and first.accepted_lengths["r1"].values == [2, 0]
+    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, first))
+    for i in range(40):
+        await step([100 + 3 * i, 101 + 3 * i, 102 + 3 * i], i % 4, write_twice=i % 7 == 0)
+    # two steps staged before one write go out as one contiguous append
+    request.output += [1, 2]
+    request.record_step(4, 1, "draft-s", depth=4)
+    store.stage_progress(request)
+    request.output += [3]
+    request.record_step(4, 0, "draft-s", depth=4)
+    store.stage_progress(request)
+    staged = store.take_staged()
+    assert staged.output["r1"].values == [1, 2, 3]
+    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+
+    successor = RequestStore(bus, cell)
+    [stored], _, _ = await successor.load()
+    assert stored.progress == Progress.of(request)
+    assert len(stored.progress.output) == 3 + 120 + 3
+    resumed = RequestState("r1", [5, 6, 7], SUBMIT.sampling, seed=11)
+    stored.progress.apply(resumed)
+    resumed.output.append(77)  # the successor's first step appends after what it loaded
+    successor.stage_progress(resumed)
+    staged = successor.take_staged()
+    assert staged.output["r1"] == Appended(len(request.output), [77])
+    await bus.publish_all([], also=lambda pipe: successor.write_staged(pipe, staged))
+    [again], _, _ = await RequestStore(bus, cell).load()
+    assert again.progress.output == request.output + [77]
 
 
 async def test_a_broken_record_is_reported_and_the_rest_still_load(bus: Bus) -> None:
@@ -185,4 +256,4 @@ def test_acceptance_stats_round_trip_exactly() -> None:
     stats = AcceptanceStats()
     stats.record(5, 3, depth=4)
     progress = Progress([1], 1, stats=stats)
-    assert decode_progress(encode_progress(progress)).stats == stats
+    assert round_trip(progress).stats == stats

@@ -13,6 +13,7 @@
 | `augury:{cell}:recorded` | one JSON record per finished request | gateways -> replay tools |
 | `augury:{cell}:scheduler:lease` | the scheduler serving the cell (TTL) | scheduler |
 | `augury:{cell}:scheduler:{submits,progress,finished}` | its requests | scheduler -> successor |
+| `augury:{cell}:scheduler:{output,accepted}:{id}` | its tokens, appended | scheduler -> successor |
 
 Draft jobs go to one replica's stream, not a shared one, because the scheduler keeps a request
 on the same replica (its draft KV stays warm). Outputs go to one stream per gateway replica,
@@ -105,8 +106,21 @@ def scheduler_submits_key(cell: str) -> str:
 
 
 def scheduler_progress_key(cell: str) -> str:
-    """Hash: request id -> its committed tokens, step and statistics (written with its Tokens)."""
+    """Hash: request id -> its step, statistics and how many committed tokens it has (written with
+    its Tokens; the tokens themselves are in `scheduler_output_key`)."""
     return f"{PREFIX}:{cell}:scheduler:progress"
+
+
+def scheduler_output_key(cell: str, request_id: str) -> str:
+    """String: a running request's committed output, packed int32, only ever extended (SETRANGE at
+    the end), so a step writes its new tokens rather than the whole output again."""
+    return f"{PREFIX}:{cell}:scheduler:output:{request_id}"
+
+
+def scheduler_accepted_key(cell: str, request_id: str) -> str:
+    """String: a running request's accepted length per speculative step, packed int32, extended
+    like `scheduler_output_key`."""
+    return f"{PREFIX}:{cell}:scheduler:accepted:{request_id}"
 
 
 def scheduler_finished_key(cell: str) -> str:
