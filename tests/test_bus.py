@@ -388,3 +388,41 @@ async def test_a_heartbeat_stops_even_when_its_command_swallows_the_cancellation
         monkeypatch.setattr(heartbeater, "beat", cancelled_beat)
         pytest.fail("the heartbeat loop kept beating after its task was cancelled")
     await bus.close()
+
+
+async def test_a_new_gateway_is_found_by_its_own_heartbeat_and_unknown_streams_cost_no_scan(
+    server: EmbeddedRedis | _External, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.scheduler import gateways
+    from services.scheduler.gateways import GatewayDirectory
+    from shared.wire.streams import GATEWAY, output_stream
+
+    cell = f"gw{_run}"
+    scheduler = Bus(server.url, FAST, consumer_name="scheduler-a")
+    gateway = Bus(server.url, FAST, consumer_name="gateway-a")
+    scans = 0
+    real_live_replicas = gateways.live_replicas
+
+    async def counted(*args: object) -> list:
+        nonlocal scans
+        scans += 1
+        return await real_live_replicas(*args)
+
+    monkeypatch.setattr(gateways, "live_replicas", counted)
+    directory = GatewayDirectory(scheduler, cell)
+    try:
+        await directory.refresh()
+        assert directory.live == frozenset() and scans == 1
+        async with Heartbeater(gateway, service=GATEWAY, cell=cell):
+            # it began beating after the last refresh: its first Submit still finds it
+            assert await directory.is_live(output_stream("gateway-a"))
+            assert directory.live == {output_stream("gateway-a")}
+            for i in range(50):  # made-up gateway names: one key lookup each, no scan
+                assert not await directory.is_live(output_stream(f"ghost-{i}"))
+            assert scans == 1
+        await directory.refresh()  # the gateway stopped: the next refresh forgets it
+        assert directory.live == frozenset()
+        assert not await directory.is_live(output_stream("gateway-a"))
+    finally:
+        await scheduler.close()
+        await gateway.close()

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from shared.bus import Bus, live_replicas
 from shared.bus.heartbeat import refresh_forever
-from shared.wire.streams import GATEWAY, output_stream
+from shared.wire.streams import GATEWAY, heartbeat_key, output_stream
 
 
 class GatewayDirectory:
@@ -34,11 +34,17 @@ class GatewayDirectory:
             await self._on_refresh()
 
     async def is_live(self, stream: str) -> bool:
-        """Whether `stream` is a live gateway's (read again from Redis when not known yet: a
-        gateway's first request may come before this directory's next refresh)."""
-        if stream not in self.live:
-            await self.refresh()
-        return stream in self.live
+        """Whether `stream` (an output stream's name) is a live gateway's. One not known yet is
+        looked up by its own heartbeat key, a single EXISTS: a gateway's first request may come
+        before this directory's next refresh, and a stream of made-up names must not cost a
+        scan of every heartbeat each."""
+        if stream in self.live:
+            return True
+        replica = stream.removeprefix(output_stream(""))
+        if not await self.bus.redis.exists(heartbeat_key(self.cell, GATEWAY, replica)):
+            return False
+        self.live = self.live | {stream}
+        return True
 
     async def start(self) -> None:
         await self.refresh()
