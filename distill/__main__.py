@@ -16,6 +16,7 @@ import hashlib
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 from distill import data
 from distill.evaluate import METHOD_KEYS
-from distill.model import DRAFT_SPECS, TrainableDraft, export_draft
+from distill.model import DRAFT_SPECS, TrainableDraft, export_draft, load_trainable
 from distill.train import train_draft
 from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
@@ -87,19 +88,40 @@ def build(args: argparse.Namespace) -> None:
     print(json.dumps({"distillation_data": summary}))
     for name in names:
         i = ALL_DRAFT_NAMES.index(name)  # the seed depends on the draft, not on the subset built
-        spec = DRAFT_SPECS[name]
-        vocab = data.output_vocabulary(cache, spec.num_output_tokens, must_include=[bos, eos, 0])
         seed_everything(SEED + i)
-        draft = TrainableDraft(
-            spec,
-            target_embedding.shape[0],
-            torch.from_numpy(vocab),
-            rope_theta=float(rope),
-            max_positions=int(target_cfg["max_position_embeddings"]),
-            rms_norm_eps=float(target_cfg["rms_norm_eps"]),
+        earlier = None
+        if args.continue_from is not None:
+            # a committed draft trained further on today's recipe: its weights and output
+            # vocabulary are kept, the optimizer starts again (warm-up, then cosine)
+            draft = load_trainable(args.continue_from / name, tdir).train()
+            draft.freeze_target_tensors()
+            earlier = json.loads((args.continue_from / name / "metadata.json").read_text())
+        else:
+            spec = DRAFT_SPECS[name]
+            vocab = data.output_vocabulary(
+                cache, spec.num_output_tokens, must_include=[bos, eos, 0]
+            )
+            draft = TrainableDraft(
+                spec,
+                target_embedding.shape[0],
+                torch.from_numpy(vocab),
+                rope_theta=float(rope),
+                max_positions=int(target_cfg["max_position_embeddings"]),
+                rms_norm_eps=float(target_cfg["rms_norm_eps"]),
+            )
+            draft.init_from_target(target_tensors, seed=SEED + i)
+        spec = replace(
+            draft.spec,
+            train_steps=args.steps or draft.spec.train_steps,
+            lr=args.lr or draft.spec.lr,
         )
-        draft.init_from_target(target_tensors, seed=SEED + i)
         stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i, features=features)
+        if earlier is not None:
+            stats["continued_from"] = {
+                "distillation_data": earlier["distillation_data"],
+                "training": earlier["training"],
+            }
+            stats["lr"] = spec.lr
         meta = {
             "name": name,
             "target": "SmolLM2-135M-Instruct",
@@ -112,7 +134,13 @@ def build(args: argparse.Namespace) -> None:
             "seed": SEED + i,
             "distillation_data": summary,
             "training": stats,
-            "rebuild": "python -m distill build --out models/drafts",
+            "rebuild": "python -m distill build --out models/drafts"
+            + (
+                ""
+                if earlier is None
+                else f", then python -m distill build --drafts {name} --continue-from "
+                f"models/drafts --steps {spec.train_steps} --lr {spec.lr}"
+            ),
         }
         out = export_draft(
             draft, args.out / name, bos_token_id=bos, eos_token_id=eos, metadata=meta
@@ -256,6 +284,14 @@ def main() -> None:
     b.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(ALL_DRAFT_NAMES))
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument(
+        "--continue-from",
+        type=Path,
+        default=None,
+        help="train the drafts found here further (their weights and vocabulary) on the recipe",
+    )
+    b.add_argument("--steps", type=int, default=0, help="training steps (default: the spec's)")
+    b.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the spec's)")
     e = sub.add_parser("eval", help="evaluate the drafts against the target")
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

@@ -155,6 +155,12 @@ class TrainableDraft(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def freeze_target_tensors(self) -> None:
+        """The target's own tensors a draft reads (shared embedding, a feature draft's head) are
+        not trained: they are not exported, the runtime reads the target's."""
+        self.embed_tokens.weight.requires_grad_(not self.spec.shares_target_embedding)
+        self.lm_head.weight.requires_grad_(not self.spec.is_feature_level)
+
     def init_from_target(self, target: dict[str, torch.Tensor], seed: int) -> None:
         """Initialize from the target's tensors (HF names).
 
@@ -180,9 +186,8 @@ class TrainableDraft(nn.Module):
         head_rows = target.get("lm_head.weight", target["model.embed_tokens.weight"]).float()
         if self.embed_proj is None:  # full width: the target's embedding, head and final norm
             self.embed_tokens.weight.data.copy_(emb)
-            self.embed_tokens.weight.requires_grad_(not spec.shares_target_embedding)
             self.lm_head.weight.data.copy_(head_rows[self.output_token_ids])
-            self.lm_head.weight.requires_grad_(not spec.is_feature_level)
+            self.freeze_target_tensors()
             self.norm.data.copy_(target["model.norm.weight"].float())
             if self.feature_fc is not None:  # start by passing the target's feature through
                 fc = self.feature_fc.weight.data  # [hidden, hidden + feature]

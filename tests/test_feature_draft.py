@@ -245,3 +245,20 @@ def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert engine.stats.num_draft_tokens > 0
     assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+
+
+def test_a_draft_loaded_to_train_further_keeps_the_target_tensors_frozen(
+    feature_draft_dir: Path, tiny_target_dir: Path
+):
+    # `python -m distill build --continue-from`: the exported draft is trained on, and what it
+    # reads from the target (embedding, head) must stay the target's, since it is not exported
+    draft = load_trainable(feature_draft_dir, tiny_target_dir).train()
+    draft.freeze_target_tensors()
+    frozen = {"embed_tokens.weight", "lm_head.weight"}
+    for name, p in draft.named_parameters():
+        assert p.requires_grad == (name not in frozen), name
+    ids = torch.tensor([[5, 17, 3, 44]])
+    logits, predicted = draft.forward_features(ids, torch.randn(1, 4, 64))
+    (logits.logsumexp(-1).sum() + predicted.square().sum()).backward()
+    assert draft.embed_tokens.weight.grad is None and draft.lm_head.weight.grad is None
+    assert draft.feature_fc.weight.grad is not None
