@@ -32,8 +32,8 @@ MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
 GEN_TOKENS = 128
 # How many prompts the target answers, and how many human-written documents, per kind.
-GEN_PROMPTS = {"chat": 2000, "code": 1200, "math": 819, "everyday": 273}
-DOCUMENTS = {"chat": 120, "code": 150, "math": 150}
+GEN_PROMPTS = {"chat": 4000, "code": 1200, "math": 819, "everyday": 273}
+DOCUMENTS = {"chat": 1000, "code": 150, "math": 150}
 
 
 def data_tag() -> str:

@@ -158,9 +158,10 @@ def test_eval_prompts_disjoint_from_distillation_text():
 
 # ---- draft-e, the feature-level draft -------------------------------------------------------
 # Mean accepted tokens per target forward through the real engine (greedy chain of 4) on the
-# references above; measured 1.932 on the Intel CPU (the 1400-step draft: 1.774; draft-l: 1.868)
+# references above; measured 2.000 on the AMD EPYC (the 3000-step draft before its continued
+# training: 1.932 there and on the Intel CPU; the 1400-step one 1.774; draft-l 1.868)
 # (docs/models.md).
-DRAFT_E_CHAIN4_RANGE = (1.75, 2.10)
+DRAFT_E_CHAIN4_RANGE = (1.82, 2.18)
 MAX_ALL_DRAFTS_BYTES = 80 * 1000 * 1000
 
 
