@@ -86,16 +86,18 @@ class Progress:
 
     @classmethod
     def of(cls, request: RequestState) -> Progress:
+        """The request's state now. Its output and accepted lengths are the request's own lists,
+        not copies: a step stages only their new part, and `apply` copies them."""
         draft = None
         if request.draft_model is not None and request.drafter is not None:
             draft = (request.draft_model, request.drafter)
         return cls(
-            list(request.output),
+            request.output,
             request.step,
             request.first_token_time,
             request.last_token_time,
             request.attained_service_ms,
-            list(request.accepted_lengths),
+            request.accepted_lengths,
             request.stats,
             draft,
         )
@@ -334,13 +336,13 @@ class RequestStore:
             try:
                 submit, resolved = decode_submit(data)
                 raw = progress.get(raw_id)
-                done = None if raw is None else decode_progress(raw, *lists[rid])
-                stored.append(StoredRequest(submit, resolved, done))
+                committed = None if raw is None else decode_progress(raw, *lists[rid])
+                stored.append(StoredRequest(submit, resolved, committed))
             except StoredRequestError as error:
                 log.error("cannot resume %s: %s", rid, error)
                 broken.append(rid)
                 continue
-            if done is not None:
-                self._num_staged[rid] = (len(done.output), len(done.accepted_lengths))
+            if committed is not None:
+                self._num_staged[rid] = (len(committed.output), len(committed.accepted_lengths))
         stored.sort(key=lambda s: s.submit.arrival_time)
         return stored, broken, [rid.decode() for rid in finished]
