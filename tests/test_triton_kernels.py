@@ -253,7 +253,10 @@ def test_runner_selects_the_kernel_on_cuda_only() -> None:
     from shared.model.runner import select_attention
 
     assert select_attention(torch.device("cuda")) == (tree_attention_triton, commit_kv_triton)
-    assert select_attention(torch.device("cpu")) == (tree_attention_reference, ref_commit)
+    from kernels.cpu_tree_attention import CpuTreeAttention
+
+    cpu_attention, cpu_commit = select_attention(torch.device("cpu"))
+    assert isinstance(cpu_attention, CpuTreeAttention) and cpu_commit is ref_commit
 
 
 def test_runner_forward_with_the_kernel(tiny_target_dir) -> None:  # noqa: ANN001

@@ -31,7 +31,8 @@ class BlockAllocator:
                 f"KV cache exhausted: need {n} more blocks, {len(self._free)} of "
                 f"{self.num_blocks} free"
             )
-        taken = self._free[len(self._free) - n :]
+        # ascending, so a request's blocks are often consecutive (a view, not a gather, on CPU)
+        taken = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
         return taken
 

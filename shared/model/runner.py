@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, num_mask_words
-from kernels.reference import commit_kv_reference, tree_attention_reference
+from kernels.cpu_tree_attention import CpuTreeAttention
+from kernels.reference import commit_kv_reference
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
@@ -80,7 +81,9 @@ def mask_words(masks: Sequence[int], num_words: int) -> np.ndarray:
 
 
 def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
-    """Chosen once at start: the Triton kernels on CUDA, the PyTorch reference elsewhere."""
+    """Chosen once per runner: the Triton kernels on CUDA, the planned CPU implementation
+    elsewhere (`kernels.cpu_tree_attention`; the PyTorch reference is what both are tested
+    against)."""
     if device.type == "cuda":
         try:
             from kernels.triton_tree_attention import commit_kv_triton, tree_attention_triton
@@ -88,7 +91,7 @@ def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
             pass
         else:
             return tree_attention_triton, commit_kv_triton
-    return tree_attention_reference, commit_kv_reference
+    return CpuTreeAttention(), commit_kv_reference
 
 
 class ModelRunner:
