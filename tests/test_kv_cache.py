@@ -122,3 +122,28 @@ def test_block_allocator_never_double_allocates(sizes):
         flat = [b for blocks in owned for b in blocks]
         assert len(flat) == len(set(flat))
         assert len(flat) + alloc.num_free == 64
+
+
+def test_a_request_alone_keeps_consecutive_blocks(tiny_target_dir):
+    """Blocks leave the allocator in ascending order and come back so that they leave again
+    the same way: a request that grows, drops a tree and grows again, or that follows a
+    finished one, holds consecutive blocks (CPU attention reads them as a view)."""
+    model = load_model(tiny_target_dir)
+    runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20)
+    cache = runner.cache
+
+    def is_consecutive(rid: str) -> bool:
+        blocks = cache.blocks(rid)
+        return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+    runner.add_request("a")
+    runner.prefill({"a": list(range(3, 13))})
+    runner.forward([ForwardItem("a", [20, 21, 22, 23, 24, 25], [-1, 0, 0, 1, 1, 2])])
+    assert len(cache.blocks("a")) == 4 and is_consecutive("a")
+    runner.discard_tree("a")
+    runner.forward([ForwardItem.chain("a", [30, 31, 32, 33, 34, 35, 36])])
+    assert len(cache.blocks("a")) == 5 and is_consecutive("a")
+    runner.free_request("a")
+    runner.add_request("b")
+    runner.prefill({"b": list(range(40, 58))})
+    assert cache.blocks("b") == [0, 1, 2, 3, 4]

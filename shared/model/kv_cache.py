@@ -31,13 +31,15 @@ class BlockAllocator:
                 f"KV cache exhausted: need {n} more blocks, {len(self._free)} of "
                 f"{self.num_blocks} free"
             )
-        # ascending, so a request's blocks are often consecutive (a view, not a gather, on CPU)
+        # The free list is a stack with the next block on top. Blocks leave it in ascending order
+        # and freed ones go back so that they leave again in the same order: a request's blocks
+        # are then often consecutive (a view of the cache, not a gather, in CPU attention).
         taken = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
         return taken
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self._free.extend(reversed(blocks))
 
 
 @dataclass
