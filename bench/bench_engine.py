@@ -74,9 +74,9 @@ class Row:
         return self.tokens / self.seconds
 
 
-def chat_prompts(tokenizer, per_kind: int) -> list[list[int]]:
+def chat_prompts(tokenizer, per_kind: int, kinds: tuple[str, ...] = KINDS) -> list[list[int]]:
     prompts = []
-    for kind in KINDS:
+    for kind in kinds:
         prompts += [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
     return prompts
 
@@ -113,6 +113,19 @@ def main() -> None:
     ap.add_argument(
         "--merge", nargs=2, metavar=("A", "B"), help="(e): draft with A, merge B's trees in"
     )
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(KINDS),
+        choices=["chat", "code", "math", "everyday"],
+        help="prompt kinds, per-kind prompts of each (everyday: the project's short questions)",
+    )
+    ap.add_argument(
+        "--plan-kernels",
+        action="store_true",
+        help="measure and apply the linear-kernel plan to our target first, as `augury "
+        "generate` and the services do on a CPU (transformers keeps its own kernels)",
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path)
@@ -124,7 +137,7 @@ def main() -> None:
 
     tdir = target_dir()
     tokenizer = AutoTokenizer.from_pretrained(tdir)
-    prompts = chat_prompts(tokenizer, args.per_kind)
+    prompts = chat_prompts(tokenizer, args.per_kind, tuple(args.kinds))
     eos = tokenizer.eos_token_id
     n = args.max_tokens
     gen_cfg = GenerationConfig(
@@ -133,6 +146,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     hf_target = LlamaForCausalLM.from_pretrained(tdir, dtype=dtype).eval()
     target = load_model(tdir, dtype=dtype)
+    if args.plan_kernels:
+        target.plan_kernels()
     params = SamplingParams(max_tokens=n)
     rows: list[Row] = []
 
@@ -226,6 +241,8 @@ def main() -> None:
     meta = {
         "prompts": len(prompts),
         "per_kind": args.per_kind,
+        "kinds": args.kinds,
+        "kernel_plan": args.plan_kernels,
         "max_tokens": n,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,

@@ -219,10 +219,16 @@ class LlamaModel(nn.Module):
                 planned[i] if planned is not None else self._layer_modules(layer)
             )
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = qkv_proj(h).split([layer.q_size, layer.kv_size, layer.kv_size], -1)
-            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = qkv_proj(h)
+            qk_size = layer.q_size + layer.kv_size
+            # q and k lie side by side in qkv: one rotation covers both heads
+            qk = self.rope.apply(
+                qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                cos,
+                sin,
+            )
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache[i].flatten(0, 1)[slots] = k
             v_cache[i].flatten(0, 1)[slots] = v
             o = attention(q, k_cache[i], v_cache[i], meta, scale)
