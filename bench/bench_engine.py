@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from bench.hf_draft import hf_llama_from_draft
 from bench.prompts import chat_ids
-from shared.datasets import eval_prompts
+from shared.datasets import EVAL_KINDS, eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
@@ -117,7 +117,7 @@ def main() -> None:
         "--kinds",
         nargs="+",
         default=list(KINDS),
-        choices=["chat", "code", "math", "everyday"],
+        choices=list(EVAL_KINDS),
         help="prompt kinds, per-kind prompts of each (everyday: the project's short questions)",
     )
     ap.add_argument(

@@ -2,20 +2,20 @@
 
 Same contract as `tree_attention_reference` (and the Triton kernel). The reference rebuilds each
 request's KV gather and mask in every layer and calls `scaled_dot_product_attention`, whose
-fixed cost per call dominates at serving sizes on a CPU: a query of 1-17 rows against a few
-hundred keys costs 50-130 us in SDPA and 20-75 us as two batched matmuls and a softmax
-(2-core Xeon, 9 query heads over 3 KV heads of 64). Here a forward's metadata is turned once
-into a plan per request, which every layer reuses:
+fixed cost per call dominates at serving sizes on a CPU (a query of 1-17 rows against a few
+hundred keys). Here a forward's metadata is turned once into a plan per request, which every
+layer reuses:
 
 - the request's KV is a view of the paged cache when its blocks are consecutive (the allocator
-  hands them out in ascending order, so a request that never had to share the pool gets a
-  view), else an index for `index_select`;
-- its mask is additive (0 or -inf), already laid out for grouped-query rows, or None when the
-  request has a single new token (which sees its whole context).
+  hands them out in ascending order, so a request that had the pool to itself gets a view),
+  else an index for `index_select`;
+- its mask is built once: for fp32, additive (0 or -inf) and already laid out for the grouped
+  query rows, or None when the request has a single new token (which sees its whole context).
 
-Scores are materialized per request ([Hkv, group * n, num_kv]); a request whose scores would
-exceed `max_scores` elements (a long prompt chunk) goes through SDPA with the same mask instead.
-Computation is in fp32 whatever the cache dtype, as in the reference's tests.
+fp32 requests are two batched matmuls and a softmax. A request whose scores would exceed
+`max_scores` elements (a long prompt chunk) and every request in another dtype go through SDPA
+as in the reference, with the boolean mask of the plan; then only that compact mask stays in
+the plan between forwards.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ class _RequestPlan:
     num_blocks: int
     first_block: int | None  # consecutive blocks start here: the cache slice is a view
     blocks: torch.Tensor | None  # otherwise the blocks to gather, int64
-    mask: torch.Tensor | None  # [group * n, num_kv] fp32 additive; None: sees everything
+    is_matmul: bool  # fp32 and small enough: bmm / softmax / bmm; else SDPA
+    # matmul: [group * n, num_kv] fp32 additive; SDPA: [n, num_kv] bool; None: the request's
+    # one new token sees everything
+    mask: torch.Tensor | None
 
 
 class CpuTreeAttention:
@@ -46,7 +49,6 @@ class CpuTreeAttention:
     def __init__(self, max_scores: int = 1 << 22) -> None:
         self.max_scores = max_scores
         self._meta: AttentionMetadata | None = None
-        self._group = 0
         self._plans: list[_RequestPlan] = []
 
     def __call__(
@@ -57,12 +59,19 @@ class CpuTreeAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        num_tokens, num_heads, dim = q.shape
+        _, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        if meta is not self._meta or group != self._group:
-            self._plans = plan_requests(meta, k_cache.shape[1], group)
-            self._meta, self._group = meta, group
+        if meta is not self._meta:
+            self._plans = plan_requests(
+                meta,
+                block_size=k_cache.shape[1],
+                num_kv_heads=num_kv_heads,
+                group=group,
+                dtype=q.dtype,
+                max_scores=self.max_scores,
+            )
+            self._meta = meta
         out = torch.empty_like(q)
         for plan in self._plans:
             n = plan.q_hi - plan.q_lo
@@ -73,30 +82,35 @@ class CpuTreeAttention:
                 .view(n, num_kv_heads, group, dim)
                 .permute(1, 2, 0, 3)
                 .reshape(num_kv_heads, group * n, dim)
-                .float()
             )  # [Hkv, group * n, D]
-            keys = k.permute(1, 2, 0).float()  # [Hkv, D, S]
-            values = v.transpose(0, 1).float()  # [Hkv, S, D]
-            if num_kv_heads * group * n * plan.num_kv > self.max_scores:
+            if plan.is_matmul:
+                scores = torch.bmm(rows, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, group * n, S]
+                if plan.mask is not None:
+                    scores.add_(plan.mask)
+                o = torch.bmm(scores.softmax(-1), v.transpose(0, 1))
+            else:
                 o = F.scaled_dot_product_attention(
                     rows,
-                    keys.transpose(1, 2),
-                    values,
-                    attn_mask=None if plan.mask is None else plan.mask,
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    attn_mask=None if plan.mask is None else plan.mask.repeat(group, 1),
                     scale=scale,
                 )
-            elif plan.mask is None:
-                o = torch.bmm(torch.bmm(rows, keys).mul_(scale).softmax(-1), values)
-            else:
-                scores = torch.bmm(rows, keys).mul_(scale).add_(plan.mask)
-                o = torch.bmm(scores.softmax(-1), values)
             out[plan.q_lo : plan.q_hi] = (
                 o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
             )
         return out
 
 
-def plan_requests(meta: AttentionMetadata, block_size: int, group: int) -> list[_RequestPlan]:
+def plan_requests(
+    meta: AttentionMetadata,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    dtype: torch.dtype = torch.float32,
+    max_scores: int = 1 << 22,
+) -> list[_RequestPlan]:
     """What every layer of one forward needs per request, computed once."""
     plans: list[_RequestPlan] = []
     qs = meta.query_start_host
@@ -110,12 +124,17 @@ def plan_requests(meta: AttentionMetadata, block_size: int, group: int) -> list[
         table = meta.block_tables[r, :num_blocks].tolist()
         first = table[0] if table else 0
         is_consecutive = table == list(range(first, first + num_blocks))
+        is_matmul = (
+            dtype == torch.float32 and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
+        )
         mask = None
         if tree > 1:
             visible = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool)
             visible[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree).cpu()
-            additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-            mask = additive.repeat(group, 1).to(meta.tree_mask.device)
+            if is_matmul:
+                additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+                visible = additive.repeat(group, 1)
+            mask = visible.to(meta.tree_mask.device)
         plans.append(
             _RequestPlan(
                 q_lo=q_lo,
@@ -126,6 +145,7 @@ def plan_requests(meta: AttentionMetadata, block_size: int, group: int) -> list[
                 blocks=None
                 if is_consecutive
                 else torch.tensor(table, dtype=torch.int64, device=meta.block_tables.device),
+                is_matmul=is_matmul,
                 mask=mask,
             )
         )

@@ -130,11 +130,34 @@ def test_plan_is_reused_within_a_forward_and_renewed_for_the_next() -> None:
 
 def test_consecutive_blocks_are_viewed_not_gathered() -> None:
     b = batch([RequestSpec(40, chain(3)), RequestSpec(10, chain(1))], consecutive=True)
-    plans = plan_requests(b.meta, block_size=16, group=3)
+    plans = plan_requests(b.meta, block_size=16, num_kv_heads=3, group=3)
     assert [p.blocks for p in plans] == [None, None]
     assert [p.first_block for p in plans] == [0, 3]
-    assert plans[0].mask is not None and plans[0].mask.shape == (9, 43)
+    assert plans[0].is_matmul and plans[0].mask is not None and plans[0].mask.shape == (9, 43)
     assert plans[1].mask is None  # one new token sees its whole context
     shuffled = batch([RequestSpec(40, chain(3))])
-    [plan] = plan_requests(shuffled.meta, block_size=16, group=3)
+    [plan] = plan_requests(shuffled.meta, block_size=16, num_kv_heads=3, group=3)
     assert plan.first_block is None and plan.blocks is not None
+
+
+def test_sdpa_requests_keep_only_the_compact_mask() -> None:
+    """Long chunks and other dtypes go through SDPA: their plan holds the [n, num_kv] boolean
+    mask, not the fp32 one repeated for every query head of a group."""
+    b = batch([RequestSpec(64, chain(48))])
+    [big] = plan_requests(b.meta, block_size=16, num_kv_heads=3, group=3, max_scores=1)
+    [half] = plan_requests(b.meta, block_size=16, num_kv_heads=3, group=3, dtype=torch.bfloat16)
+    for plan in (big, half):
+        assert not plan.is_matmul
+        assert plan.mask is not None and plan.mask.dtype == torch.bool
+        assert plan.mask.shape == (48, 112)
+
+
+def test_strided_queries_as_the_model_passes_them() -> None:
+    """The model hands attention q as a slice of its fused projection (rows strided)."""
+    b = batch([RequestSpec(30, random_tree(12, random.Random(8))), RequestSpec(7, chain(1))])
+    fused = torch.cat([b.q.flatten(1), torch.randn(b.q.shape[0], 40)], dim=1)
+    strided = fused[:, : b.q[0].numel()].view_as(b.q)
+    assert not strided.is_contiguous()
+    attention = CpuTreeAttention()
+    out = attention(strided, b.k_cache, b.v_cache, b.meta, b.q.shape[-1] ** -0.5)
+    assert_matches_reference(b, out)
