@@ -473,6 +473,11 @@ ENGINE_METHODS = {
     "static <4,1,1,1>": ("static", {"expansion": (4, 1, 1, 1)}),
     "static <2,2,1,1>": ("static", {"expansion": (2, 2, 1, 1)}),
     "dynamic (<=16 nodes, depth<=6)": ("dynamic", {"max_size": 16, "max_depth": 6}),
+    "dynamic (<=16 nodes, depth<=8)": ("dynamic", {"max_size": 16, "max_depth": 8}),
+    "dynamic (<=16 nodes, depth<=10, width<=3)": (
+        "dynamic",
+        {"max_size": 16, "max_depth": 10, "max_width": 3},
+    ),
 }
 
 
@@ -482,6 +487,8 @@ METHOD_KEYS = {
     "static4111": "static <4,1,1,1>",
     "static2211": "static <2,2,1,1>",
     "dynamic16": "dynamic (<=16 nodes, depth<=6)",
+    "dynamic16d8": "dynamic (<=16 nodes, depth<=8)",
+    "dynamic16d10w3": "dynamic (<=16 nodes, depth<=10, width<=3)",
 }
 
 
