@@ -14,6 +14,7 @@ layer per forward has earlier layers already cached in the tree region.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,27 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_host[-1]
+
+    def requests_with_queries(self) -> Iterator[tuple[int, int, int, int]]:
+        """Per request with new queries in this forward, from the host copies: (r, its first
+        query row, one past its last, its prefix length)."""
+        qs = self.query_start_host
+        for r in range(self.num_requests):
+            if qs[r + 1] > qs[r]:
+                yield r, qs[r], qs[r + 1], self.prefix_lens_host[r]
+
+    def visible(self, r: int) -> torch.Tensor | None:
+        """What request r's queries see of its KV: bool [num queries, prefix + tree region],
+        on the metadata's device; None when it has a single new token, which sees everything."""
+        q_lo, q_hi = self.query_start_host[r], self.query_start_host[r + 1]
+        prefix, tree = self.prefix_lens_host[r], self.tree_lens_host[r]
+        if tree <= 1:
+            return None
+        mask = torch.ones(
+            q_hi - q_lo, prefix + tree, dtype=torch.bool, device=self.tree_mask.device
+        )
+        mask[:, prefix:] = unpack_mask_bits(self.tree_mask[q_lo:q_hi], tree)
+        return mask
 
 
 def unpack_mask_bits(words: torch.Tensor, num_bits: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata, unpack_mask_bits
+from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,8 @@ def plan_requests(
 ) -> list[_RequestPlan]:
     """What every layer of one forward needs per request, computed once."""
     plans: list[_RequestPlan] = []
-    qs = meta.query_start_host
-    for r in range(meta.num_requests):
-        q_lo, q_hi = qs[r], qs[r + 1]
-        if q_hi == q_lo:
-            continue
-        prefix, tree = meta.prefix_lens_host[r], meta.tree_lens_host[r]
-        num_kv = prefix + tree
+    for r, q_lo, q_hi, prefix in meta.requests_with_queries():
+        num_kv = prefix + meta.tree_lens_host[r]
         num_blocks = (num_kv + block_size - 1) // block_size
         table = meta.block_tables[r, :num_blocks].tolist()
         first = table[0] if table else 0
@@ -127,14 +122,9 @@ def plan_requests(
         is_matmul = (
             dtype == torch.float32 and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
         )
-        mask = None
-        if tree > 1:
-            visible = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool)
-            visible[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree).cpu()
-            if is_matmul:
-                additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-                visible = additive.repeat(group, 1)
-            mask = visible.to(meta.tree_mask.device)
+        mask = meta.visible(r)
+        if mask is not None and is_matmul:  # additive, one row per query head of a group
+            mask = torch.where(mask, 0.0, float("-inf")).repeat(group, 1)
         plans.append(
             _RequestPlan(
                 q_lo=q_lo,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata, unpack_mask_bits
+from kernels.attention_metadata import AttentionMetadata
 
 
 def gather_request_kv(
@@ -29,20 +29,12 @@ def tree_attention_reference(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     out = torch.empty_like(q)
-    qs = meta.query_start_host
-    for r in range(meta.num_requests):
-        q_lo, q_hi = qs[r], qs[r + 1]
-        if q_hi == q_lo:
-            continue
-        prefix, tree = meta.prefix_lens_host[r], meta.tree_lens_host[r]
-        num_kv = prefix + tree
+    for r, q_lo, q_hi, prefix in meta.requests_with_queries():
+        num_kv = prefix + meta.tree_lens_host[r]
         k = gather_request_kv(k_cache, meta.block_tables[r], num_kv)
         v = gather_request_kv(v_cache, meta.block_tables[r], num_kv)
-        mask: torch.Tensor | None = None
-        if tree > 1:  # a lone new token sees everything: no mask, the fast SDPA path
-            mask = torch.ones(q_hi - q_lo, num_kv, dtype=torch.bool, device=q.device)
-            mask[:, prefix:] = unpack_mask_bits(meta.tree_mask[q_lo:q_hi], tree)
-        out[q_lo:q_hi] = _grouped_sdpa(q[q_lo:q_hi], k, v, mask, scale)
+        # a lone new token sees everything: no mask, the fast SDPA path
+        out[q_lo:q_hi] = _grouped_sdpa(q[q_lo:q_hi], k, v, meta.visible(r), scale)
     return out
 
 
