@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument(
         "--plan-kernels",
         action="store_true",
-        help="measure and apply the linear-kernel plan to our target first, as `augury "
-        "generate` and the services do on a CPU (transformers keeps its own kernels)",
+        help="measure and apply the linear-kernel plan to our target and drafts first, as "
+        "`augury generate` and the services do on a CPU (transformers keeps its own kernels)",
     )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -175,6 +175,8 @@ def main() -> None:
     drafts = all_draft_dirs()
     for name in args.drafts:
         draft = load_model(drafts[name], dtype=dtype, target_path=tdir)
+        if args.plan_kernels:
+            draft.plan_kernels()
         for method_name in args.methods:
             engine = SpecEngine(
                 Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
