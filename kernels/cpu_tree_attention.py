@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.reference import group_query_rows, grouped_sdpa, ungroup_query_rows
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,8 @@ class CpuTreeAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        _, num_heads, dim = q.shape
         num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
+        group = q.shape[1] // num_kv_heads
         if meta is not self._meta:
             self._plans = plan_requests(
                 meta,
@@ -74,31 +73,18 @@ class CpuTreeAttention:
             self._meta = meta
         out = torch.empty_like(q)
         for plan in self._plans:
-            n = plan.q_hi - plan.q_lo
+            q_rows = q[plan.q_lo : plan.q_hi]  # [n, Hq, D]
             k = _request_kv(k_cache, plan)  # [S, Hkv, D]
             v = _request_kv(v_cache, plan)
-            rows = (
-                q[plan.q_lo : plan.q_hi]
-                .view(n, num_kv_heads, group, dim)
-                .permute(1, 2, 0, 3)
-                .reshape(num_kv_heads, group * n, dim)
-            )  # [Hkv, group * n, D]
-            if plan.is_matmul:
-                scores = torch.bmm(rows, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, group * n, S]
-                if plan.mask is not None:
-                    scores.add_(plan.mask)
-                o = torch.bmm(scores.softmax(-1), v.transpose(0, 1))
-            else:
-                o = F.scaled_dot_product_attention(
-                    rows,
-                    k.transpose(0, 1),
-                    v.transpose(0, 1),
-                    attn_mask=None if plan.mask is None else plan.mask.repeat(group, 1),
-                    scale=scale,
-                )
-            out[plan.q_lo : plan.q_hi] = (
-                o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
-            )
+            if not plan.is_matmul:
+                out[plan.q_lo : plan.q_hi] = grouped_sdpa(q_rows, k, v, plan.mask, scale)
+                continue
+            rows = group_query_rows(q_rows, num_kv_heads)  # [Hkv, group * n, D]
+            scores = torch.bmm(rows, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, group * n, S]
+            if plan.mask is not None:
+                scores.add_(plan.mask)
+            o = torch.bmm(scores.softmax(-1), v.transpose(0, 1))
+            out[plan.q_lo : plan.q_hi] = ungroup_query_rows(o, len(q_rows))
         return out
 
 

@@ -34,31 +34,44 @@ def tree_attention_reference(
         k = gather_request_kv(k_cache, meta.block_tables[r], num_kv)
         v = gather_request_kv(v_cache, meta.block_tables[r], num_kv)
         # a lone new token sees everything: no mask, the fast SDPA path
-        out[q_lo:q_hi] = _grouped_sdpa(q[q_lo:q_hi], k, v, meta.visible(r), scale)
+        out[q_lo:q_hi] = grouped_sdpa(q[q_lo:q_hi], k, v, meta.visible(r), scale)
     return out
 
 
-def _grouped_sdpa(
+def group_query_rows(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """GQA without repeating KV: q [n, Hq, D] -> [Hkv, group * n, D], the query heads sharing a
+    KV head becoming extra query rows (query head h reads KV head h // group, as in
+    transformers); row g * n + i is token i of the group's head g."""
+    n, num_heads, dim = q.shape
+    group = num_heads // num_kv_heads
+    return q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, dim)
+
+
+def ungroup_query_rows(o: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `group_query_rows`: [Hkv, group * n, D] -> [n, Hq, D]."""
+    num_kv_heads, rows, dim = o.shape
+    group = rows // n
+    return o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, -1, dim)
+
+
+def grouped_sdpa(
     q: torch.Tensor,  # [n, Hq, D]
     k: torch.Tensor,  # [S, Hkv, D]
     v: torch.Tensor,
     mask: torch.Tensor | None,  # [n, S] bool or None
     scale: float,
 ) -> torch.Tensor:  # [n, Hq, D]
-    """GQA without repeating KV: the query heads sharing a KV head become extra query rows
-    (query head h reads KV head h // group, as in transformers)."""
-    n, num_heads, dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    rows = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, dim)
+    """SDPA over grouped query rows (`group_query_rows`), the mask repeated for each group."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
     o = F.scaled_dot_product_attention(
-        rows,  # [Hkv, group * n, D]
+        group_query_rows(q, k.shape[1]),  # [Hkv, group * n, D]
         k.transpose(0, 1),  # [Hkv, S, D]
         v.transpose(0, 1),
         attn_mask=None if mask is None else mask.repeat(group, 1),
         scale=scale,
     )
-    return o.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+    return ungroup_query_rows(o, n)
 
 
 def commit_kv_reference(
