@@ -25,7 +25,7 @@ import torch
 from distill import data
 from distill.evaluate import METHOD_KEYS
 from distill.model import DRAFT_SPECS, TrainableDraft, export_draft, load_trainable
-from distill.train import train_draft
+from distill.train import FEATURE_PASSES, train_draft
 from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
 SEED = 1234
@@ -115,7 +115,15 @@ def build(args: argparse.Namespace) -> None:
             train_steps=args.steps or draft.spec.train_steps,
             lr=args.lr or draft.spec.lr,
         )
-        stats = train_draft(draft, spec, cache, gen_starts, seed=SEED + i, features=features)
+        stats = train_draft(
+            draft,
+            spec,
+            cache,
+            gen_starts,
+            seed=SEED + i,
+            features=features,
+            feature_passes=args.feature_passes,
+        )
         if earlier is not None:
             stats["continued_from"] = {
                 "distillation_data": earlier["distillation_data"],
@@ -292,6 +300,13 @@ def main() -> None:
     )
     b.add_argument("--steps", type=int, default=0, help="training steps (default: the spec's)")
     b.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: the spec's)")
+    b.add_argument(
+        "--feature-passes",
+        type=int,
+        default=FEATURE_PASSES,
+        help="a feature-level draft's passes per batch: 1 on the target's features, then each "
+        "further pass on its own predictions of the pass before (trains one tree level deeper)",
+    )
     e = sub.add_parser("eval", help="evaluate the drafts against the target")
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

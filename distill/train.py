@@ -3,9 +3,10 @@
 A feature-level draft (`DraftSpec.feature_size`) also reads the target's cached features: its
 input at pair i is (token t[i+1], target feature f[i]) and it learns the target's distribution at
 position i+1 and, by regression, the feature f[i+1] itself. Each batch runs twice: once on the
-target's features and once on the draft's own predicted ones (pair i reading the prediction made
-at pair i-1), as a draft's deeper levels do at serving time, so errors of its own features are
-trained against rather than met for the first time when drafting.
+target's features and then (`feature_passes` - 1 more times) on the draft's own predicted ones:
+in pass p, pair i reads the feature predicted at pair i-1 in pass p-1, so pass p sees what a
+draft's tree level p+1 sees at serving time (p predictions of its own in a row) and errors of its
+own features are trained against rather than met for the first time when drafting.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from distill.model import DraftSpec, TrainableDraft
 BATCH_TOKENS = 2048
 FEATURE_WEIGHT = 1.0  # the feature regression (smooth L1) beside the cross-entropy
 ANSWER_WEIGHT = 2.0  # positions inside the target's own answers count double
+FEATURE_PASSES = 2  # a feature-level draft's passes per batch: target's features, then its own
+HELD_OUT_LEVELS = 4  # tree levels whose held-out agreement a feature-level draft reports
 WARMUP_STEPS = 30
 VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training
 EVAL_INTERVAL = 250  # steps between held-out checks; the best checkpoint is kept
@@ -149,38 +152,45 @@ def feature_loss(predicted: torch.Tensor, target: torch.Tensor, weight: torch.Te
     return (per_pos * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def draft_losses(draft: TrainableDraft, batch: tuple[torch.Tensor, ...]):
-    """(loss, top-1 agreement) of one batch; a feature-level draft's include both passes."""
+def draft_losses(
+    draft: TrainableDraft, batch: tuple[torch.Tensor, ...], *, feature_passes: int = FEATURE_PASSES
+):
+    """(loss, top-1 agreement) of one batch; a feature-level draft's loss sums its passes (the
+    agreement is the first pass's, on the target's features)."""
     if not draft.spec.is_feature_level:
         ids, tgt, prob, weight = batch
         return distill_loss(draft(ids), tgt, prob, weight)
     ids, tgt, prob, weight, feats, next_feats = batch
-    logits, predicted = draft.forward_features(ids, feats)
-    ce, acc = distill_loss(logits, tgt, prob, weight)
-    loss = ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
-    logits2, predicted2 = draft.forward_features(ids, own_features(feats, predicted))
-    ce2, _ = distill_loss(logits2, tgt, prob, weight)
-    loss = loss + ce2 + FEATURE_WEIGHT * feature_loss(predicted2, next_feats, weight)
+    loss = torch.zeros(())
+    acc = torch.zeros(())
+    inputs = feats
+    for p in range(feature_passes):
+        logits, predicted = draft.forward_features(ids, inputs)
+        ce, agree = distill_loss(logits, tgt, prob, weight)
+        loss = loss + ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
+        if p == 0:
+            acc = agree
+        inputs = own_features(feats, predicted)
     return loss, acc
 
 
 @torch.inference_mode()
 def answer_agreement(
-    draft: TrainableDraft, builder: BatchBuilder, batches: list[np.ndarray], *, own: bool = False
+    draft: TrainableDraft, builder: BatchBuilder, batches: list[np.ndarray], *, level: int = 1
 ) -> float:
     """Top-1 agreement with the target on the answer positions of held-out target answers.
 
-    `own` (feature-level drafts): every pair reads the draft's own predicted feature, as a
-    draft's second level does."""
+    `level` (feature-level drafts): 1 reads the target's features; level L reads the draft's own
+    predictions L - 1 deep, as a tree's level L does (see `draft_losses`)."""
     agree = total = 0
     for seq_ids in batches:
         ids, tgt, prob, weight, *feature_inputs = builder(seq_ids)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if feature_inputs:
-                feats = feature_inputs[0]
-                logits, predicted = draft.forward_features(ids, feats)
-                if own:
-                    logits, _ = draft.forward_features(ids, own_features(feats, predicted))
+                feats = inputs = feature_inputs[0]
+                for _ in range(level):
+                    logits, predicted = draft.forward_features(ids, inputs)
+                    inputs = own_features(feats, predicted)
             else:
                 logits = draft(ids)
         # answer positions carry ANSWER_WEIGHT; the top-1 must be inside the draft's vocabulary
@@ -199,9 +209,14 @@ def train_draft(
     seed: int,
     batch_tokens: int = BATCH_TOKENS,
     features: np.ndarray | None = None,
+    feature_passes: int = FEATURE_PASSES,
 ) -> dict:
     """Fixed number of AdamW steps (warmup + cosine), bf16 autocast on CPU, keeping the weights
-    with the best held-out agreement (checked every EVAL_INTERVAL steps); returns stats."""
+    with the best held-out agreement (checked every EVAL_INTERVAL steps); returns stats.
+
+    A feature-level draft trains `feature_passes` passes per batch (see `draft_losses`)."""
+    if feature_passes < 1:
+        raise ValueError(f"feature_passes must be at least 1, got {feature_passes}")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     if spec.is_feature_level and features is None:
@@ -246,7 +261,7 @@ def train_draft(
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, acc = draft_losses(draft, batch)
+            loss, acc = draft_losses(draft, batch, feature_passes=feature_passes)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -259,8 +274,8 @@ def train_draft(
         if done % EVAL_INTERVAL == 0 or done == spec.train_steps:
             draft.eval()
             held_out = answer_agreement(draft, builder, validation)
-            if spec.is_feature_level:  # the mean of the first and the deeper levels
-                own = answer_agreement(draft, builder, validation, own=True)
+            if spec.is_feature_level:  # the mean of the first and the second level
+                own = answer_agreement(draft, builder, validation, level=2)
                 bar.write(f"{spec.name} step {done}: held-out top-1 on own features {own:.4f}")
                 held_out = (held_out + own) / 2
             draft.train()
@@ -271,6 +286,15 @@ def train_draft(
     bar.close()
     draft.load_state_dict(best[2])
     draft.eval()
+    levels = {}
+    if spec.is_feature_level:
+        levels = {
+            "feature_passes": feature_passes,
+            "held_out_top1_by_level": [
+                round(answer_agreement(draft, builder, validation, level=lv), 4)
+                for lv in range(1, HELD_OUT_LEVELS + 1)
+            ],
+        }
     return {
         "steps": spec.train_steps,
         "kept_step": best[1],
@@ -282,4 +306,5 @@ def train_draft(
         "final_loss_ema": round(float(ema_loss or 0.0), 4),
         "final_top1_agreement_ema": round(float(ema_acc or 0.0), 4),
         "train_seconds": round(time.time() - start, 1),
+        **levels,
     }

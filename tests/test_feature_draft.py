@@ -262,3 +262,48 @@ def test_a_draft_loaded_to_train_further_keeps_the_target_tensors_frozen(
     (logits.logsumexp(-1).sum() + predicted.square().sum()).backward()
     assert draft.embed_tokens.weight.grad is None and draft.lm_head.weight.grad is None
     assert draft.feature_fc.weight.grad is not None
+
+
+def test_each_training_pass_reads_the_predictions_of_the_pass_before():
+    """Pass p reads, at pair i, the feature pass p-1 predicted at pair i-1: what tree level p+1
+    reads when drafting. The summed loss of three passes equals that chain computed by hand."""
+    cache, features, vocab = running_sum_cache(num_sequences=4)
+    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=1, lr=1e-3, feature_size=16)
+    torch.manual_seed(0)
+    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64).eval()
+    builder = train.BatchBuilder(cache, np.arange(vocab), np.zeros(4, np.int64), features)
+    batch = builder(np.arange(4))
+    ids, tgt, prob, weight, feats, next_feats = batch
+    expected = torch.zeros(())
+    inputs = feats
+    for _ in range(3):
+        logits, predicted = draft.forward_features(ids, inputs)
+        ce, _ = train.distill_loss(logits, tgt, prob, weight)
+        expected = (
+            expected + ce + train.FEATURE_WEIGHT * train.feature_loss(predicted, next_feats, weight)
+        )
+        inputs = torch.cat([feats[:, :1], predicted[:, :-1]], dim=1)
+    loss, _ = train.draft_losses(draft, batch, feature_passes=3)
+    two, _ = train.draft_losses(draft, batch, feature_passes=2)
+    torch.testing.assert_close(loss, expected)
+    assert loss > two  # the third pass adds its own term
+
+
+def test_held_out_agreement_is_reported_per_tree_level(monkeypatch):
+    monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
+    monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
+    cache, features, vocab = running_sum_cache()
+    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=100, lr=1e-2, feature_size=16)
+    torch.manual_seed(0)
+    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
+    starts = np.zeros(cache.num_sequences, np.int64)
+    stats = train.train_draft(
+        draft, spec, cache, starts, seed=0, features=features, feature_passes=3
+    )
+    levels = stats["held_out_top1_by_level"]
+    assert stats["feature_passes"] == 3 and len(levels) == train.HELD_OUT_LEVELS
+    assert all(0.0 <= a <= 1.0 for a in levels)
+    # the kept checkpoint's figure is the mean of the first two levels
+    assert abs((levels[0] + levels[1]) / 2 - stats["held_out_answer_top1"]) < 1e-3
+    with pytest.raises(ValueError, match="feature_passes"):
+        train.train_draft(draft, spec, cache, starts, seed=0, features=features, feature_passes=0)
