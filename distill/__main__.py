@@ -25,7 +25,7 @@ import torch
 from distill import data
 from distill.evaluate import METHOD_KEYS
 from distill.model import DRAFT_SPECS, TrainableDraft, export_draft, load_trainable
-from distill.train import FEATURE_PASSES, train_draft
+from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, train_draft
 from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
 SEED = 1234
@@ -123,6 +123,7 @@ def build(args: argparse.Namespace) -> None:
             seed=SEED + i,
             features=features,
             feature_passes=args.feature_passes,
+            level_context=args.level_context,
         )
         if earlier is not None:
             stats["continued_from"] = {
@@ -226,6 +227,35 @@ def winners_cmd(args: argparse.Namespace) -> None:
     print(report)
 
 
+def levels_cmd(args: argparse.Namespace) -> None:
+    """Feature-level drafts' held-out top-1 agreement with the target per tree level, on the
+    current recipe's held-out target answers (the cache must have been built)."""
+    from distill.train import BatchBuilder, answer_agreement, make_batches, split_validation
+
+    torch.set_num_threads(args.threads)
+    if not data.features_path(args.cache).is_file():
+        raise SystemExit(
+            f"no feature cache for the current recipe in {args.cache}: "
+            "build it with `python -m distill build --drafts draft-e` first"
+        )
+    cache = data.build_topk_cache(args.cache, target_dir())
+    seqs = json.loads(data.sequences_path(args.cache).read_text())
+    gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
+    features = data.load_features(args.cache)
+    _, validation_ids = split_validation(cache)
+    validation = make_batches(cache, 2048, validation_ids)
+    for path in args.drafts:
+        draft = load_trainable(path, target_dir()).eval()
+        if not draft.spec.is_feature_level:
+            raise SystemExit(f"{path} is not a feature-level draft")
+        builder = BatchBuilder(cache, draft.output_token_ids.numpy(), gen_starts, features)
+        levels = [
+            round(answer_agreement(draft, builder, validation, level=lv), 4)
+            for lv in range(1, args.levels + 1)
+        ]
+        print(json.dumps({"draft": str(path), "held_out_top1_by_level": levels}), flush=True)
+
+
 def kinds_cmd(args: argparse.Namespace) -> None:
     """Each named draft through the real engine, per kind (everyday chat included), with the
     draft's step cost against the target's."""
@@ -307,6 +337,13 @@ def main() -> None:
         help="a feature-level draft's passes per batch: 1 on the target's features, then each "
         "further pass on its own predictions of the pass before (trains one tree level deeper)",
     )
+    b.add_argument(
+        "--level-context",
+        choices=["chain", "own"],
+        default=LEVEL_CONTEXT,
+        help="what a feature-level draft's deeper passes attend to: 'chain' as when drafting "
+        "(the committed context and the node's chain), 'own' every pair of the pass",
+    )
     e = sub.add_parser("eval", help="evaluate the drafts against the target")
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -342,6 +379,11 @@ def main() -> None:
     w.add_argument("--max-new-tokens", type=int, default=128)
     w.add_argument("--chain", type=int, default=4)
     w.add_argument("--threads", type=int, default=2)
+    lv = sub.add_parser("levels", help="a feature-level draft's held-out top-1 per tree level")
+    lv.add_argument("drafts", type=Path, nargs="+", help="draft directories")
+    lv.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    lv.add_argument("--levels", type=int, default=4)
+    lv.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.cmd == "build":
         build(args)
@@ -351,6 +393,8 @@ def main() -> None:
         kinds_cmd(args)
     elif args.cmd == "winners":
         winners_cmd(args)
+    elif args.cmd == "levels":
+        levels_cmd(args)
     else:
         evaluate_cmd(args)
 

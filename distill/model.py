@@ -102,6 +102,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def own_features(inputs: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """Pair i reads the feature predicted at pair i-1 (pair 0 keeps the target's): [B, T, F]."""
+    return torch.cat([inputs[:, :1], predicted[:, :-1].to(inputs.dtype)], dim=1)
+
+
+def _chain_mask(seq: int, level: int, device: torch.device) -> torch.Tensor:
+    """Which keys a query of pass `level` (0-based; level + 1 is the tree level) may see, over
+    the keys of passes 0..level laid side by side: [seq, (level + 1) * seq], True = visible.
+    Pair i sees pass 0 at pairs <= i - level (the committed context and its chain's root) and
+    pass l at pair i - level + l (its chain), as a draft's tree node level + 1 deep does."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    blocks = [j <= i - level] + [j == i - level + lv for lv in range(1, level + 1)]
+    return torch.cat(blocks, dim=1)
+
+
 class _Layer(nn.Module):
     def __init__(self, spec: DraftSpec) -> None:
         super().__init__()
@@ -215,29 +231,69 @@ class TrainableDraft(nn.Module):
         before each token) -> logits [B, T, N] (fp32) and output features [B, T, hidden] (the
         final norm's output, what the head reads: a feature-level draft's prediction of the
         target's feature at the token's position)."""
+        return self._forward(self._embed(input_ids), features, [[] for _ in self.layers])
+
+    def forward_levels(
+        self, input_ids: torch.Tensor, features: torch.Tensor, num_levels: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A feature-level draft's tree levels 1..num_levels at every pair, teacher-forced.
+
+        Level 1 is `forward_features` on the target's features. Level L at pair i is the node
+        L - 1 deep in a chain rooted at pair i - L + 1: it reads the feature level L - 1
+        predicted at pair i - 1 and attends, as when drafting, to the committed context (level
+        1's keys at pairs <= i - L + 1) and to its chain (level l's key at pair i - L + l).
+        Returns (logits [B, T, N], predicted features [B, T, hidden]) per level."""
+        x0 = self._embed(input_ids)
+        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
+        levels = []
+        inputs = features
+        for _ in range(num_levels):
+            logits, predicted = self._forward(x0, inputs, keys)
+            levels.append((logits, predicted))
+            inputs = own_features(features, predicted)
+        return levels
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_proj is None else self.embed_proj(x)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        features: torch.Tensor | None,
+        keys: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over the layers. `keys[layer]` holds the earlier levels' (k, v) [B, Hkv, T,
+        D] (see `forward_levels`); this pass's are appended, and with none before it the mask is
+        the causal one."""
         spec = self.spec
-        bsz, seq = input_ids.shape
+        bsz, seq = x.shape[:2]
         d = spec.head_dim
         cos = self.cos[:seq].to(self.norm.dtype)[None, None]
         sin = self.sin[:seq].to(self.norm.dtype)[None, None]
-        x = self.embed_tokens(input_ids)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
         if self.feature_fc is not None:
             assert features is not None, "a feature-level draft reads the target's features"
             x = self.feature_fc(torch.cat([x, features.to(x.dtype)], dim=-1))
-        for layer in self.layers:
+        level = len(keys[0]) if keys else 0
+        mask = None if level == 0 else _chain_mask(seq, level, x.device)
+        for layer, earlier in zip(self.layers, keys, strict=True):
             assert isinstance(layer, _Layer)
             h = _rms_norm(x, layer.input_norm, self.eps)
             q = layer.q_proj(h).view(bsz, seq, spec.num_heads, d).transpose(1, 2)
             k = layer.k_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
             v = layer.v_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            earlier.append((k, v))
+            k = torch.cat([kv[0] for kv in earlier], dim=2)
+            v = torch.cat([kv[1] for kv in earlier], dim=2)
             if spec.num_kv_heads != spec.num_heads:
                 rep = spec.num_heads // spec.num_kv_heads
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, seq, -1))
             h = _rms_norm(x, layer.post_attn_norm, self.eps)
             x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))

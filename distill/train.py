@@ -7,12 +7,18 @@ target's features and then (`feature_passes` - 1 more times) on the draft's own 
 in pass p, pair i reads the feature predicted at pair i-1 in pass p-1, so pass p sees what a
 draft's tree level p+1 sees at serving time (p predictions of its own in a row) and errors of its
 own features are trained against rather than met for the first time when drafting.
+
+What the deeper passes attend to (`level_context`): "chain" is what drafting sees (the committed
+context, computed from the target's features, and the node's own chain; `forward_levels`);
+"own" is every pair of the pass, each reading the draft's own prediction (the first recipe).
+Held-out agreement per level is always measured the drafting way.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import Literal
 
 import numpy as np
 import torch
@@ -20,12 +26,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from distill.data import TopKCache
-from distill.model import DraftSpec, TrainableDraft
+from distill.model import DraftSpec, TrainableDraft, own_features
 
 BATCH_TOKENS = 2048
 FEATURE_WEIGHT = 1.0  # the feature regression (smooth L1) beside the cross-entropy
 ANSWER_WEIGHT = 2.0  # positions inside the target's own answers count double
 FEATURE_PASSES = 2  # a feature-level draft's passes per batch: target's features, then its own
+LevelContext = Literal["chain", "own"]
+LEVEL_CONTEXT: LevelContext = "own"  # what its deeper passes attend to (module docstring)
 HELD_OUT_LEVELS = 4  # tree levels whose held-out agreement a feature-level draft reports
 WARMUP_STEPS = 30
 VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training
@@ -140,11 +148,6 @@ def distill_loss(
     return loss, acc
 
 
-def own_features(inputs: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
-    """Pair i reads the feature predicted at pair i-1 (pair 0 keeps the target's): [B, T, F]."""
-    return torch.cat([inputs[:, :1], predicted[:, :-1].to(inputs.dtype)], dim=1)
-
-
 def feature_loss(predicted: torch.Tensor, target: torch.Tensor, weight: torch.Tensor):
     """Smooth L1 between predicted and target features over the weighted (real) positions."""
     per_pos = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
@@ -153,7 +156,11 @@ def feature_loss(predicted: torch.Tensor, target: torch.Tensor, weight: torch.Te
 
 
 def draft_losses(
-    draft: TrainableDraft, batch: tuple[torch.Tensor, ...], *, feature_passes: int = FEATURE_PASSES
+    draft: TrainableDraft,
+    batch: tuple[torch.Tensor, ...],
+    *,
+    feature_passes: int = FEATURE_PASSES,
+    level_context: LevelContext = LEVEL_CONTEXT,
 ):
     """(loss, top-1 agreement) of one batch; a feature-level draft's loss sums its passes (the
     agreement is the first pass's, on the target's features)."""
@@ -161,16 +168,18 @@ def draft_losses(
         ids, tgt, prob, weight = batch
         return distill_loss(draft(ids), tgt, prob, weight)
     ids, tgt, prob, weight, feats, next_feats = batch
+    if level_context == "chain":
+        passes = draft.forward_levels(ids, feats, feature_passes)
+    else:
+        passes, inputs = [], feats
+        for _ in range(feature_passes):
+            passes.append(draft.forward_features(ids, inputs))
+            inputs = own_features(feats, passes[-1][1])
     loss = torch.zeros(())
-    acc = torch.zeros(())
-    inputs = feats
-    for p in range(feature_passes):
-        logits, predicted = draft.forward_features(ids, inputs)
-        ce, agree = distill_loss(logits, tgt, prob, weight)
+    for logits, predicted in passes:
+        ce, _ = distill_loss(logits, tgt, prob, weight)
         loss = loss + ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
-        if p == 0:
-            acc = agree
-        inputs = own_features(feats, predicted)
+    _, acc = distill_loss(passes[0][0], tgt, prob, weight)
     return loss, acc
 
 
@@ -181,16 +190,13 @@ def answer_agreement(
     """Top-1 agreement with the target on the answer positions of held-out target answers.
 
     `level` (feature-level drafts): 1 reads the target's features; level L reads the draft's own
-    predictions L - 1 deep, as a tree's level L does (see `draft_losses`)."""
+    predictions L - 1 deep and attends as a tree's level L does (`forward_levels`)."""
     agree = total = 0
     for seq_ids in batches:
         ids, tgt, prob, weight, *feature_inputs = builder(seq_ids)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if feature_inputs:
-                feats = inputs = feature_inputs[0]
-                for _ in range(level):
-                    logits, predicted = draft.forward_features(ids, inputs)
-                    inputs = own_features(feats, predicted)
+                logits = draft.forward_levels(ids, feature_inputs[0], level)[-1][0]
             else:
                 logits = draft(ids)
         # answer positions carry ANSWER_WEIGHT; the top-1 must be inside the draft's vocabulary
@@ -210,6 +216,7 @@ def train_draft(
     batch_tokens: int = BATCH_TOKENS,
     features: np.ndarray | None = None,
     feature_passes: int = FEATURE_PASSES,
+    level_context: LevelContext = LEVEL_CONTEXT,
 ) -> dict:
     """Fixed number of AdamW steps (warmup + cosine), bf16 autocast on CPU, keeping the weights
     with the best held-out agreement (checked every EVAL_INTERVAL steps); returns stats.
@@ -261,7 +268,9 @@ def train_draft(
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, acc = draft_losses(draft, batch, feature_passes=feature_passes)
+            loss, acc = draft_losses(
+                draft, batch, feature_passes=feature_passes, level_context=level_context
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -290,6 +299,7 @@ def train_draft(
     if spec.is_feature_level:
         levels = {
             "feature_passes": feature_passes,
+            "level_context": level_context,
             "held_out_top1_by_level": [
                 round(answer_agreement(draft, builder, validation, level=lv), 4)
                 for lv in range(1, HELD_OUT_LEVELS + 1)

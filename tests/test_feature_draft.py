@@ -307,3 +307,33 @@ def test_held_out_agreement_is_reported_per_tree_level(monkeypatch):
     assert abs((levels[0] + levels[1]) / 2 - stats["held_out_answer_top1"]) < 1e-3
     with pytest.raises(ValueError, match="feature_passes"):
         train.train_draft(draft, spec, cache, starts, seed=0, features=features, feature_passes=0)
+
+
+def test_each_level_attends_as_when_drafting():
+    """`forward_levels` at level L, pair i equals drafting a chain rooted at pair i - L + 1 step
+    by step: a causal forward over the committed pairs (the target's features) and the chain's
+    nodes, each node reading the feature its parent predicted."""
+    cache, features, vocab = running_sum_cache(num_sequences=2)
+    spec = DraftSpec("t-e", 16, 2, 2, 1, 32, None, vocab, train_steps=1, lr=1e-3, feature_size=16)
+    torch.manual_seed(0)
+    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64).eval()
+    gen = torch.Generator().manual_seed(1)
+    for p in draft.parameters():
+        if p.dim() == 2:
+            p.data.normal_(0.0, 0.2, generator=gen)
+    builder = train.BatchBuilder(cache, np.arange(vocab), np.zeros(2, np.int64), features)
+    ids, _, _, _, feats, _ = builder(np.arange(2))
+    feats = feats + 0.3 * torch.randn(feats.shape, generator=gen)  # not one-hot: all inputs matter
+    levels = draft.forward_levels(ids, feats, 4)
+    for level in range(1, 5):
+        for i in (level - 1, 9, ids.shape[1] - 1):
+            root = i - level + 1
+            inputs = feats[:1, : root + 1].clone()
+            for node in range(root + 1, i + 1):  # each node reads its parent's prediction
+                _, predicted = draft.forward_features(ids[:1, :node], inputs)
+                inputs = torch.cat([inputs, predicted[:, -1:]], dim=1)
+            logits, predicted = draft.forward_features(ids[:1, : i + 1], inputs)
+            torch.testing.assert_close(levels[level - 1][0][0, i], logits[0, -1])
+            torch.testing.assert_close(levels[level - 1][1][0, i], predicted[0, -1])
+    # deeper levels differ from the first: they do not read the target's features
+    assert not torch.allclose(levels[0][0], levels[2][0])
