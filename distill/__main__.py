@@ -24,7 +24,7 @@ import torch
 
 from distill import data
 from distill.evaluate import METHOD_KEYS
-from distill.model import DRAFT_SPECS, TrainableDraft, export_draft, load_trainable
+from distill.model import DRAFT_SPECS, DraftSpec, TrainableDraft, export_draft, load_trainable
 from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, train_draft
 from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
 
@@ -143,19 +143,29 @@ def build(args: argparse.Namespace) -> None:
             "seed": SEED + i,
             "distillation_data": summary,
             "training": stats,
-            "rebuild": "python -m distill build --out models/drafts"
-            + (
-                ""
-                if earlier is None
-                else f", then python -m distill build --drafts {name} --continue-from "
-                f"models/drafts --steps {spec.train_steps} --lr {spec.lr}"
-            ),
+            "rebuild": rebuild_command(args, name, spec, earlier),
         }
         out = export_draft(
             draft, args.out / name, bos_token_id=bos, eos_token_id=eos, metadata=meta
         )
         print(json.dumps({"exported": str(out), **stats}))
     print(json.dumps({"build_seconds": round(time.time() - started, 1)}))
+
+
+def rebuild_command(
+    args: argparse.Namespace, name: str, spec: DraftSpec, earlier: dict | None
+) -> str:
+    """How to make this draft again: the earlier draft's commands, then this build's."""
+    if earlier is None:
+        return "python -m distill build --out models/drafts"
+    command = (
+        f"python -m distill build --drafts {name} --continue-from models/drafts "
+        f"--steps {spec.train_steps} --lr {spec.lr}"
+    )
+    if spec.is_feature_level:
+        command += f" --feature-passes {args.feature_passes} --level-context {args.level_context}"
+    before = earlier.get("rebuild", "python -m distill build --out models/drafts")
+    return f"{before}, then {command}"
 
 
 def evaluate_cmd(args: argparse.Namespace) -> None:
