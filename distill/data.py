@@ -32,8 +32,8 @@ MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
 GEN_TOKENS = 128
 # How many prompts the target answers, and how many human-written documents, per kind.
-GEN_PROMPTS = {"chat": 4000, "code": 1200, "math": 819, "everyday": 273}
-DOCUMENTS = {"chat": 1000, "code": 150, "math": 150}
+GEN_PROMPTS = {"chat": 5500, "code": 1200, "math": 819, "everyday": 273}
+DOCUMENTS = {"chat": 3000, "code": 150, "math": 150}
 
 
 def data_tag() -> str:
@@ -54,7 +54,7 @@ def features_path(cache_dir: Path) -> Path:
 
 
 def load_features(cache_dir: Path) -> np.ndarray:
-    """The feature cache, memory-mapped (about 1.1 GB for the default recipe)."""
+    """The feature cache, memory-mapped (about 3.2 GB for the default recipe)."""
     return np.load(features_path(cache_dir), mmap_mode="r")
 
 

@@ -2,15 +2,16 @@
 
 A feature-level draft (`DraftSpec.feature_size`) also reads the target's cached features: its
 input at pair i is (token t[i+1], target feature f[i]) and it learns the target's distribution at
-position i+1 and, by regression, the feature f[i+1] itself. Each batch runs twice: once on the
-target's features and then (`feature_passes` - 1 more times) on the draft's own predicted ones:
+position i+1 and, by regression, the feature f[i+1] itself. Each batch runs `feature_passes`
+times: once on the target's features and then on the draft's own predicted ones:
 in pass p, pair i reads the feature predicted at pair i-1 in pass p-1, so pass p sees what a
 draft's tree level p+1 sees at serving time (p predictions of its own in a row) and errors of its
 own features are trained against rather than met for the first time when drafting.
 
 What the deeper passes attend to (`level_context`): "chain" is what drafting sees (the committed
 context, computed from the target's features, and the node's own chain; `forward_levels`);
-"own" is every pair of the pass, each reading the draft's own prediction (the first recipe).
+"own" is every pair of the pass, each reading the draft's own prediction (how the committed
+draft-e's first 4000 steps were trained, with two passes).
 Held-out agreement per level is always measured the drafting way.
 """
 
@@ -31,9 +32,9 @@ from distill.model import DraftSpec, TrainableDraft, own_features
 BATCH_TOKENS = 2048
 FEATURE_WEIGHT = 1.0  # the feature regression (smooth L1) beside the cross-entropy
 ANSWER_WEIGHT = 2.0  # positions inside the target's own answers count double
-FEATURE_PASSES = 2  # a feature-level draft's passes per batch: target's features, then its own
+FEATURE_PASSES = 3  # a feature-level draft's passes per batch: target's features, then its own
 LevelContext = Literal["chain", "own"]
-LEVEL_CONTEXT: LevelContext = "own"  # what its deeper passes attend to (module docstring)
+LEVEL_CONTEXT: LevelContext = "chain"  # what its deeper passes attend to (module docstring)
 HELD_OUT_LEVELS = 4  # tree levels whose held-out agreement a feature-level draft reports
 WARMUP_STEPS = 30
 VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training

@@ -210,7 +210,7 @@ def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
     monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
     monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
     cache, features, vocab = running_sum_cache()
-    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=300, lr=1e-2, feature_size=16)
+    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=600, lr=1e-2, feature_size=16)
     torch.manual_seed(0)
     draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
     gen = torch.Generator().manual_seed(0)
@@ -220,7 +220,9 @@ def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
     stats = train.train_draft(
         draft, spec, cache, np.zeros(cache.num_sequences, np.int64), seed=0, features=features
     )
-    assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the deeper level
+    assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the second level
+    # the deeper levels, reading the draft's own predicted features, follow the rule too
+    assert min(stats["held_out_top1_by_level"]) > 0.85
 
 
 def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory):
@@ -266,7 +268,8 @@ def test_a_draft_loaded_to_train_further_keeps_the_target_tensors_frozen(
 
 def test_each_training_pass_reads_the_predictions_of_the_pass_before():
     """Pass p reads, at pair i, the feature pass p-1 predicted at pair i-1: what tree level p+1
-    reads when drafting. The summed loss of three passes equals that chain computed by hand."""
+    reads when drafting. The summed loss of three passes equals that chain computed by hand,
+    with either context for the deeper passes."""
     cache, features, vocab = running_sum_cache(num_sequences=4)
     spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=1, lr=1e-3, feature_size=16)
     torch.manual_seed(0)
@@ -283,10 +286,20 @@ def test_each_training_pass_reads_the_predictions_of_the_pass_before():
             expected + ce + train.FEATURE_WEIGHT * train.feature_loss(predicted, next_feats, weight)
         )
         inputs = torch.cat([feats[:, :1], predicted[:, :-1]], dim=1)
-    loss, _ = train.draft_losses(draft, batch, feature_passes=3)
-    two, _ = train.draft_losses(draft, batch, feature_passes=2)
+    loss, _ = train.draft_losses(draft, batch, feature_passes=3, level_context="own")
+    two, _ = train.draft_losses(draft, batch, feature_passes=2, level_context="own")
     torch.testing.assert_close(loss, expected)
     assert loss > two  # the third pass adds its own term
+    # "chain": the same three passes, each attending as its tree level does when drafting
+    chained = torch.zeros(())
+    for logits, predicted in draft.forward_levels(ids, feats, 3):
+        ce, _ = train.distill_loss(logits, tgt, prob, weight)
+        chained = (
+            chained + ce + train.FEATURE_WEIGHT * train.feature_loss(predicted, next_feats, weight)
+        )
+    loss, _ = train.draft_losses(draft, batch, feature_passes=3, level_context="chain")
+    torch.testing.assert_close(loss, chained)
+    assert not torch.allclose(loss, expected)
 
 
 def test_held_out_agreement_is_reported_per_tree_level(monkeypatch):
