@@ -177,11 +177,12 @@ def draft_losses(
             passes.append(draft.forward_features(ids, inputs))
             inputs = own_features(feats, passes[-1][1])
     loss = torch.zeros(())
+    agreements = []
     for logits, predicted in passes:
-        ce, _ = distill_loss(logits, tgt, prob, weight)
+        ce, agree = distill_loss(logits, tgt, prob, weight)
         loss = loss + ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
-    _, acc = distill_loss(passes[0][0], tgt, prob, weight)
-    return loss, acc
+        agreements.append(agree)
+    return loss, agreements[0]
 
 
 @torch.inference_mode()
@@ -286,7 +287,7 @@ def train_draft(
             held_out = answer_agreement(draft, builder, validation)
             if spec.is_feature_level:  # the mean of the first and the second level
                 own = answer_agreement(draft, builder, validation, level=2)
-                bar.write(f"{spec.name} step {done}: held-out top-1 on own features {own:.4f}")
+                bar.write(f"{spec.name} step {done}: held-out top-1 at level 2 {own:.4f}")
                 held_out = (held_out + own) / 2
             draft.train()
             history.append((done, round(held_out, 4)))
