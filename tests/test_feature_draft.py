@@ -217,12 +217,17 @@ def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
     for p in draft.parameters():
         if p.dim() == 2:
             p.data.normal_(0.0, 0.1, generator=gen)
-    stats = train.train_draft(
-        draft, spec, cache, np.zeros(cache.num_sequences, np.int64), seed=0, features=features
-    )
+    starts = np.zeros(cache.num_sequences, np.int64)
+    stats = train.train_draft(draft, spec, cache, starts, seed=0, features=features)
     assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the second level
+    levels = stats["held_out_top1_by_level"]
+    assert stats["feature_passes"] == train.FEATURE_PASSES
+    assert len(levels) == train.HELD_OUT_LEVELS
+    assert abs((levels[0] + levels[1]) / 2 - stats["held_out_answer_top1"]) < 1e-3
     # the deeper levels, reading the draft's own predicted features, follow the rule too
-    assert min(stats["held_out_top1_by_level"]) > 0.85
+    assert min(levels) > 0.85
+    with pytest.raises(ValueError, match="feature_passes"):
+        train.train_draft(draft, spec, cache, starts, seed=0, features=features, feature_passes=0)
 
 
 def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory):
@@ -300,26 +305,6 @@ def test_each_training_pass_reads_the_predictions_of_the_pass_before():
     loss, _ = train.draft_losses(draft, batch, feature_passes=3, level_context="chain")
     torch.testing.assert_close(loss, chained)
     assert not torch.allclose(loss, expected)
-
-
-def test_held_out_agreement_is_reported_per_tree_level(monkeypatch):
-    monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
-    monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
-    cache, features, vocab = running_sum_cache()
-    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=100, lr=1e-2, feature_size=16)
-    torch.manual_seed(0)
-    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
-    starts = np.zeros(cache.num_sequences, np.int64)
-    stats = train.train_draft(
-        draft, spec, cache, starts, seed=0, features=features, feature_passes=3
-    )
-    levels = stats["held_out_top1_by_level"]
-    assert stats["feature_passes"] == 3 and len(levels) == train.HELD_OUT_LEVELS
-    assert all(0.0 <= a <= 1.0 for a in levels)
-    # the kept checkpoint's figure is the mean of the first two levels
-    assert abs((levels[0] + levels[1]) / 2 - stats["held_out_answer_top1"]) < 1e-3
-    with pytest.raises(ValueError, match="feature_passes"):
-        train.train_draft(draft, spec, cache, starts, seed=0, features=features, feature_passes=0)
 
 
 def test_each_level_attends_as_when_drafting():
