@@ -231,7 +231,7 @@ class TrainableDraft(nn.Module):
         before each token) -> logits [B, T, N] (fp32) and output features [B, T, hidden] (the
         final norm's output, what the head reads: a feature-level draft's prediction of the
         target's feature at the token's position)."""
-        return self._forward(self._embed(input_ids), features, [[] for _ in self.layers])
+        return self._forward(self._embed(input_ids), features, None)
 
     def forward_levels(
         self, input_ids: torch.Tensor, features: torch.Tensor, num_levels: int
@@ -261,11 +261,11 @@ class TrainableDraft(nn.Module):
         self,
         x: torch.Tensor,
         features: torch.Tensor | None,
-        keys: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over the layers. `keys[layer]` holds the earlier levels' (k, v) [B, Hkv, T,
-        D] (see `forward_levels`); this pass's are appended, and with none before it the mask is
-        the causal one."""
+        D] (see `forward_levels`) and this pass's are appended; with none before it (or no
+        `keys`: a plain forward) the mask is the causal one."""
         spec = self.spec
         bsz, seq = x.shape[:2]
         d = spec.head_dim
@@ -274,18 +274,20 @@ class TrainableDraft(nn.Module):
         if self.feature_fc is not None:
             assert features is not None, "a feature-level draft reads the target's features"
             x = self.feature_fc(torch.cat([x, features.to(x.dtype)], dim=-1))
-        level = len(keys[0]) if keys else 0
+        level = len(keys[0]) if keys is not None else 0
         mask = None if level == 0 else _chain_mask(seq, level, x.device)
-        for layer, earlier in zip(self.layers, keys, strict=True):
+        for i, layer in enumerate(self.layers):
             assert isinstance(layer, _Layer)
             h = _rms_norm(x, layer.input_norm, self.eps)
             q = layer.q_proj(h).view(bsz, seq, spec.num_heads, d).transpose(1, 2)
             k = layer.k_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
             v = layer.v_proj(h).view(bsz, seq, spec.num_kv_heads, d).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            earlier.append((k, v))
-            k = torch.cat([kv[0] for kv in earlier], dim=2)
-            v = torch.cat([kv[1] for kv in earlier], dim=2)
+            if keys is not None:
+                keys[i].append((k, v))
+            if level > 0:
+                k = torch.cat([kv[0] for kv in keys[i]], dim=2)
+                v = torch.cat([kv[1] for kv in keys[i]], dim=2)
             if spec.num_kv_heads != spec.num_heads:
                 rep = spec.num_heads // spec.num_kv_heads
                 k = k.repeat_interleave(rep, dim=1)
