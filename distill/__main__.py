@@ -64,8 +64,7 @@ def build(args: argparse.Namespace) -> None:
     t0 = time.time()
     cache = data.build_topk_cache(cache_dir, tdir)
     data_seconds = time.time() - t0
-    seqs = json.loads(data.sequences_path(cache_dir).read_text())
-    gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
+    gen_starts = data.load_gen_starts(cache_dir)
     fingerprint = tokenizer_fingerprint(tdir)
     eos, bos = int(fingerprint["eos_token_id"]), int(fingerprint["bos_token_id"])
     from safetensors.torch import load_file
@@ -240,7 +239,13 @@ def winners_cmd(args: argparse.Namespace) -> None:
 def levels_cmd(args: argparse.Namespace) -> None:
     """Feature-level drafts' held-out top-1 agreement with the target per tree level, on the
     current recipe's held-out target answers (the cache must have been built)."""
-    from distill.train import BatchBuilder, answer_agreement, make_batches, split_validation
+    from distill.train import (
+        BATCH_TOKENS,
+        BatchBuilder,
+        agreement_by_level,
+        make_batches,
+        split_validation,
+    )
 
     torch.set_num_threads(args.threads)
     if not data.features_path(args.cache).is_file():
@@ -249,20 +254,16 @@ def levels_cmd(args: argparse.Namespace) -> None:
             "build it with `python -m distill build --drafts draft-e` first"
         )
     cache = data.build_topk_cache(args.cache, target_dir())
-    seqs = json.loads(data.sequences_path(args.cache).read_text())
-    gen_starts = np.array([s["gen_start"] for s in seqs], dtype=np.int64)
+    gen_starts = data.load_gen_starts(args.cache)
     features = data.load_features(args.cache)
     _, validation_ids = split_validation(cache)
-    validation = make_batches(cache, 2048, validation_ids)
+    validation = make_batches(cache, BATCH_TOKENS, validation_ids)
     for path in args.drafts:
         draft = load_trainable(path, target_dir()).eval()
         if not draft.spec.is_feature_level:
             raise SystemExit(f"{path} is not a feature-level draft")
         builder = BatchBuilder(cache, draft.output_token_ids.numpy(), gen_starts, features)
-        levels = [
-            round(answer_agreement(draft, builder, validation, level=lv), 4)
-            for lv in range(1, args.levels + 1)
-        ]
+        levels = agreement_by_level(draft, builder, validation, args.levels)
         print(json.dumps({"draft": str(path), "held_out_top1_by_level": levels}), flush=True)
 
 

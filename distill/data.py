@@ -53,6 +53,12 @@ def features_path(cache_dir: Path) -> Path:
     return cache_dir / f"target_features-{data_tag()}.npy"
 
 
+def load_gen_starts(cache_dir: Path) -> np.ndarray:
+    """Where each cached sequence's target answer starts (0 for documents): [num_sequences]."""
+    seqs = json.loads(sequences_path(cache_dir).read_text())
+    return np.array([s["gen_start"] for s in seqs], dtype=np.int64)
+
+
 def load_features(cache_dir: Path) -> np.ndarray:
     """The feature cache, memory-mapped (about 3.2 GB for the default recipe)."""
     return np.load(features_path(cache_dir), mmap_mode="r")

@@ -208,6 +208,19 @@ def answer_agreement(
     return agree / max(1, total)
 
 
+def agreement_by_level(
+    draft: TrainableDraft,
+    builder: BatchBuilder,
+    batches: list[np.ndarray],
+    num_levels: int = HELD_OUT_LEVELS,
+) -> list[float]:
+    """`answer_agreement` at tree levels 1..num_levels (a feature-level draft), rounded."""
+    return [
+        round(answer_agreement(draft, builder, batches, level=lv), 4)
+        for lv in range(1, num_levels + 1)
+    ]
+
+
 def train_draft(
     draft: TrainableDraft,
     spec: DraftSpec,
@@ -302,10 +315,7 @@ def train_draft(
         levels = {
             "feature_passes": feature_passes,
             "level_context": level_context,
-            "held_out_top1_by_level": [
-                round(answer_agreement(draft, builder, validation, level=lv), 4)
-                for lv in range(1, HELD_OUT_LEVELS + 1)
-            ],
+            "held_out_top1_by_level": agreement_by_level(draft, builder, validation),
         }
     return {
         "steps": spec.train_steps,
