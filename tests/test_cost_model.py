@@ -160,6 +160,17 @@ def test_fingerprint_depends_on_shapes_only(tiny_target_dir: Path, tiny_draft_di
     )
     for draft in (REPO / "models" / "drafts").glob("draft-*"):
         assert fingerprint_of(read_config(draft)) == fingerprint_of_checkpoint(draft)
+    # draft-e has draft-m's layer shapes but also projects the target's features at every token:
+    # it must not be priced (nor kernel-planned) by draft-m's profile
+    drafts = REPO / "models" / "drafts"
+    assert fingerprint_of_checkpoint(drafts / "draft-e") != fingerprint_of_checkpoint(
+        drafts / "draft-m"
+    )
+    # and the committed profiles, measured before the field existed, still match their drafts
+    for name in ("draft-s", "draft-m", "draft-l"):
+        for path in (REPO / "profiles").glob("SmolLM2-*.json"):
+            stored = CostProfile.load(path).drafts[name].key.fingerprint
+            assert stored == fingerprint_of_checkpoint(drafts / name), path.name
 
 
 def test_cost_model_imports_no_torch():

@@ -60,7 +60,8 @@ ARCHITECTURE_FIELDS = (
 
 # ---- keys ----------------------------------------------------------------------------------------
 def architecture_fingerprint(cfg: Any) -> str:
-    """A 12-hex-digit hash of the architecture fields that decide cost (`ARCHITECTURE_FIELDS`).
+    """A 12-hex-digit hash of the architecture fields that decide cost (`ARCHITECTURE_FIELDS`,
+    and a feature-level draft's `feature_size`).
 
     `cfg` is anything with those attributes (a `shared.model.config.ModelConfig`) or a mapping of
     them; weights, context length, tokens ids and names do not enter it.
@@ -70,6 +71,11 @@ def architecture_fingerprint(cfg: Any) -> str:
         return cfg[name] if isinstance(cfg, Mapping) else getattr(cfg, name)
 
     fields = {name: get(name) for name in ARCHITECTURE_FIELDS}
+    # A feature-level draft also projects the target's features at every token; the field enters
+    # only where it is set, so that the fingerprints of every other model stay what they were.
+    feature_size = cfg.get("feature_size") if isinstance(cfg, Mapping) else cfg.feature_size
+    if feature_size:
+        fields["feature_size"] = feature_size
     if fields["num_output_tokens"] in (None, fields["vocab_size"]):
         fields["num_output_tokens"] = fields["vocab_size"]
     fields["has_qkv_bias"] = bool(fields["has_qkv_bias"])
@@ -94,6 +100,7 @@ def fingerprint_of_checkpoint(path: str | Path) -> str:
             "vocab_size": cfg["vocab_size"],
             "num_output_tokens": cfg.get("augury_num_output_tokens"),
             "embedding_rank": cfg.get("augury_embedding_rank"),
+            "feature_size": cfg.get("augury_feature_size"),
             "has_qkv_bias": bool(cfg.get("attention_bias", False)) or "Qwen2ForCausalLM" in archs,
         }
     )
