@@ -3,7 +3,8 @@
 One process, same prompts, same models, batch 1, greedy:
   (a) transformers `generate`                    (the baseline, ratio 1.00)
   (b) our plain decoding                          (no draft)
-  (c) our speculative decoding, each draft x each method (chain and tree)
+  (c) our speculative decoding, each draft x each method (chain and tree; `defaults`: the
+      default tree sized every step by the goodput planner, as `augury generate` runs)
   (d) transformers assisted generation (`assistant_model`) with the same draft (token-level
       drafts only: transformers has no assistant that reads the target's features)
   (e) with `--merge A B`: our speculative decoding drafting with A, each step's tree merged
@@ -33,10 +34,12 @@ from bench.prompts import chat_ids
 from shared.datasets import EVAL_KINDS, eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
+from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
+from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
@@ -57,6 +60,9 @@ METHODS = {
     ),
     "chain8-p0.3": DraftMethod("chain", k=8, min_path_prob=0.3),
 }
+# the defaults of `augury generate`: DEFAULT_METHOD as the upper bound, sized every step by the
+# goodput planner from this machine's cost profile (loaded or measured as the CLI does)
+DEFAULTS = "defaults"
 KINDS = ("chat", "code", "math")
 KV_BYTES = 64 << 20
 
@@ -108,7 +114,9 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--drafts", nargs="+", default=["draft-s", "draft-m", "draft-l"])
-    ap.add_argument("--methods", nargs="+", default=["chain4", "tree16"], choices=list(METHODS))
+    ap.add_argument(
+        "--methods", nargs="+", default=["chain4", "tree16"], choices=[*METHODS, DEFAULTS]
+    )
     ap.add_argument("--no-assisted", action="store_true", help="skip (d)")
     ap.add_argument(
         "--merge", nargs=2, metavar=("A", "B"), help="(e): draft with A, merge B's trees in"
@@ -178,11 +186,19 @@ def main() -> None:
         if args.plan_kernels:
             draft.plan_kernels()
         for method_name in args.methods:
+            verifier = Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES))
+            drafter = Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES), name=name)
+            cost = None
+            if method_name == DEFAULTS:
+                cost = load_or_measure(
+                    verifier.runner, {name: drafter.runner}, target_name=tdir.name
+                )
             engine = SpecEngine(
-                Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
-                Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES)),
-                METHODS[method_name],
+                verifier,
+                drafter,
+                METHODS.get(method_name, DEFAULT_METHOD),
                 eos_token_ids=[eos],
+                cost=cost,
             )
             configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
         if not args.no_assisted and not draft.cfg.feature_size:
