@@ -7,8 +7,8 @@ hundred keys). Here a forward's metadata is turned once into a plan per request,
 layer reuses:
 
 - the request's KV is a view of the paged cache when its blocks are consecutive (the allocator
-  hands them out in ascending order, so a request that had the pool to itself gets a view),
-  else an index for `index_select`;
+  keeps each request's blocks in one run where it can, `shared/model/kv_cache.py`), else an
+  index for `index_select`;
 - its mask is built once: for fp32, additive (0 or -inf) and already laid out for the grouped
   query rows, or None when the request has a single new token (which sees its whole context).
 
@@ -46,8 +46,9 @@ class CpuTreeAttention:
     """One per model runner; callable as an `AttentionFn`. It remembers the plan of the last
     forward's metadata (by identity: the runner builds new metadata for every forward)."""
 
-    def __init__(self, max_scores: int = 1 << 22) -> None:
+    def __init__(self, max_scores: int = 1 << 22, *, reads_views: bool = True) -> None:
         self.max_scores = max_scores
+        self.reads_views = reads_views  # False: gather every request (to measure what views save)
         self._meta: AttentionMetadata | None = None
         self._plans: list[_RequestPlan] = []
 
@@ -69,6 +70,7 @@ class CpuTreeAttention:
                 group=group,
                 dtype=q.dtype,
                 max_scores=self.max_scores,
+                reads_views=self.reads_views,
             )
             self._meta = meta
         out = torch.empty_like(q)
@@ -96,6 +98,7 @@ def plan_requests(
     group: int,
     dtype: torch.dtype = torch.float32,
     max_scores: int = 1 << 22,
+    reads_views: bool = True,
 ) -> list[_RequestPlan]:
     """What every layer of one forward needs per request, computed once."""
     plans: list[_RequestPlan] = []
@@ -104,7 +107,7 @@ def plan_requests(
         num_blocks = (num_kv + block_size - 1) // block_size
         table = meta.block_tables[r, :num_blocks].tolist()
         first = table[0] if table else 0
-        is_consecutive = table == list(range(first, first + num_blocks))
+        is_consecutive = reads_views and table == list(range(first, first + num_blocks))
         is_matmul = (
             dtype == torch.float32 and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
         )

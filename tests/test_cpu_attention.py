@@ -138,6 +138,11 @@ def test_consecutive_blocks_are_viewed_not_gathered() -> None:
     shuffled = batch([RequestSpec(40, chain(3))])
     [plan] = plan_requests(shuffled.meta, block_size=16, num_kv_heads=3, group=3)
     assert plan.first_block is None and plan.blocks is not None
+    # gathering what could be viewed (as the CPU attention benchmark does to measure views)
+    # reads the same KV
+    gathering = CpuTreeAttention(reads_views=False)
+    torch.testing.assert_close(run(b, gathering), run(b), rtol=0, atol=0)
+    assert all(p.blocks is not None for p in gathering._plans)
 
 
 def test_sdpa_requests_keep_only_the_compact_mask() -> None:

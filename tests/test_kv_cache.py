@@ -108,20 +108,63 @@ def test_preemption_under_memory_pressure_keeps_outputs(tiny_target_dir, tiny_dr
     assert run(tight_blocks * per_block) == roomy
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 40), max_size=60))
-def test_block_allocator_never_double_allocates(sizes):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.booleans(), st.integers(0, 7)), max_size=60))
+def test_block_allocator_never_double_allocates(ops):
+    """Growth in place or placed, frees in any order: no block is handed out twice, every free
+    block can be handed out, and a refused allocation changes nothing."""
     alloc = BlockAllocator(64)
     owned: list[list[int]] = []
-    for n in sizes:
+    for n, grows, which in ops:
+        target = owned[which % len(owned)] if grows and owned else None
+        free_before = alloc.num_free
         try:
-            owned.append(alloc.allocate(n))
+            blocks = alloc.allocate(n, after=target[-1] if target else None)
         except OutOfKVMemoryError:
+            assert alloc.num_free == free_before and n > free_before
             if owned:
-                alloc.free(owned.pop(0))
+                alloc.free(owned.pop(which % len(owned)))
+        else:
+            assert len(blocks) == n
+            if target is not None:
+                target.extend(blocks)
+            else:
+                owned.append(blocks)
         flat = [b for blocks in owned for b in blocks]
         assert len(flat) == len(set(flat))
         assert len(flat) + alloc.num_free == 64
+    rest = alloc.allocate(alloc.num_free)  # fragmented or not, all of it
+    assert sorted(rest + [b for blocks in owned for b in blocks]) == list(range(64))
+    with pytest.raises(ValueError, match="already free"):
+        alloc.free([0, 0])
+    alloc.free([0])
+    with pytest.raises(ValueError, match="already free"):
+        alloc.free([0])
+    assert alloc.num_free == 1
+
+
+def test_concurrent_requests_keep_consecutive_blocks(tiny_target_dir, tiny_draft_dir):
+    """Requests that decode side by side, each growing a block at a time in turn, still hold
+    consecutive blocks in the target's and the drafter's caches (each a view, not a gather, in
+    CPU attention): a growing request continues in place, a new one starts in the middle of the
+    largest free run. Handing out the lowest free block instead interleaves them."""
+    target = ModelRunner(load_model(tiny_target_dir), block_size=4, kv_memory_bytes=1 << 20)
+    draft = ModelRunner(load_model(tiny_draft_dir), block_size=4, kv_memory_bytes=1 << 20)
+    engine = SpecEngine(Verifier(target), Drafter(draft), DraftMethod("chain", k=3))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    rids = [engine.add_request([i + 3] * (5 + 3 * i), params) for i in range(6)]
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        for runner in (target, draft):
+            for rid in rids:
+                if not runner.has_request(rid) or not runner.cache.blocks(rid):
+                    continue
+                blocks = runner.cache.blocks(rid)
+                assert blocks == list(range(blocks[0], blocks[0] + len(blocks))), (rid, blocks)
+                checked += 1
+    assert checked > 100
+    assert max(len(r.output) for r in engine.requests.values()) == 40
 
 
 def test_a_request_alone_keeps_consecutive_blocks(tiny_target_dir):

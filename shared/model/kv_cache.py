@@ -17,29 +17,71 @@ from shared.model.config import ModelConfig
 
 
 class BlockAllocator:
+    """Hands out cache blocks so that each request's blocks stay consecutive where it can.
+
+    A consecutive run of blocks is one view of the cache; anything else is a gather in every
+    layer of every forward (CPU attention, `kernels/cpu_tree_attention.py`). So:
+
+    - a request that grows takes the blocks right after its last one while they are free;
+    - a request's first blocks (and the rest of a growth that ran into another request) go to the
+      largest free run: at its start when nothing precedes it, else at its middle, which leaves
+      the request before the run room to grow into;
+    - when no free run is long enough, any free blocks, lowest first.
+
+    Placement never costs capacity: every free block can be handed out.
+    """
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """`n` blocks (all or nothing), continuing after block `after` where those are free."""
+        if n > self._num_free:
             raise OutOfKVMemoryError(
-                f"KV cache exhausted: need {n} more blocks, {len(self._free)} of "
+                f"KV cache exhausted: need {n} more blocks, {self._num_free} of "
                 f"{self.num_blocks} free"
             )
-        # The free list is a stack with the next block on top. Blocks leave it in ascending order
-        # and freed ones go back so that they leave again in the same order: a request's blocks
-        # are then often consecutive (a view of the cache, not a gather, in CPU attention).
-        taken = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
+        taken: list[int] = []
+        if after is not None:
+            block = after + 1
+            while len(taken) < n and block < self.num_blocks and self._is_free[block]:
+                taken.append(block)
+                block += 1
+            self._is_free[taken] = False
+        if len(taken) < n:
+            placed = self._place(n - len(taken))
+            self._is_free[placed] = False
+            taken += placed
+        self._num_free -= n
         return taken
 
+    def _place(self, n: int) -> list[int]:
+        padded = np.concatenate(([False], self._is_free, [False]))
+        edges = np.flatnonzero(padded[1:] != padded[:-1])  # run starts and ends, alternating
+        starts, ends = edges[0::2], edges[1::2]
+        if len(starts) == 0:
+            return []
+        longest = int(np.argmax(ends - starts))
+        start, length = int(starts[longest]), int(ends[longest] - starts[longest])
+        if length < n:
+            return np.flatnonzero(self._is_free)[:n].tolist()
+        if start > 0:  # the run follows a held block: leave its owner half the room
+            start += (length - n) // 2
+        return list(range(start, start + n))
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        if not blocks:
+            return
+        if len(set(blocks)) < len(blocks) or self._is_free[blocks].any():
+            raise ValueError(f"freeing blocks that are already free: {blocks}")
+        self._is_free[blocks] = True
+        self._num_free += len(blocks)
 
 
 @dataclass
@@ -109,7 +151,7 @@ class PagedKVCache:
         blocks = self._blocks[request_id]
         missing = self.num_blocks_for(num_tokens) - len(blocks)
         if missing > 0:
-            blocks.extend(self.allocator.allocate(missing))
+            blocks.extend(self.allocator.allocate(missing, after=blocks[-1] if blocks else None))
 
     def shrink(self, request_id: str, num_tokens: int) -> None:
         """Free the request's blocks past what `num_tokens` tokens need."""
