@@ -24,7 +24,7 @@ import torch
 
 from shared.model import LlamaModel, load_model
 from shared.model.loader import read_config
-from shared.model.model_set import DRAFT_NAMES, draft_dirs, target_dir
+from shared.model.model_set import ALL_DRAFT_NAMES, DRAFT_NAMES, all_draft_dirs, target_dir
 from shared.model.profiling import measure_profile, profile_key
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
@@ -122,7 +122,7 @@ def main() -> None:
     max_tokens = args.max_tokens or (512 if args.device == "cuda" else 64)
 
     tdir = args.target or target_dir()
-    named = draft_dirs() if any(d in DRAFT_NAMES for d in args.drafts) else {}
+    named = all_draft_dirs() if any(d in ALL_DRAFT_NAMES for d in args.drafts) else {}
     ddirs = {Path(d).name: named.get(d, Path(d)) for d in args.drafts}
 
     def build(path: Path) -> ModelRunner:
