@@ -168,9 +168,9 @@ def test_concurrent_requests_keep_consecutive_blocks(tiny_target_dir, tiny_draft
 
 
 def test_a_request_alone_keeps_consecutive_blocks(tiny_target_dir):
-    """Blocks leave the allocator in ascending order and come back so that they leave again
-    the same way: a request that grows, drops a tree and grows again, or that follows a
-    finished one, holds consecutive blocks (CPU attention reads them as a view)."""
+    """A request that grows, drops a tree and grows again keeps growing in place, and one that
+    follows a finished request starts at the first block: consecutive blocks either way (CPU
+    attention reads them as a view)."""
     model = load_model(tiny_target_dir)
     runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20)
     cache = runner.cache

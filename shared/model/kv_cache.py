@@ -64,9 +64,7 @@ class BlockAllocator:
     def _place(self, n: int) -> list[int]:
         padded = np.concatenate(([False], self._is_free, [False]))
         edges = np.flatnonzero(padded[1:] != padded[:-1])  # run starts and ends, alternating
-        starts, ends = edges[0::2], edges[1::2]
-        if len(starts) == 0:
-            return []
+        starts, ends = edges[0::2], edges[1::2]  # at least one run: n <= the free blocks
         longest = int(np.argmax(ends - starts))
         start, length = int(starts[longest]), int(ends[longest] - starts[longest])
         if length < n:
