@@ -42,6 +42,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
         p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
         p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+        p.add_argument(
+            "--planner",
+            choices=("goodput", "fixed"),
+            default="goodput",
+            help="fixed: every step drafts the whole tree (on a CPU profile the goodput planner "
+            "finds no draft worth verifying at these batch sizes)",
+        )
         p.add_argument("--out", type=Path, default=OUT)
 
     common(sub.add_parser("fig11", help="goodput of each draft chooser per workload"), 8)
@@ -189,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         lbss=LbssSettings(alpha=args.alpha, beta=args.beta),
+        planner=args.planner,
     )
     started = time.monotonic()
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -233,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "copies": args.copies,
         "lbss": {"alpha": args.alpha, "beta": args.beta},
+        "planner": args.planner,
         "seconds": round(time.monotonic() - started, 1),
         "results": [
             {

@@ -60,6 +60,7 @@ class Setup:
     max_tokens: int = 128
     lbss: LbssSettings = field(default_factory=LbssSettings)
     seed: int = 0
+    planner: str = "goodput"  # "fixed": every step drafts the whole tree (as the real runs do)
 
 
 def workload(
@@ -103,6 +104,7 @@ def simulate(
         oracle=dict(oracle or {}),
         shared_device=False,
         fast_switching=run.fast_switching,
+        planner=setup.planner,
     )
     simulator = Simulator(config, setup.cost, setup.acceptance)
     records = simulator.run(requests)

@@ -396,7 +396,7 @@ def record(
     from shared.engine.spec_engine import EngineConfig, SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
-    from shared.model.model_set import draft_dirs, target_dir
+    from shared.model.model_set import all_draft_dirs, target_dir
     from shared.model.runner import ModelRunner
 
     tdir = target_dir()
@@ -421,7 +421,7 @@ def record(
 
     for kind, draft, i in tqdm(jobs, desc="recording acceptance", unit="prompt"):
         if draft not in engines:
-            ddir = draft_dirs()[draft]
+            ddir = all_draft_dirs()[draft]
             runner = ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=64 << 20)
             engines[draft] = SpecEngine(
                 verifier,
@@ -448,7 +448,7 @@ def record(
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.datasets import KINDS
     from shared.engine.presets import DEFAULT_DRAFT
-    from shared.model.model_set import DRAFT_NAMES
+    from shared.model.model_set import ALL_DRAFT_NAMES
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.sim.acceptance",
@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="file to write (.json or .json.gz)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument(
-        "--drafts", nargs="+", default=[DEFAULT_DRAFT], choices=DRAFT_NAMES, help="draft models"
+        "--drafts", nargs="+", default=[DEFAULT_DRAFT], choices=ALL_DRAFT_NAMES, help="draft models"
     )
     parser.add_argument("--per-kind", type=int, default=8, help="prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
