@@ -74,6 +74,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
+    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
+    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -270,6 +272,8 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         planner=args.planner,
         timeout_s=args.timeout_s,
         out_dir=args.out,
+        alpha=args.alpha,
+        beta=args.beta,
     )
     command = command_line(argv).strip()
     result = {"command": command, "seconds": round(time.monotonic() - started, 1)} | result

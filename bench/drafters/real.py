@@ -53,7 +53,9 @@ def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
     return runs
 
 
-def run_env(run: RealRun, batch_size: int, planner: str) -> dict[str, str]:
+def run_env(
+    run: RealRun, batch_size: int, planner: str, alpha: int = 8, beta: int = 2
+) -> dict[str, str]:
     import json
 
     from shared.model.model_set import draft_dirs
@@ -64,6 +66,8 @@ def run_env(run: RealRun, batch_size: int, planner: str) -> dict[str, str]:
         "AUGURY_SCHEDULER__FAST_SWITCHING": str(run.fast_switching).lower(),
         "AUGURY_SCHEDULER__MAX_RUNNING_REQUESTS": str(batch_size),
         "AUGURY_SCHEDULER__SPECULATION__PLANNER": planner,
+        "AUGURY_SCHEDULER__LBSS__ALPHA": str(alpha),
+        "AUGURY_SCHEDULER__LBSS__BETA": str(beta),
         "AUGURY_MODELS__DRAFTS": json.dumps([{"name": d, "dir": str(dirs[d])} for d in run.drafts]),
     }
 
@@ -87,13 +91,15 @@ def real(
     planner: str,
     timeout_s: float,
     out_dir: Path,
+    alpha: int = 8,
+    beta: int = 2,
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     from bench.load.report import write_report
 
     rows: dict[str, Any] = {}
     for run in real_runs(drafts, choosers):
-        env = run_env(run, batch_size, planner)
+        env = run_env(run, batch_size, planner, alpha, beta)
         with running(run.label, env, draft=run.drafts, timeout_s=timeout_s, logs=LOGS) as services:
             served = replay_and_read(run.label, services, trace, timeout_s, strict=False)
         records = served.records
@@ -109,7 +115,13 @@ def real(
             "settled": settled(records),
         }
         say(f"{run.label}: {rows[run.label]['goodput_tok_s']:.1f} tok/s")
-    return {"requests": len(trace), "batch_size": batch_size, "planner": planner, "runs": rows}
+    return {
+        "requests": len(trace),
+        "batch_size": batch_size,
+        "planner": planner,
+        "lbss": {"alpha": alpha, "beta": beta},
+        "runs": rows,
+    }
 
 
 def heldout_trace(num_requests: int, max_tokens: int, seed: int) -> list[TraceRequest]:
