@@ -24,7 +24,7 @@ import torch
 
 from shared.model import LlamaModel, load_model
 from shared.model.loader import read_config
-from shared.model.model_set import ALL_DRAFT_NAMES, DRAFT_NAMES, all_draft_dirs, target_dir
+from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
 from shared.model.profiling import measure_profile, profile_key
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
@@ -95,7 +95,9 @@ def table(profile: CostProfile) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, help="target checkpoint (default: SmolLM2-135M)")
-    ap.add_argument("--drafts", nargs="*", default=list(DRAFT_NAMES), help="names or directories")
+    ap.add_argument(
+        "--drafts", nargs="*", default=list(ALL_DRAFT_NAMES), help="names or directories"
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
