@@ -189,6 +189,14 @@ async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_sto
                 assert active.poll() is None, log_tail(active)
                 assert time.monotonic() < deadline, "the scheduler or the drafter never started"
                 await asyncio.sleep(0.1)
+            # and until the scheduler itself drafts (it reads the drafters' heartbeats on its own
+            # schedule): a request it finishes before it sees the drafter has no drafts
+            warmups = 0
+            while not any(o.drafts for o in client.outcomes.values()):
+                assert time.monotonic() < deadline, "the scheduler never drafted"
+                await client.submit(f"warm{warmups}", prompts[0], SamplingParams(max_tokens=8))
+                await client.wait([f"warm{warmups}"], timeout_s=60)
+                warmups += 1
             holder = await client.bus.redis.get(lease)
             standby = launch("scheduler", env=env)
             processes.append(standby)
