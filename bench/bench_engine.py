@@ -196,7 +196,7 @@ def main() -> None:
             engine = SpecEngine(
                 verifier,
                 drafter,
-                METHODS.get(method_name, DEFAULT_METHOD),
+                DEFAULT_METHOD if method_name == DEFAULTS else METHODS[method_name],
                 eos_token_ids=[eos],
                 cost=cost,
             )
