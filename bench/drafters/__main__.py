@@ -29,6 +29,11 @@ PROFILE = (
 RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
 
 
+def lbss_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
+    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.drafters", description=__doc__)
     sub = parser.add_subparsers(dest="experiment", required=True)
@@ -40,8 +45,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
         p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
         p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
-        p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
-        p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+        lbss_options(p)
         p.add_argument(
             "--planner",
             choices=("goodput", "fixed"),
@@ -74,8 +78,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
-    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
-    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+    lbss_options(p)
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
