@@ -240,7 +240,8 @@ class Drafter:
         self, t: _Growing, logq: torch.Tensor, width: int, min_path_logprob: float
     ) -> list[int]:
         """AdaServe: the w children with the highest path probability among all w x |V|."""
-        path = torch.tensor([t.path_lp[n] for n in t.frontier], dtype=torch.float64)
+        path_lps = [t.path_lp[n] for n in t.frontier]
+        path = torch.tensor(path_lps, dtype=torch.float64, device=logq.device)
         scores = (logq + path[:, None]).flatten()
         top = scores.topk(min(width, scores.numel()))
         num_out = logq.shape[1]

@@ -90,7 +90,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from one distribution [V] with a uniform u in [0, 1)."""
     cdf = probs.cumsum(-1)
-    target = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)
+    target = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
     idx = int(torch.searchsorted(cdf, target, right=True))
     # guard against round-off at the top end, and never return a zero-probability token
     idx = min(idx, probs.shape[-1] - 1)
