@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from shared.model import LlamaModel, load_model
+from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from shared.model.loader import read_config
 from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
 from shared.model.profiling import measure_profile, profile_key
@@ -113,6 +114,13 @@ def main() -> None:
         help="on a CPU, measure plain F.linear instead of the measured per-shape kernel plan "
         "(the plan is stored in the profile and applied by whoever loads it)",
     )
+    ap.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=DEFAULT_GRAPH_TOKENS,
+        help="on CUDA, forwards of up to this many tokens replay CUDA graphs, as the services "
+        "run them (0: every forward eager)",
+    )
     ap.add_argument("--notes", default="", help="free text stored in the profile")
     ap.add_argument("--out", type=Path, help="default: profiles/<model>-<device>-<dtype>-t<n>")
     args = ap.parse_args()
@@ -135,7 +143,9 @@ def main() -> None:
         if args.device == "cpu" and not args.no_kernel_plan:
             model.plan_kernels()
         kv = kv_bytes_for(model, dtype, args.contexts, max_tokens, args.max_requests)
-        return ModelRunner(model, kv_memory_bytes=kv)
+        return ModelRunner(
+            model, kv_memory_bytes=kv, cuda_graph_max_tokens=args.cuda_graph_max_tokens
+        )
 
     target = build(tdir)
     drafts = {name: build(path) for name, path in ddirs.items()}
@@ -147,6 +157,7 @@ def main() -> None:
                 f"measured {when} on {platform.node()} by python -m bench.profile",
                 f"torch {torch.__version__}",
                 "random weights" if args.random_weights else "",
+                f"CUDA graphs up to {target.graphs.max_tokens} tokens" if target.graphs else "",
                 args.notes,
             ],
         )

@@ -26,6 +26,16 @@ def num_mask_words(max_tree_len: int) -> int:
     return max(1, (max_tree_len + MASK_WORD_BITS - 1) // MASK_WORD_BITS)
 
 
+@dataclass(frozen=True)
+class FixedLaunch:
+    """A tree-attention launch fixed in advance, for a CUDA graph that replays one launch for
+    any batch that fits: the Triton kernel's work table (`kernels.triton_tree_attention`) with a
+    fixed number of rows, the rows past the batch's work no-ops, and no prefix decomposition."""
+
+    block_m: int  # tile rows (query tokens times the padded GQA group)
+    items: torch.Tensor  # [max_items, NUM_WORK_FIELDS] int32, on the device
+
+
 @dataclass
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # [R+1] int32, cumulative query counts
@@ -38,6 +48,9 @@ class AttentionMetadata:
     query_start_host: list[int]
     prefix_lens_host: list[int]
     tree_lens_host: list[int]
+    # Set by a CUDA-graph forward: the Triton kernel launches this instead of planning the batch
+    # (the host lists above then describe the batch captured, not the one replayed).
+    fixed_launch: FixedLaunch | None = None
 
     @property
     def num_requests(self) -> int:

@@ -28,11 +28,12 @@ import os
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_metadata import MASK_WORD_BITS, AttentionMetadata
+from kernels.attention_metadata import MASK_WORD_BITS, AttentionMetadata, FixedLaunch
 
 LOG2E = 1.4426950408889634
 MIN_KV_CHUNK = 256  # shorter chunks cost more in the merge than they win in parallelism
@@ -375,8 +376,36 @@ def _prefix_chunks(prefix_len: int, kv_chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + kv_chunk, prefix_len)) for lo in range(0, prefix_len, kv_chunk)]
 
 
+def fixed_block_m(max_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """Tile rows of a fixed launch for forwards of up to `max_tokens` tokens, whatever their
+    split over requests: up to 16 query tokens a tile (a request's queries read its KV once per
+    tile; a tile of one request's single query wastes rows, not memory traffic)."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_q = min(triton.next_power_of_2(max_tokens), max(1, 64 // group_pad))
+    return max(16, group_pad, block_q * group_pad)
+
+
+def fixed_work_items(meta: AttentionMetadata, block_m: int, num_heads: int, num_kv_heads: int):
+    """The work table of a fixed launch for this batch (host lists only): [num_items,
+    NUM_WORK_FIELDS] int32, at most one row per query token. Rows past it are zeros: a tile of
+    no queries and no keys, which writes nothing."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    cfg = LaunchConfig(num_heads // num_kv_heads, group_pad, block_m, DEFAULT_BLOCK_N, 0)
+    items, _, _ = _work_items(meta, cfg)
+    return np.asarray(items, dtype=np.int32).reshape(-1, NUM_WORK_FIELDS)
+
+
 def build_work_plan(meta: AttentionMetadata, cfg: LaunchConfig, device: torch.device) -> WorkPlan:
     """Decompose the batch into (query tile, KV chunk) work items and the merges they need."""
+    items, merges, part_rows = _work_items(meta, cfg)
+    item_t = torch.tensor(items, dtype=torch.int32).reshape(-1, NUM_WORK_FIELDS)
+    merge_t = torch.tensor(merges, dtype=torch.int32).reshape(-1, 4)
+    return WorkPlan(item_t.to(device), merge_t.to(device), part_rows)
+
+
+def _work_items(
+    meta: AttentionMetadata, cfg: LaunchConfig
+) -> tuple[list[list[int]], list[list[int]], int]:
     items: list[list[int]] = []
     merges: list[list[int]] = []
     part_rows = 0
@@ -403,9 +432,7 @@ def build_work_plan(meta: AttentionMetadata, cfg: LaunchConfig, device: torch.de
         if split:
             merges.extend([q_start + i, part_rows + i, len(chunks), n] for i in range(n))
             part_rows += len(chunks) * n
-    item_t = torch.tensor(items, dtype=torch.int32).reshape(-1, NUM_WORK_FIELDS)
-    merge_t = torch.tensor(merges, dtype=torch.int32).reshape(-1, 4)
-    return WorkPlan(item_t.to(device), merge_t.to(device), part_rows)
+    return items, merges, part_rows
 
 
 # The model calls attention once per layer with the same metadata: plan once per forward.
@@ -420,6 +447,15 @@ def _cached_plan(meta: AttentionMetadata, cfg: LaunchConfig, device: torch.devic
     plan = build_work_plan(meta, cfg, device)
     _plan_cache[:] = [(weakref.ref(meta), cfg, plan)]
     return plan
+
+
+def _fixed_plan(
+    fixed: FixedLaunch, num_heads: int, num_kv_heads: int
+) -> tuple[LaunchConfig, WorkPlan]:
+    group = num_heads // num_kv_heads
+    cfg = LaunchConfig(group, triton.next_power_of_2(group), fixed.block_m, DEFAULT_BLOCK_N, 0)
+    no_merges = torch.empty(0, 4, dtype=torch.int32, device=fixed.items.device)
+    return cfg, WorkPlan(fixed.items, no_merges, 0)
 
 
 def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
@@ -445,8 +481,13 @@ def tree_attention_triton(
     if num_tokens == 0:
         return out
     _check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
-    cfg = launch_config(meta, num_heads, num_kv_heads, q.device, block_n=block_n, kv_chunk=kv_chunk)
-    plan = _cached_plan(meta, cfg, q.device)
+    if meta.fixed_launch is not None:
+        cfg, plan = _fixed_plan(meta.fixed_launch, num_heads, num_kv_heads)
+    else:
+        cfg = launch_config(
+            meta, num_heads, num_kv_heads, q.device, block_n=block_n, kv_chunk=kv_chunk
+        )
+        plan = _cached_plan(meta, cfg, q.device)
     part_o = torch.empty(
         plan.num_partial_rows, num_heads, head_dim, dtype=torch.float32, device=q.device
     )

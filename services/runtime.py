@@ -79,9 +79,14 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
     model = load_model(
         path, dtype=getattr(torch, settings.dtype), device=settings.device, target_path=target
     )
-    return ModelRunner(
-        model, block_size=settings.block_size, kv_memory_bytes=settings.kv_memory_bytes
+    runner = ModelRunner(
+        model,
+        block_size=settings.block_size,
+        kv_memory_bytes=settings.kv_memory_bytes,
+        cuda_graph_max_tokens=settings.cuda_graph_max_tokens,
     )
+    runner.capture_graphs()  # on CUDA: now, not on the first requests
+    return runner
 
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:

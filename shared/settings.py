@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     SecretStr,
     ValidationError,
     field_validator,
@@ -122,6 +123,9 @@ class EngineSettings(_Group):
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
     plan_kernels: bool = True
+    # On CUDA, forwards of up to this many tokens replay CUDA graphs recorded at start (an eager
+    # forward waits on the host's kernel launches); 0: every forward eager.
+    cuda_graph_max_tokens: NonNegativeInt = 512
 
 
 class SpeculationSettings(_Group):

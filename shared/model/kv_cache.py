@@ -108,7 +108,10 @@ class PagedKVCache:
         memory_bytes: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_block: bool = False,
     ) -> None:
+        """`scratch_block`: one more block past the allocator's, owned by no request (padded
+        tokens of a CUDA-graph forward write their KV there); `scratch_slot` is its first slot."""
         per_block = block_bytes(cfg, block_size, dtype)
         num_blocks = memory_bytes // per_block
         if num_blocks < 1:
@@ -116,7 +119,9 @@ class PagedKVCache:
                 f"KV memory budget of {memory_bytes} bytes is below one block ({per_block} bytes)"
             )
         self.block_size = block_size
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.scratch_slot = num_blocks * block_size if scratch_block else None
+        total_blocks = num_blocks + int(scratch_block)
+        shape = (cfg.num_layers, total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)

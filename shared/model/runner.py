@@ -19,6 +19,7 @@ from kernels.attention_metadata import AttentionMetadata, num_mask_words
 from kernels.cpu_tree_attention import CpuTreeAttention
 from kernels.reference import commit_kv_reference
 from shared.errors import ContextLengthError, InvalidRequestError
+from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS, GraphedForward, PackedBatch
 from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
 
@@ -58,6 +59,16 @@ class ForwardOutput:
     features: torch.Tensor  # [rows asked by `ForwardItem.feature_rows`, hidden]
 
 
+@dataclass(frozen=True)
+class _OutputRows:
+    """Packed rows whose logits and output features a forward returns, and how many per item."""
+
+    logits: list[int]
+    logit_counts: list[int]
+    features: list[int]
+    feature_counts: list[int]
+
+
 @dataclass
 class _Sequence:
     num_cached: int = 0  # committed tokens whose KV is in the cache
@@ -94,6 +105,10 @@ def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
     return CpuTreeAttention(), commit_kv_reference
 
 
+def is_triton_attention(attention: AttentionFn) -> bool:
+    return getattr(attention, "__name__", "") == "tree_attention_triton"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -102,21 +117,64 @@ class ModelRunner:
         block_size: int = 16,
         kv_memory_bytes: int = 256 << 20,
         attention: AttentionFn | None = None,
+        cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS,
+        record_graphs: bool = True,
     ) -> None:
+        """`cuda_graph_max_tokens`: on CUDA with the Triton attention, forwards of up to this
+        many tokens replay CUDA graphs (`shared.model.cuda_graphs`); 0 runs every forward
+        eagerly. `record_graphs=False` runs those forwards through the graphs' padded static
+        buffers without recording them, on any device with the Triton attention (interpreted
+        on a CPU): the graphs' inputs can then be checked where no GPU is."""
         self.model = model
         self.cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        default_attention, self._commit_kv = select_attention(self.device)
+        self.attention = attention or default_attention
+        use_graphs = (
+            cuda_graph_max_tokens > 0
+            and is_triton_attention(self.attention)
+            and (self.device.type == "cuda" or not record_graphs)
+        )
         self.cache = PagedKVCache(
             self.cfg,
             block_size=block_size,
             memory_bytes=kv_memory_bytes,
             dtype=self.dtype,
             device=self.device,
+            scratch_block=use_graphs,
         )
-        default_attention, self._commit_kv = select_attention(self.device)
-        self.attention = attention or default_attention
+        self.graphs = (
+            self._graphed_forward(cuda_graph_max_tokens, capture=record_graphs)
+            if use_graphs
+            else None
+        )
         self._seqs: dict[str, _Sequence] = {}
+
+    def _graphed_forward(self, max_tokens: int, *, capture: bool) -> GraphedForward:
+        cache = self.cache
+        if cache.scratch_slot is None:
+            raise ValueError("a graphed forward needs a KV cache with a scratch block")
+        context_blocks = cache.num_blocks_for(self.max_context)
+        return GraphedForward(
+            self.model,
+            cache.k,
+            cache.v,
+            self.attention,
+            scratch_slot=cache.scratch_slot,
+            max_blocks_per_request=min(cache.num_blocks, context_blocks),
+            max_tokens=max_tokens,
+            capture=capture,
+        )
+
+    def capture_graphs(self) -> int:
+        """Record the CUDA graphs of every token count now (else each on first use); returns how
+        many there are (0 without graphs)."""
+        if self.graphs is None or not self.graphs.is_capturing:
+            return 0
+        with torch.inference_mode():
+            self.graphs.capture_all()
+        return self.graphs.num_graphs
 
     # ---- request lifecycle -------------------------------------------------------------------
     @property
@@ -182,6 +240,10 @@ class ModelRunner:
     def forward_full(self, items: Sequence[ForwardItem]) -> list[ForwardOutput]:
         """One packed forward; each item's logits and, where asked, output features."""
         seqs = [self._seqs[item.request_id] for item in items]
+        if self.cfg.feature_size:
+            missing = [item.request_id for item in items if item.features is None]
+            if missing:
+                raise InvalidRequestError(f"feature-level model: no features for {missing[0]}")
         plans = []
         for item, seq in zip(items, seqs, strict=True):
             self._validate(item, seq)
@@ -201,6 +263,35 @@ class ModelRunner:
         for item, seq, (base, _) in zip(items, seqs, plans, strict=True):
             self.cache.reserve(item.request_id, seq.num_cached + base + len(item.tokens))
 
+        batch, rows = self._pack(items, seqs, plans)
+        hidden = self._hidden_states(batch)
+        logit_rows, row_counts = rows.logits, rows.logit_counts
+        feature_rows, feature_counts = rows.features, rows.feature_counts
+        features = hidden.new_empty(0, hidden.shape[1])
+        if feature_rows:
+            features = self.model.output_features(hidden[feature_rows])
+        if not logit_rows:
+            logits = hidden.new_empty(0, 0)
+        elif logit_rows == feature_rows:  # a verified tree: the head reads the same features
+            logits = self.model.head_logits(features)
+        else:
+            logits = self.model.logits(hidden[logit_rows])
+        per_item_logits = logits.split(row_counts) if logit_rows else [logits] * len(items)
+        per_item_features = (
+            features.split(feature_counts) if feature_rows else [features] * len(items)
+        )
+        return [
+            ForwardOutput(lg, ft) for lg, ft in zip(per_item_logits, per_item_features, strict=True)
+        ]
+
+    def _pack(
+        self,
+        items: Sequence[ForwardItem],
+        seqs: list[_Sequence],
+        plans: list[tuple[int, list[int]]],
+    ) -> tuple[PackedBatch, _OutputRows]:
+        """Lay the items out as one packed batch (their nodes join each request's tree region)
+        and say which rows each item wants logits and features of."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[np.ndarray] = []
@@ -232,58 +323,54 @@ class ModelRunner:
             feature_rows.extend(chosen)
             feature_counts.append(len(chosen))
 
-        dev = self.device
         tree_lens = [len(seq.parents) for seq in seqs]
-        prefix_lens = [seq.num_cached for seq in seqs]
         max_blocks = max(len(self.cache.blocks(item.request_id)) for item in items)
         table = np.full((len(items), max_blocks), -1, dtype=np.int32)
         for r, item in enumerate(items):
             blocks = self.cache.blocks(item.request_id)
             table[r, : len(blocks)] = blocks
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
-            tree_lens=torch.tensor(tree_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            tree_mask=torch.from_numpy(mask_words(new_masks, num_mask_words(max(tree_lens)))).to(
-                dev
-            ),
-            query_start_host=query_start,
-            prefix_lens_host=prefix_lens,
-            tree_lens_host=tree_lens,
-        )
-        input_features = None
+        features = None
         if self.cfg.feature_size:
-            missing = [item.request_id for item in items if item.features is None]
-            if missing:
-                raise InvalidRequestError(f"feature-level model: no features for {missing[0]}")
-            input_features = torch.cat([item.features for item in items]).to(dev)
-        hidden = self.model.hidden_states(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            features = torch.cat([item.features for item in items if item.features is not None])
+        batch = PackedBatch(
+            tokens=tokens,
+            positions=positions,
+            slots=np.concatenate(slots),
+            tree_mask=mask_words(new_masks, num_mask_words(max(tree_lens))),
+            query_start=query_start,
+            prefix_lens=[seq.num_cached for seq in seqs],
+            tree_lens=tree_lens,
+            block_table=table,
+            features=features,
+        )
+        return batch, _OutputRows(logit_rows, row_counts, feature_rows, feature_counts)
+
+    def _hidden_states(self, batch: PackedBatch) -> torch.Tensor:
+        """[T, hidden]: a CUDA graph's replay when the batch fits one, else the eager forward."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.hidden_states(batch)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(batch.query_start, dtype=torch.int32, device=dev),
+            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int32, device=dev),
+            tree_lens=torch.tensor(batch.tree_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(batch.block_table).to(dev),
+            slot_mapping=torch.from_numpy(batch.slots).to(dev),
+            tree_mask=torch.from_numpy(batch.tree_mask).to(dev),
+            query_start_host=batch.query_start,
+            prefix_lens_host=batch.prefix_lens,
+            tree_lens_host=batch.tree_lens,
+        )
+        features = None if batch.features is None else batch.features.to(dev)
+        return self.model.hidden_states(
+            torch.tensor(batch.tokens, dtype=torch.long, device=dev),
+            torch.tensor(batch.positions, dtype=torch.long, device=dev),
             meta,
             self.cache.k,
             self.cache.v,
             self.attention,
-            input_features,
+            features,
         )
-        features = hidden.new_empty(0, hidden.shape[1])
-        if feature_rows:
-            features = self.model.output_features(hidden[feature_rows])
-        if not logit_rows:
-            logits = hidden.new_empty(0, 0)
-        elif logit_rows == feature_rows:  # a verified tree: the head reads the same features
-            logits = self.model.head_logits(features)
-        else:
-            logits = self.model.logits(hidden[logit_rows])
-        per_item_logits = logits.split(row_counts) if logit_rows else [logits] * len(items)
-        per_item_features = (
-            features.split(feature_counts) if feature_rows else [features] * len(items)
-        )
-        return [
-            ForwardOutput(lg, ft) for lg, ft in zip(per_item_logits, per_item_features, strict=True)
-        ]
 
     # ---- after the forward --------------------------------------------------------------------
     def commit(self, paths: Mapping[str, Sequence[int]]) -> None:
