@@ -213,7 +213,7 @@ def bench_attention_case(
 # ---- verifier step latency ----------------------------------------------------------------------
 
 
-def llama7b_runner(num_layers: int, kv_tokens: int):  # noqa: ANN201 (a shared.model.runner.ModelRunner)
+def llama7b_runner(num_layers: int, kv_tokens: int, graph_tokens: int):  # noqa: ANN201 (a ModelRunner)
     from shared.model.config import ModelConfig
     from shared.model.llama import LlamaModel
     from shared.model.runner import ModelRunner
@@ -231,16 +231,27 @@ def llama7b_runner(num_layers: int, kv_tokens: int):  # noqa: ANN201 (a shared.m
         torch.set_default_dtype(torch.float32)
     model.init_rope(torch.device("cuda"))
     per_token = 2 * num_layers * KV_HEADS * HEAD_DIM * 2
-    return ModelRunner(model, block_size=BLOCK_SIZE, kv_memory_bytes=kv_tokens * per_token)
+    return ModelRunner(
+        model,
+        block_size=BLOCK_SIZE,
+        kv_memory_bytes=kv_tokens * per_token,
+        cuda_graph_max_tokens=graph_tokens,
+    )
 
 
 def bench_step_latency(
-    token_counts: list[int], num_requests: int, prefix: int, num_layers: int, repeats: int
+    token_counts: list[int],
+    num_requests: int,
+    prefix: int,
+    num_layers: int,
+    repeats: int,
+    graph_tokens: int,
 ) -> list[tuple[int, float]]:
     from shared.model.runner import ForwardItem
 
     max_tree = -(-max(token_counts) // num_requests)
-    runner = llama7b_runner(num_layers, num_requests * (prefix + max_tree + BLOCK_SIZE))
+    kv_tokens = num_requests * (prefix + max_tree + BLOCK_SIZE)
+    runner = llama7b_runner(num_layers, kv_tokens, graph_tokens)
     rng = random.Random(0)
     rids = [f"r{i}" for i in range(num_requests)]
     for rid in rids:
@@ -311,6 +322,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--step-tokens", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048]
     )
+    p.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=512,
+        help="the step's forwards of up to this many tokens replay CUDA graphs (0: eager)",
+    )
     p.add_argument("--budget-slack", type=float, default=0.2)
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
@@ -346,12 +363,18 @@ def main() -> None:
     }
     if not args.skip_step:
         latencies = bench_step_latency(
-            args.step_tokens, args.step_requests, args.step_prefix, args.step_layers, repeats=5
+            args.step_tokens,
+            args.step_requests,
+            args.step_prefix,
+            args.step_layers,
+            repeats=5,
+            graph_tokens=args.cuda_graph_max_tokens,
         )
         budget = hardware_budget(latencies, args.budget_slack)
         print(
             f"\n## verifier step, {args.step_layers} layers, {args.step_requests} requests x "
-            f"prefix {args.step_prefix}\n\n| tokens per forward | step ms |\n|---|---|"
+            f"prefix {args.step_prefix}, CUDA graphs up to {args.cuda_graph_max_tokens} tokens"
+            "\n\n| tokens per forward | step ms |\n|---|---|"
         )
         for n, ms in latencies:
             print(f"| {n} | {ms:.2f} |")

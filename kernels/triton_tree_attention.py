@@ -385,6 +385,16 @@ def fixed_block_m(max_tokens: int, num_heads: int, num_kv_heads: int) -> int:
     return max(16, group_pad, block_q * group_pad)
 
 
+def fixed_work_rows(
+    max_tokens: int, max_requests: int, block_m: int, num_heads: int, num_kv_heads: int
+) -> int:
+    """Rows a fixed launch's work table needs for any batch of up to `max_tokens` tokens over up
+    to `max_requests` requests: each request's tiles, at most ceil(tokens / tile) plus one per
+    request (every spare row is still a program per KV head, so the table is kept short)."""
+    block_q = block_m // triton.next_power_of_2(num_heads // num_kv_heads)
+    return min(max_tokens, -(-max_tokens // block_q) + max_requests)
+
+
 def fixed_work_items(meta: AttentionMetadata, block_m: int, num_heads: int, num_kv_heads: int):
     """The work table of a fixed launch for this batch (host lists only): [num_items,
     NUM_WORK_FIELDS] int32, at most one row per query token. Rows past it are zeros: a tile of

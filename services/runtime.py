@@ -84,6 +84,7 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
         block_size=settings.block_size,
         kv_memory_bytes=settings.kv_memory_bytes,
         cuda_graph_max_tokens=settings.cuda_graph_max_tokens,
+        cuda_graph_max_requests=settings.cuda_graph_max_requests,
     )
     runner.capture_graphs()  # on CUDA: now, not on the first requests
     return runner

@@ -123,9 +123,11 @@ class EngineSettings(_Group):
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
     plan_kernels: bool = True
-    # On CUDA, forwards of up to this many tokens replay CUDA graphs recorded at start (an eager
-    # forward waits on the host's kernel launches); 0: every forward eager.
+    # On CUDA, forwards of up to this many tokens over up to that many requests replay CUDA
+    # graphs recorded at start (an eager forward waits on the host's kernel launches); 0 tokens:
+    # every forward eager.
     cuda_graph_max_tokens: NonNegativeInt = 512
+    cuda_graph_max_requests: PositiveInt = 64
 
 
 class SpeculationSettings(_Group):

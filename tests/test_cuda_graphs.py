@@ -25,6 +25,7 @@ from kernels.synthetic import RequestSpec, chain, make_paged_batch, random_tree 
 from kernels.triton_tree_attention import (  # noqa: E402
     fixed_block_m,
     fixed_work_items,
+    fixed_work_rows,
     tree_attention_triton,
 )
 from shared.engine.drafting import Drafter  # noqa: E402
@@ -56,8 +57,8 @@ def test_buckets_cover_every_token_count_with_little_padding() -> None:
     assert graph_buckets(1) == [1]
 
 
-@pytest.mark.parametrize("num_rows", [None, 64])
-def test_fixed_launch_matches_the_reference(num_rows: int | None) -> None:
+@pytest.mark.parametrize("max_requests", [None, 8, 64])
+def test_fixed_launch_matches_the_reference(max_requests: int | None) -> None:
     """The fixed work table (one tile per 16 queries, rows past the batch all zeros) computes
     the same attention as the reference, drafter-style cached tree nodes included."""
     rng = random.Random(3)
@@ -72,11 +73,11 @@ def test_fixed_launch_matches_the_reference(num_rows: int | None) -> None:
         specs, num_heads=6, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32,
         device=DEVICE, seed=1,
     )  # fmt: skip
-    num_tokens = b.q.shape[0]
-    n = num_rows or num_tokens
-    block_m = fixed_block_m(n, 6, 2)
+    num_tokens = b.q.shape[0]  # 64, over 5 requests
+    block_m = fixed_block_m(num_tokens, 6, 2)
     rows = fixed_work_items(b.meta, block_m, 6, 2)
-    assert len(rows) <= num_tokens
+    n = len(rows) if max_requests is None else fixed_work_rows(128, max_requests, block_m, 6, 2)
+    assert len(rows) <= n
     items = np.zeros((n, rows.shape[1]), dtype=np.int32)
     items[: len(rows)] = rows
     b.meta.fixed_launch = FixedLaunch(block_m, torch.from_numpy(items).to(DEVICE))
@@ -85,6 +86,27 @@ def test_fixed_launch_matches_the_reference(num_rows: int | None) -> None:
     b.meta.fixed_launch = None
     want = tree_attention_reference(b.q, b.k_cache, b.v_cache, b.meta, scale)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_work_rows_hold_every_batch_that_fits() -> None:
+    """However a bucket's tokens split over up to `max_requests` requests, the batch's tiles fit
+    the fixed table, which stays far shorter than a row per token at large buckets."""
+    rng = random.Random(0)
+    for heads in ((6, 2), (32, 32), (9, 3)):
+        for n, max_requests in ((1, 64), (16, 4), (512, 64), (1024, 64)):
+            block_m = fixed_block_m(n, *heads)
+            cap = fixed_work_rows(n, max_requests, block_m, *heads)
+            for _ in range(20):
+                num = rng.randint(1, min(n, max_requests))
+                cuts = sorted(rng.sample(range(1, n), num - 1)) if num > 1 else []
+                lens = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+                specs = [RequestSpec(rng.randrange(0, 50), chain(k)) for k in lens]
+                b = make_paged_batch(
+                    specs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=16,
+                    block_size=16, dtype=torch.float32, device=torch.device("cpu"), seed=0,
+                )  # fmt: skip
+                assert len(fixed_work_items(b.meta, block_m, *heads)) <= cap
+        assert fixed_work_rows(1024, 64, fixed_block_m(1024, *heads), *heads) <= 1024 // 8 + 64
 
 
 def test_the_scratch_block_is_never_handed_out(tiny_target_dir: Path) -> None:
@@ -135,17 +157,23 @@ def committed_kv(runner: ModelRunner) -> list[torch.Tensor]:
     return [t for rid in ("a", "b", "c") for t in runner.cache.gather(rid, runner.num_cached(rid))]
 
 
-def test_static_buffer_forward_equals_eager(tiny_target_dir: Path) -> None:
-    """Padded static buffers (buckets of up to 16 tokens; the 20-token forward falls back to
-    eager) give the eager forward's logits and leave every request's committed KV as eager
-    leaves it: padded tokens write only the scratch block."""
+@pytest.mark.parametrize(
+    ("max_requests", "expected"), [(64, [15, 8, 3, 3, 3]), (2, [3, 3])], ids=["64", "2"]
+)
+def test_static_buffer_forward_equals_eager(
+    tiny_target_dir: Path, max_requests: int, expected: list[int]
+) -> None:
+    """Padded static buffers (buckets of up to 16 tokens; the 20-token forward, and with a limit
+    of 2 requests the forwards of 3, fall back to eager) give the eager forward's logits and
+    leave every request's committed KV as eager leaves it: padded tokens write only the scratch
+    block."""
     model = load_model(tiny_target_dir, device=DEVICE)
     eager = ModelRunner(
         model, block_size=4, kv_memory_bytes=1 << 20, attention=tree_attention_reference
     )
     static = ModelRunner(
         model, block_size=4, kv_memory_bytes=1 << 20, attention=tree_attention_triton,
-        cuda_graph_max_tokens=16, record_graphs=False,
+        cuda_graph_max_tokens=16, cuda_graph_max_requests=max_requests, record_graphs=False,
     )  # fmt: skip
     assert eager.graphs is None and static.graphs is not None
     assert static.graphs.buckets == [1, 2, 4, 8, 12, 16]
@@ -158,7 +186,7 @@ def test_static_buffer_forward_equals_eager(tiny_target_dir: Path) -> None:
 
     static.graphs.hidden_states = counting  # type: ignore[method-assign]
     want, got = forward_sequence(eager), forward_sequence(static)
-    assert graphed == [15, 8, 3, 3, 3]  # padded to 16, 8, 4; the 20-token forward ran eagerly
+    assert graphed == expected  # padded to 16, 8 and 4 tokens; the others ran eagerly
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     for a, b in zip(committed_kv(eager), committed_kv(static), strict=True):

@@ -11,10 +11,14 @@ goes through static buffers:
 - the batch's T tokens are padded to the next bucket n (1, 2, 4, 8, 12, 16, 24, ...); padded
   tokens write their KV to a scratch slot no request owns, and no attention work reads them;
 - tree attention runs as a fixed launch (`kernels.attention_metadata.FixedLaunch`): a work table
-  of n rows, the rows past the batch's work no-ops; long prefixes are not decomposed over
-  programs (Spin's request decomposition is eager-only);
+  of ⌈n / tile⌉ + `max_requests` rows (what any batch of up to n tokens over up to
+  `max_requests` requests needs), the rows past the batch's work no-ops; each no-op row is still
+  a program per KV head, which cost 30-70 ns each on an H200, so the table is kept that short
+  rather than one row per token; long prefixes are not decomposed over programs (Spin's
+  request decomposition is eager-only);
 - the block tables have a fixed width (the model's context in blocks) and the tree masks a fixed
-  number of words; a batch wider than either runs eagerly.
+  number of words; a batch wider than either, or of more than `max_requests` requests, runs
+  eagerly.
 
 Each bucket is captured on first use (a warm-up forward, then the recording), all in one shared
 memory pool. The hidden states a replay returns are a view of the graph's output buffer, valid
@@ -33,6 +37,7 @@ from kernels.attention_metadata import AttentionMetadata, FixedLaunch
 from shared.model.llama import AttentionFn, LlamaModel
 
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_REQUESTS = 64  # the services' running-set limit
 MAX_TREE_WORDS = 8  # tree regions of up to 512 nodes
 
 
@@ -81,17 +86,21 @@ class GraphedForward:
         scratch_slot: int,
         max_blocks_per_request: int,
         max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
         capture: bool = True,
     ) -> None:
         """`capture=False` runs the same padded static-buffer forward eagerly (no graph), so
         everything but the recording can be checked on a machine without CUDA."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+        if max_tokens < 1 or max_requests < 1:
+            raise ValueError(
+                f"max_tokens and max_requests must be at least 1, not {max_tokens}, {max_requests}"
+            )
         # imported here: importing triton chooses its interpreter or a GPU for the process
         from kernels.triton_tree_attention import (
             NUM_WORK_FIELDS,
             fixed_block_m,
             fixed_work_items,
+            fixed_work_rows,
         )
 
         self._work_items = fixed_work_items
@@ -100,6 +109,7 @@ class GraphedForward:
         self.model, self.k_cache, self.v_cache, self.attention = model, k_cache, v_cache, attention
         self.scratch_slot = scratch_slot
         self.max_tokens = max_tokens
+        self.max_requests = max_requests
         self.max_blocks = max_blocks_per_request
         self.is_capturing = capture
         self.buckets = graph_buckets(max_tokens)
@@ -108,15 +118,22 @@ class GraphedForward:
         self._positions = torch.zeros(n, dtype=torch.long, device=device)
         self._slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         self._tree_mask = torch.zeros(n, words, dtype=torch.long, device=device)
-        # a forward has at most one request per token
-        self._block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self._items = torch.zeros(n, NUM_WORK_FIELDS, dtype=torch.int32, device=device)
+        self._block_tables = torch.zeros(
+            max_requests, self.max_blocks, dtype=torch.int32, device=device
+        )
+        self._block_m = {b: fixed_block_m(b, cfg.num_heads, cfg.num_kv_heads) for b in self.buckets}
+        heads = (cfg.num_heads, cfg.num_kv_heads)
+        self._rows = {
+            b: fixed_work_rows(b, max_requests, self._block_m[b], *heads) for b in self.buckets
+        }
+        self._items = torch.zeros(
+            max(self._rows.values()), NUM_WORK_FIELDS, dtype=torch.int32, device=device
+        )
         self._features = (
             torch.zeros(n, cfg.feature_size, dtype=k_cache.dtype, device=device)
             if cfg.feature_size
             else None
         )
-        self._block_m = {b: fixed_block_m(b, cfg.num_heads, cfg.num_kv_heads) for b in self.buckets}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -127,6 +144,7 @@ class GraphedForward:
     def fits(self, batch: PackedBatch) -> bool:
         return (
             batch.num_tokens <= self.max_tokens
+            and len(batch.prefix_lens) <= self.max_requests
             and batch.block_table.shape[1] <= self.max_blocks
             and batch.tree_mask.shape[1] <= MAX_TREE_WORDS
         )
@@ -190,9 +208,9 @@ class GraphedForward:
         rows = self._work_items(
             meta, self._block_m[n], self.model.cfg.num_heads, self.model.cfg.num_kv_heads
         )
-        padded = np.zeros((n, rows.shape[1]), dtype=np.int32)
-        padded[: len(rows)] = rows
-        put(self._items[:n], padded, torch.int32)
+        padded = np.zeros((self._rows[n], rows.shape[1]), dtype=np.int32)
+        padded[: len(rows)] = rows  # never more: at most ceil(t / tile) + one row per request
+        put(self._items[: self._rows[n]], padded, torch.int32)
         if self._features is not None:
             if batch.features is None:
                 raise ValueError("a feature-level model needs features")
@@ -215,7 +233,7 @@ class GraphedForward:
 
     def _forward(self, n: int, batch: PackedBatch) -> torch.Tensor:
         """The model over the first n rows of the static buffers."""
-        fixed = FixedLaunch(self._block_m[n], self._items[:n])
+        fixed = FixedLaunch(self._block_m[n], self._items[: self._rows[n]])
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(batch.query_start, dtype=torch.int32),
             prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int32),

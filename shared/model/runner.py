@@ -19,7 +19,12 @@ from kernels.attention_metadata import AttentionMetadata, num_mask_words
 from kernels.cpu_tree_attention import CpuTreeAttention
 from kernels.reference import commit_kv_reference
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS, GraphedForward, PackedBatch
+from shared.model.cuda_graphs import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_TOKENS,
+    GraphedForward,
+    PackedBatch,
+)
 from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
 
@@ -118,13 +123,15 @@ class ModelRunner:
         kv_memory_bytes: int = 256 << 20,
         attention: AttentionFn | None = None,
         cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS,
+        cuda_graph_max_requests: int = DEFAULT_MAX_REQUESTS,
         record_graphs: bool = True,
     ) -> None:
         """`cuda_graph_max_tokens`: on CUDA with the Triton attention, forwards of up to this
-        many tokens replay CUDA graphs (`shared.model.cuda_graphs`); 0 runs every forward
-        eagerly. `record_graphs=False` runs those forwards through the graphs' padded static
-        buffers without recording them, on any device with the Triton attention (interpreted
-        on a CPU): the graphs' inputs can then be checked where no GPU is."""
+        many tokens over up to `cuda_graph_max_requests` requests replay CUDA graphs
+        (`shared.model.cuda_graphs`); 0 runs every forward eagerly. `record_graphs=False` runs
+        those forwards through the graphs' padded static buffers without recording them, on any
+        device with the Triton attention (interpreted on a CPU): the graphs' inputs can then be
+        checked where no GPU is."""
         self.model = model
         self.cfg = model.cfg
         param = next(model.parameters())
@@ -145,13 +152,17 @@ class ModelRunner:
             scratch_block=use_graphs,
         )
         self.graphs = (
-            self._graphed_forward(cuda_graph_max_tokens, capture=record_graphs)
+            self._graphed_forward(
+                cuda_graph_max_tokens, cuda_graph_max_requests, capture=record_graphs
+            )
             if use_graphs
             else None
         )
         self._seqs: dict[str, _Sequence] = {}
 
-    def _graphed_forward(self, max_tokens: int, *, capture: bool) -> GraphedForward:
+    def _graphed_forward(
+        self, max_tokens: int, max_requests: int, *, capture: bool
+    ) -> GraphedForward:
         cache = self.cache
         if cache.scratch_slot is None:
             raise ValueError("a graphed forward needs a KV cache with a scratch block")
@@ -164,6 +175,7 @@ class ModelRunner:
             scratch_slot=cache.scratch_slot,
             max_blocks_per_request=min(cache.num_blocks, context_blocks),
             max_tokens=max_tokens,
+            max_requests=max_requests,
             capture=capture,
         )
 
