@@ -378,11 +378,19 @@ def _prefix_chunks(prefix_len: int, kv_chunk: int) -> list[tuple[int, int]]:
 
 def fixed_block_m(max_tokens: int, num_heads: int, num_kv_heads: int) -> int:
     """Tile rows of a fixed launch for forwards of up to `max_tokens` tokens, whatever their
-    split over requests: up to 16 query tokens a tile (a request's queries read its KV once per
-    tile; a tile of one request's single query wastes rows, not memory traffic)."""
+    split over requests: 64 rows, that is 64 / (the GQA group rounded up to a power of two) query
+    tokens a tile (16 with groups of 3-4, 64 without GQA), fewer for smaller forwards. A request's
+    queries read its KV once per tile; a tile of one request's single query wastes rows, not
+    memory traffic."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_q = min(triton.next_power_of_2(max_tokens), max(1, 64 // group_pad))
     return max(16, group_pad, block_q * group_pad)
+
+
+def fixed_launch_config(block_m: int, num_heads: int, num_kv_heads: int) -> LaunchConfig:
+    """The launch of a fixed work table: tiles of `block_m` rows, no prefix decomposition."""
+    group = num_heads // num_kv_heads
+    return LaunchConfig(group, triton.next_power_of_2(group), block_m, DEFAULT_BLOCK_N, 0)
 
 
 def fixed_work_rows(
@@ -391,16 +399,15 @@ def fixed_work_rows(
     """Rows a fixed launch's work table needs for any batch of up to `max_tokens` tokens over up
     to `max_requests` requests: each request's tiles, at most ceil(tokens / tile) plus one per
     request (every spare row is still a program per KV head, so the table is kept short)."""
-    block_q = block_m // triton.next_power_of_2(num_heads // num_kv_heads)
+    block_q = fixed_launch_config(block_m, num_heads, num_kv_heads).block_q
     return min(max_tokens, -(-max_tokens // block_q) + max_requests)
 
 
 def fixed_work_items(meta: AttentionMetadata, block_m: int, num_heads: int, num_kv_heads: int):
     """The work table of a fixed launch for this batch (host lists only): [num_items,
-    NUM_WORK_FIELDS] int32, at most one row per query token. Rows past it are zeros: a tile of
+    NUM_WORK_FIELDS] int32, at most `fixed_work_rows` rows. Rows past it are zeros: a tile of
     no queries and no keys, which writes nothing."""
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    cfg = LaunchConfig(num_heads // num_kv_heads, group_pad, block_m, DEFAULT_BLOCK_N, 0)
+    cfg = fixed_launch_config(block_m, num_heads, num_kv_heads)
     items, _, _ = _work_items(meta, cfg)
     return np.asarray(items, dtype=np.int32).reshape(-1, NUM_WORK_FIELDS)
 
@@ -462,8 +469,7 @@ def _cached_plan(meta: AttentionMetadata, cfg: LaunchConfig, device: torch.devic
 def _fixed_plan(
     fixed: FixedLaunch, num_heads: int, num_kv_heads: int
 ) -> tuple[LaunchConfig, WorkPlan]:
-    group = num_heads // num_kv_heads
-    cfg = LaunchConfig(group, triton.next_power_of_2(group), fixed.block_m, DEFAULT_BLOCK_N, 0)
+    cfg = fixed_launch_config(fixed.block_m, num_heads, num_kv_heads)
     no_merges = torch.empty(0, 4, dtype=torch.int32, device=fixed.items.device)
     return cfg, WorkPlan(fixed.items, no_merges, 0)
 

@@ -134,6 +134,8 @@ class GraphedForward:
             if cfg.feature_size
             else None
         )
+        # what a fixed launch does not read (it reads block tables, slots, masks, work rows)
+        self._unread = torch.empty(0, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -204,9 +206,11 @@ class GraphedForward:
         words = batch.tree_mask.shape[1]
         put(self._tree_mask[:t, :words], batch.tree_mask, torch.long)
         put(self._block_tables[:r, : batch.block_table.shape[1]], batch.block_table, torch.int32)
-        meta = self._host_meta(batch)
         rows = self._work_items(
-            meta, self._block_m[n], self.model.cfg.num_heads, self.model.cfg.num_kv_heads
+            self._metadata(batch, n),
+            self._block_m[n],
+            self.model.cfg.num_heads,
+            self.model.cfg.num_kv_heads,
         )
         padded = np.zeros((self._rows[n], rows.shape[1]), dtype=np.int32)
         padded[: len(rows)] = rows  # never more: at most ceil(t / tile) + one row per request
@@ -216,41 +220,28 @@ class GraphedForward:
                 raise ValueError("a feature-level model needs features")
             self._features[:t].copy_(batch.features.to(dev, self._features.dtype))
 
-    @staticmethod
-    def _host_meta(batch: PackedBatch) -> AttentionMetadata:
-        empty = torch.empty(0)
+    def _metadata(self, batch: PackedBatch, n: int) -> AttentionMetadata:
+        """The static buffers of bucket n as attention metadata, with the batch's host lists."""
         return AttentionMetadata(
-            query_start_loc=empty,
-            prefix_lens=empty,
-            tree_lens=empty,
-            block_tables=empty,
-            slot_mapping=empty,
-            tree_mask=empty,
-            query_start_host=batch.query_start,
-            prefix_lens_host=batch.prefix_lens,
-            tree_lens_host=batch.tree_lens,
-        )
-
-    def _forward(self, n: int, batch: PackedBatch) -> torch.Tensor:
-        """The model over the first n rows of the static buffers."""
-        fixed = FixedLaunch(self._block_m[n], self._items[: self._rows[n]])
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(batch.query_start, dtype=torch.int32),
-            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int32),
-            tree_lens=torch.tensor(batch.tree_lens, dtype=torch.int32),
+            query_start_loc=self._unread,
+            prefix_lens=self._unread,
+            tree_lens=self._unread,
             block_tables=self._block_tables,
             slot_mapping=self._slots[:n],
             tree_mask=self._tree_mask[:n],
             query_start_host=batch.query_start,
             prefix_lens_host=batch.prefix_lens,
             tree_lens_host=batch.tree_lens,
-            fixed_launch=fixed,
+            fixed_launch=FixedLaunch(self._block_m[n], self._items[: self._rows[n]]),
         )
+
+    def _forward(self, n: int, batch: PackedBatch) -> torch.Tensor:
+        """The model over the first n rows of the static buffers."""
         features = self._features[:n] if self._features is not None else None
         return self.model.hidden_states(
             self._tokens[:n],
             self._positions[:n],
-            meta,
+            self._metadata(batch, n),
             self.k_cache,
             self.v_cache,
             self.attention,

@@ -8,6 +8,7 @@ committed along its accepted path; a drafter's tree is discarded once the tree i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -111,7 +112,10 @@ def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
 
 
 def is_triton_attention(attention: AttentionFn) -> bool:
-    return getattr(attention, "__name__", "") == "tree_attention_triton"
+    """Whether `attention` is the Triton kernel (only it can be recorded in a CUDA graph); the
+    module is not imported for the question: if it is not loaded, `attention` is not from it."""
+    module = sys.modules.get("kernels.triton_tree_attention")
+    return module is not None and attention is module.tree_attention_triton
 
 
 class ModelRunner:
@@ -343,7 +347,7 @@ class ModelRunner:
             table[r, : len(blocks)] = blocks
         features = None
         if self.cfg.feature_size:
-            features = torch.cat([item.features for item in items if item.features is not None])
+            features = torch.cat([item.features for item in items])  # all present: checked
         batch = PackedBatch(
             tokens=tokens,
             positions=positions,
