@@ -4,7 +4,8 @@ One process, same prompts, same models, batch 1, greedy:
   (a) transformers `generate`                    (the baseline, ratio 1.00)
   (b) our plain decoding                          (no draft)
   (c) our speculative decoding, each draft x each method (chain and tree; `defaults`: the
-      default tree sized every step by the goodput planner, as `augury generate` runs)
+      default tree sized every step by the goodput planner, as `augury generate` runs), with
+      the drafts' weights as trained and/or int8 (`--draft-weights native int8`)
   (d) transformers assisted generation (`assistant_model`) with the same draft (token-level
       drafts only: transformers has no assistant that reads the target's features)
   (e) with `--merge A B`: our speculative decoding drafting with A, each step's tree merged
@@ -138,6 +139,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument(
+        "--draft-weights",
+        nargs="+",
+        choices=["native", "int8"],
+        default=["native"],
+        help="run each draft with these weights (int8: its linear layers int8, as the services "
+        "do on a CPU by default); both: side by side",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,10 +190,12 @@ def main() -> None:
         ),
     ]
     drafts = all_draft_dirs()
-    for name in args.drafts:
-        draft = load_model(drafts[name], dtype=dtype, target_path=tdir)
-        if args.plan_kernels:
+    for weights, name in ((w, d) for d in args.drafts for w in args.draft_weights):
+        is_int8 = weights == "int8"
+        draft = load_model(drafts[name], dtype=dtype, target_path=tdir, int8=is_int8)
+        if args.plan_kernels and not is_int8:
             draft.plan_kernels()
+        label = f"{name} int8" if is_int8 else name
         for method_name in args.methods:
             verifier = Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES))
             drafter = Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES), name=name)
@@ -200,8 +211,8 @@ def main() -> None:
                 eos_token_ids=[eos],
                 cost=cost,
             )
-            configs.append(Config(f"(c) ours, {name}, {method_name}", ours(engine), engine))
-        if not args.no_assisted and not draft.cfg.feature_size:
+            configs.append(Config(f"(c) ours, {label}, {method_name}", ours(engine), engine))
+        if not args.no_assisted and not is_int8 and not draft.cfg.feature_size:
             assistant = hf_llama_from_draft(drafts[name], tdir).to(dtype)
             configs.append(
                 Config(
@@ -264,6 +275,7 @@ def main() -> None:
         "max_tokens": n,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "draft_weights": args.draft_weights,
         "torch": torch.__version__,
     }
     if args.json:

@@ -36,6 +36,7 @@ from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 
@@ -77,13 +78,19 @@ class KindResult:
         return self.spec.tokens_per_s / self.plain.tokens_per_s
 
 
-def build_engines(draft: str, threads: int) -> tuple[SpecEngine, SpecEngine]:
+def build_engines(
+    draft: str, threads: int, draft_weights: str = "auto"
+) -> tuple[SpecEngine, SpecEngine]:
     """Plain and speculative engines over one target runner (one kernel plan, one profile)."""
     tdir = target_dir()
     target = ModelRunner(load_model(tdir), kv_memory_bytes=KV_BYTES)
     ddir = all_draft_dirs()[draft]
     drafter = Drafter(
-        ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=KV_BYTES), name=draft
+        ModelRunner(
+            load_model(ddir, target_path=tdir, int8=uses_int8(draft_weights, "cpu")),
+            kv_memory_bytes=KV_BYTES,
+        ),
+        name=draft,
     )
     started = time.perf_counter()
     cost = load_or_measure(target, {draft: drafter.runner}, target_name=tdir.name)
@@ -104,7 +111,7 @@ def run_one(
 
 
 def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
-    plain, spec = build_engines(args.draft, args.threads)
+    plain, spec = build_engines(args.draft, args.threads, args.draft_weights)
     prompts = prompts_by_kind(args.per_kind)
     params = SamplingParams(max_tokens=args.max_tokens)
     for engine in (plain, spec):  # warm-up
@@ -152,7 +159,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
 
 def report(results: dict[str, KindResult], args: argparse.Namespace) -> str:
     lines = [
-        f"draft {args.draft}, method {DEFAULT_METHOD.kind} (goodput planner), "
+        f"draft {args.draft} (weights {args.draft_weights}), "
+        f"method {DEFAULT_METHOD.kind} (goodput planner), "
         f"{torch.get_num_threads()} threads, {args.per_kind} prompts per kind, "
         f"max {args.max_tokens} tokens",
         "",
@@ -195,7 +203,7 @@ async def bench_services(args: argparse.Namespace) -> str:
     with redis_url(RedisSettings()) as url:
         settings = AugurySettings(
             redis=RedisSettings(url=url),
-            engine={"kv_memory_bytes": KV_BYTES},
+            engine={"kv_memory_bytes": KV_BYTES, "draft_weights": args.draft_weights},
             service={"cell": "bench", "replica": "bench"},
         )
         models = ModelPaths(target_dir(), {args.draft: all_draft_dirs()[args.draft]})
@@ -203,7 +211,8 @@ async def bench_services(args: argparse.Namespace) -> str:
         client = Client(url, settings, "bench-client")
         runner = ServicesRunner(stack, client)
         lines = [
-            f"services, default settings (draft {args.draft}), {len(prompts)} prompts x "
+            f"services, default settings (draft {args.draft}, weights {args.draft_weights}), "
+            f"{len(prompts)} prompts x "
             f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
             "",
             "| concurrency | plain tok/s | speculative tok/s | ratio, each round | worst "
@@ -247,6 +256,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft", default=DEFAULT_GENERATE_DRAFT, choices=sorted(all_draft_dirs()))
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--draft-weights",
+        choices=["auto", "native", "int8"],
+        default="auto",
+        help="the draft's linear layers with int8 weights (auto, the default: on a CPU)",
+    )
     ap.add_argument("--services", action="store_true")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=2)

@@ -27,6 +27,7 @@ from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from shared.model.loader import read_config
 from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
 from shared.model.profiling import measure_profile, profile_key
+from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
 
@@ -121,6 +122,13 @@ def main() -> None:
         help="on CUDA, forwards of up to this many tokens replay CUDA graphs, as the services "
         "run them (0: every forward eager)",
     )
+    ap.add_argument(
+        "--draft-weights",
+        choices=["auto", "native", "int8"],
+        default="auto",
+        help="the drafts' linear layers with int8 weights, as the services run them "
+        "(AUGURY_ENGINE__DRAFT_WEIGHTS; auto: on a CPU that has the kernels)",
+    )
     ap.add_argument("--notes", default="", help="free text stored in the profile")
     ap.add_argument("--out", type=Path, help="default: profiles/<model>-<device>-<dtype>-t<n>")
     args = ap.parse_args()
@@ -135,19 +143,23 @@ def main() -> None:
     named = all_draft_dirs() if any(d in ALL_DRAFT_NAMES for d in args.drafts) else {}
     ddirs = {Path(d).name: named.get(d, Path(d)) for d in args.drafts}
 
-    def build(path: Path) -> ModelRunner:
+    draft_int8 = uses_int8(args.draft_weights, args.device)
+
+    def build(path: Path, *, is_draft: bool = True) -> ModelRunner:
         if args.random_weights:
             model = random_model(path, dtype, args.device)
         else:
             model = load_model(path, dtype=dtype, device=args.device, target_path=tdir)
-        if args.device == "cpu" and not args.no_kernel_plan:
+        if is_draft and draft_int8:
+            model.quantize_int8()
+        elif args.device == "cpu" and not args.no_kernel_plan:
             model.plan_kernels()
         kv = kv_bytes_for(model, dtype, args.contexts, max_tokens, args.max_requests)
         return ModelRunner(
             model, kv_memory_bytes=kv, cuda_graph_max_tokens=args.cuda_graph_max_tokens
         )
 
-    target = build(tdir)
+    target = build(tdir, is_draft=False)
     drafts = {name: build(path) for name, path in ddirs.items()}
     when = datetime.now(UTC).isoformat(timespec="seconds")
     notes = "; ".join(

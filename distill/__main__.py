@@ -223,8 +223,10 @@ def winners_cmd(args: argparse.Namespace) -> None:
     refs = target_references(tdir, args.n, args.max_new_tokens, cache, EVAL_KINDS)
     refs = [r for r in refs if len(r.continuation) >= 2]
     drafts = {n: args.drafts / n for n in args.names.split(",")}
-    costs = measure_costs(tdir, drafts)
-    result = engine_winners(tdir, drafts, refs, costs, chain=args.chain)
+    int8 = args.draft_weights == "int8"
+    costs = measure_costs(tdir, drafts, int8=int8)
+    result = engine_winners(tdir, drafts, refs, costs, chain=args.chain, int8=int8)
+    result["draft_weights"] = args.draft_weights
     result["n_per_kind"] = args.n
     result["max_new_tokens"] = args.max_new_tokens
     result["target_decode_ms"] = round(1e3 * costs.target_decode, 3)
@@ -280,9 +282,11 @@ def kinds_cmd(args: argparse.Namespace) -> None:
     refs = [r for r in refs if len(r.continuation) >= 2]
     names = args.names.split(",")
     drafts = {n: args.drafts / n for n in names}
-    costs = measure_costs(tdir, drafts)
-    rows = engine_by_kind(tdir, drafts, refs, methods=args.methods.split(","))
+    int8 = args.draft_weights == "int8"
+    costs = measure_costs(tdir, drafts, int8=int8)
+    rows = engine_by_kind(tdir, drafts, refs, methods=args.methods.split(","), int8=int8)
     result = {
+        "draft_weights": args.draft_weights,
         "n_per_kind": args.n,
         "max_new_tokens": args.max_new_tokens,
         "kinds": list(EVAL_KINDS),
@@ -382,6 +386,13 @@ def main() -> None:
         default=",".join(METHOD_KEYS),
         help="subset of " + ",".join(METHOD_KEYS),
     )
+    k.add_argument(
+        "--draft-weights",
+        choices=["native", "int8"],
+        default="native",
+        help="the drafts as trained, or their linear layers with int8 weights (what the "
+        "services run on a CPU by default)",
+    )
     w = sub.add_parser("winners", help="fastest draft per request, through the real engine")
     w.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     w.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
@@ -390,6 +401,13 @@ def main() -> None:
     w.add_argument("--max-new-tokens", type=int, default=128)
     w.add_argument("--chain", type=int, default=4)
     w.add_argument("--threads", type=int, default=2)
+    w.add_argument(
+        "--draft-weights",
+        choices=["native", "int8"],
+        default="native",
+        help="the drafts as trained, or their linear layers with int8 weights (what the "
+        "services run on a CPU by default)",
+    )
     lv = sub.add_parser("levels", help="a feature-level draft's held-out top-1 per tree level")
     lv.add_argument("drafts", type=Path, nargs="+", help="draft directories")
     lv.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

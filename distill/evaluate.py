@@ -220,14 +220,15 @@ def _time_widths(
     return {w: statistics.median(ts[2:]) for w, ts in times.items()}
 
 
-def measure_costs(target_dir: Path, draft_dirs: dict[str, Path]) -> Costs:
-    """Step latencies at batch size 1 (chain verification = a forward of k+1 tokens)."""
+def measure_costs(target_dir: Path, draft_dirs: dict[str, Path], *, int8: bool = False) -> Costs:
+    """Step latencies at batch size 1 (chain verification = a forward of k+1 tokens); `int8`:
+    the drafts with int8 weights (`LlamaModel.quantize_int8`)."""
     target = load_model(target_dir, torch.float32)
     verify = _time_widths(target, [1, 5, 9, 17, 33])
     drafts = {}
     for name, d in tqdm(draft_dirs.items(), desc="time drafts"):
         drafts[name] = _time_widths(
-            load_model(d, torch.float32, target_path=target_dir), [1, 2, 4, 8, 16]
+            load_model(d, torch.float32, target_path=target_dir, int8=int8), [1, 2, 4, 8, 16]
         )
     return Costs(verify[1], verify, drafts)
 
@@ -429,15 +430,18 @@ def _histogram(win: dict[str, dict[str, int]]) -> list[str]:
 
 
 @torch.inference_mode()
-def engine_run(target_dir: Path, draft_dir: Path, refs: list[Reference], method) -> dict:
-    """Greedy decoding of `refs` with the real engine (shared.engine) and one draft method."""
+def engine_run(
+    target_dir: Path, draft_dir: Path, refs: list[Reference], method, *, int8: bool = False
+) -> dict:
+    """Greedy decoding of `refs` with the real engine (shared.engine) and one draft method;
+    `int8`: the draft with int8 weights."""
     from shared.engine.drafting import Drafter
     from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
 
     target = load_model(target_dir, torch.float32)
-    draft = load_model(draft_dir, torch.float32, target_path=target_dir)
+    draft = load_model(draft_dir, torch.float32, target_path=target_dir, int8=int8)
     total = sum(len(r.prompt) + len(r.continuation) + 64 for r in refs)
     engine = SpecEngine(
         Verifier(_runner(target, total)),
@@ -497,6 +501,8 @@ def engine_by_kind(
     draft_dirs: dict[str, Path],
     refs: list[Reference],
     methods: list[str] | None = None,
+    *,
+    int8: bool = False,
 ) -> list[dict]:
     """Every draft and tree method through the real engine (greedy), per prompt kind: mean
     accepted tokens per target forward and whether outputs equal the target's greedy ones.
@@ -517,7 +523,7 @@ def engine_by_kind(
                 mine = [r for r in refs if r.kind == kind]
                 extra = {"budget": 16 * len(mine)} if kind_of_method == "dynamic" else {}
                 method = DraftMethod(kind_of_method, **args, **extra)
-                row = engine_run(target_dir, d, mine, method)
+                row = engine_run(target_dir, d, mine, method, int8=int8)
                 rows.append({"method": label, "kind": kind, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -529,6 +535,8 @@ def engine_winners(
     refs: list[Reference],
     costs: Costs,
     chain: int = 4,
+    *,
+    int8: bool = False,
 ) -> dict:
     """Which draft gives each request the lowest estimated latency with a chain of `chain`, from
     the real engine's per-request target forwards (exact for a feature-level draft too) times
@@ -538,7 +546,7 @@ def engine_winners(
     forwards: dict[str, list[int]] = {}
     equal: dict[str, int] = {}
     for name, d in draft_dirs.items():
-        row = engine_run(target_dir, d, refs, DraftMethod("chain", k=chain))
+        row = engine_run(target_dir, d, refs, DraftMethod("chain", k=chain), int8=int8)
         forwards[name] = row["per_request_forwards"]
         equal[name] = row["outputs_equal_target_greedy"]
         print(json.dumps({k: v for k, v in row.items() if k != "per_request_forwards"}))

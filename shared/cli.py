@@ -22,6 +22,7 @@ from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
+from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
@@ -79,6 +80,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="goodput: size speculation each step by this machine's cost profile (plain decoding "
         "when drafts do not pay); fixed: always draft the whole tree",
     )
+    gen.add_argument(
+        "--draft-weights",
+        choices=["auto", "native", "int8"],
+        default="auto",
+        help="the draft's linear layers with int8 weights (auto: on a CPU that has the kernels); "
+        "outputs are the same either way",
+    )
     return parser.parse_args(argv)
 
 
@@ -107,7 +115,13 @@ def generate(args: argparse.Namespace) -> int:
     target = load_model(target_path)
     drafter = (
         Drafter(
-            ModelRunner(load_model(draft_path, target_path=target_path)),
+            ModelRunner(
+                load_model(
+                    draft_path,
+                    target_path=target_path,
+                    int8=uses_int8(args.draft_weights, "cpu"),
+                )
+            ),
             name=Path(draft_path).name,
         )
         if draft_path

@@ -128,6 +128,9 @@ class EngineSettings(_Group):
     # every forward eager.
     cuda_graph_max_tokens: NonNegativeInt = 512
     cuda_graph_max_requests: PositiveInt = 64
+    # Drafts' linear layers with int8 weights (`shared/model/quantized.py`): auto = on a CPU that
+    # has the kernels (a draft's CPU forward is bound by its weights' bytes); outputs unchanged.
+    draft_weights: Literal["auto", "native", "int8"] = "auto"
 
 
 class SpeculationSettings(_Group):

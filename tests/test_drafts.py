@@ -208,3 +208,21 @@ def test_draft_e_greedy_equals_target_and_accepts_inside_its_range(model_set, re
     assert sum(row["per_request_forwards"]) == row["engine_target_forwards"]
     lo, hi = DRAFT_E_CHAIN4_RANGE
     assert lo <= row["engine_mean_accepted_length"] <= hi, row
+
+
+def test_draft_e_with_int8_weights_keeps_greedy_output_and_acceptance(
+    model_set, references, draft_e
+):
+    """What the services run on a CPU by default (`engine.draft_weights`): the same outputs and
+    acceptance inside the fp32 draft's range (measured 2.10 against 2.10 on 24 prompts,
+    docs/models.md)."""
+    from distill.evaluate import engine_run
+    from shared.engine.methods import DraftMethod
+    from shared.model.quantized import int8_available
+
+    if not int8_available():
+        pytest.skip("no FBGEMM int8 kernels here")
+    row = engine_run(model_set.target, draft_e, references, DraftMethod("chain", k=4), int8=True)
+    assert row["outputs_equal_target_greedy"] == len(references)
+    lo, hi = DRAFT_E_CHAIN4_RANGE
+    assert lo <= row["engine_mean_accepted_length"] <= hi, row

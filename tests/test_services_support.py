@@ -41,6 +41,9 @@ TINY_ENGINE = {
     "measure_profile": False,
     "profile_dir": NO_PROFILES,
     "profile_cache_dir": NO_PROFILES,
+    # drafts keep their fp32 weights: a self-draft then accepts every token, which the tests
+    # assert (int8 drafts, the CPU default, have tests of their own: tests/test_int8_drafts.py)
+    "draft_weights": "native",
 }
 FIXED_SPECULATION = {"planner": "fixed", "min_path_prob": 0.0}
 

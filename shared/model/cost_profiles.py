@@ -67,7 +67,7 @@ def model_profile(
     key = profile_key(runner, name)
     stored = _stored([directory, cache_dir], key)
     if stored is not None:
-        if stored.kernels is not None:
+        if stored.kernels is not None and not runner.model.is_int8:
             runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
         log.info("cost profile of %s: loaded (%s)", name, stored.key.file_stem)
         return stored.model_copy(update={"key": key})
@@ -75,7 +75,7 @@ def model_profile(
         log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
         return None
     started = time.perf_counter()
-    if plan_kernels and runner.device.type == "cpu":
+    if plan_kernels and runner.device.type == "cpu" and not runner.model.is_int8:
         runner.model.plan_kernels()
     max_tokens = min(max_tokens, runner.max_context // 2)
     contexts = tuple(c for c in QUICK_CONTEXTS if c + max_tokens < runner.max_context)

@@ -23,6 +23,7 @@ from shared.model.linear import (
     choose,
     measure,
 )
+from shared.model.quantized import int8_available, quantized_linear
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
@@ -103,6 +104,7 @@ class LlamaModel(nn.Module):
         self.linear_plan: LinearPlan | None = None
         self._layer_linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] | None = None
         self._head_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.is_int8 = False  # `quantize_int8` was applied
         self.requires_grad_(False)
 
     def init_rope(self, device: torch.device) -> None:
@@ -142,6 +144,8 @@ class LlamaModel(nn.Module):
         process's plan) applies it as is. Call after moving the model to its device and after
         loading its weights. Returns the plan in use.
         """
+        if self.is_int8:
+            raise RuntimeError("an int8 model runs its own kernels; plan before quantize_int8()")
         device = next(self.parameters()).device
         kernels = available_kernels(device)
         roles = self._role_linears()
@@ -162,6 +166,8 @@ class LlamaModel(nn.Module):
 
     def set_linear_plan(self, plan: LinearPlan | None) -> None:
         """Use `plan` (None: plain F.linear everywhere, the default)."""
+        if self.is_int8:
+            raise RuntimeError("an int8 model runs its own kernels and takes no linear plan")
         self.linear_plan = plan
         if plan is None:
             self._layer_linears = None
@@ -178,6 +184,22 @@ class LlamaModel(nn.Module):
         self._head_linear = PlannedLinear(
             self.lm_head.weight, self.lm_head.bias, "lm_head", plan, kernels
         )
+
+    def quantize_int8(self) -> None:
+        """Run the decoder layers' linear layers and the output head with int8 weights from
+        now on (`shared/model/quantized.py`): for drafts on a CPU, where a forward is bound by
+        the bytes of its weights. Input projections, embeddings and norms stay as they are, and
+        so do the full-precision weights (training and export read them). Irreversible."""
+        if next(self.parameters()).device.type != "cpu" or not int8_available():
+            raise RuntimeError("int8 weights need PyTorch's FBGEMM kernels on an x86 CPU")
+        if self.is_int8:
+            return
+        self.linear_plan = None
+        self._layer_linears = [
+            tuple(quantized_linear(m) for m in self._layer_modules(layer)) for layer in self.layers
+        ]
+        self._head_linear = quantized_linear(self.lm_head)
+        self.is_int8 = True
 
     def planned_extra_bytes(self) -> int:
         """Memory the plan's weight copies (transposed / packed layouts) take."""

@@ -75,12 +75,14 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     target_path: str | Path | None = None,
+    int8: bool = False,
 ) -> LlamaModel:
     """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections.
 
     `target_path` is the target checkpoint, needed only by a draft that shares its input embedding
     or output head (`augury_shares_target_embedding`, `augury_shares_target_head`); other
-    checkpoints ignore it.
+    checkpoints ignore it. `int8`: run the linear layers with int8 weights
+    (`LlamaModel.quantize_int8`; drafts on a CPU only, as `quantized.uses_int8` decides).
     """
     path = Path(path)
     cfg = read_config(path)
@@ -133,4 +135,6 @@ def load_model(
     model = model.to(device=device, dtype=dtype)
     model.output_token_ids = model.output_token_ids.long()
     model.init_rope(torch.device(device))
+    if int8:
+        model.quantize_int8()
     return model.eval()

@@ -80,7 +80,7 @@ def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
         model=model,
         fingerprint=fingerprint_of(runner.cfg),
         device=device_name(runner.device),
-        dtype=dtype_name(runner.dtype),
+        dtype="int8" if runner.model.is_int8 else dtype_name(runner.dtype),
         threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
     )
 

@@ -132,7 +132,7 @@ class ProfileKey(BaseModel):
     model: str
     fingerprint: str
     device: str  # "cpu: AMD EPYC", "cuda: NVIDIA H100 80GB HBM3"
-    dtype: str  # "float32", "bfloat16", ...
+    dtype: str  # "float32", "bfloat16", ...; "int8": int8 weights (`LlamaModel.quantize_int8`)
     threads: int = Field(ge=0)  # torch threads on CPU; 0 on CUDA
 
     # Fields compared by `mismatch`, in the order they are reported.

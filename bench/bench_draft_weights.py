@@ -1,0 +1,122 @@
+"""A draft step's cost against a target decode step, with the drafts' weights as trained and int8.
+
+    python -m bench.bench_draft_weights [--rounds 15] [--threads 2] [--json out.json]
+
+One process. Loads the target (fp32, its linear-kernel plan measured at start, as the services
+run it on a CPU) and each draft three ways: fp32 with plain `F.linear`, fp32 with its own
+measured kernel plan, and int8 (`LlamaModel.quantize_int8`, the services' CPU default). Each
+model commits a 256-token prefix (a feature-level draft reads random features, which costs the
+same as real ones), then every round times, in rotating order, one forward of a root and n - 1
+children (n = 1, 4, 16: the widths a tree's layers have) plus its commit. Prints the median
+step per model and width, each draft step as a share of the target's 1-token step (what the
+issue calls the cost per drafted token), and the int8 step's speed-up over the planned fp32 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shared.model import LlamaModel, load_model
+from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
+from shared.model.runner import ForwardItem, ModelRunner
+
+WIDTHS = (1, 4, 16)
+PREFIX = 256
+
+
+def stepper(model: LlamaModel, width: int, seed: int) -> Callable[[], None]:
+    """A closure running one step of `width` tokens (a root and its children) and its commit."""
+    runner = ModelRunner(model, kv_memory_bytes=64 << 20)
+    runner.add_request("r")
+    gen = torch.Generator().manual_seed(seed)
+    vocab, feature = model.cfg.vocab_size, model.cfg.feature_size
+
+    def features(n: int) -> torch.Tensor | None:
+        return torch.randn(n, feature, generator=gen) if feature else None
+
+    prompt = torch.randint(3, vocab, (PREFIX,), generator=gen).tolist()
+    runner.forward([ForwardItem.chain("r", prompt, features=features(PREFIX))])
+    runner.commit({"r": range(PREFIX)})
+
+    def step() -> None:
+        tokens = torch.randint(3, vocab, (width,), generator=gen).tolist()
+        parents = [-1] + [0] * (width - 1)
+        runner.forward([ForwardItem("r", tokens, parents, features=features(width))])
+        runner.commit({"r": [0]})  # the context grows by one token a step
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafts", nargs="+", default=list(ALL_DRAFT_NAMES))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tdir = target_dir()
+    dirs = all_draft_dirs()
+
+    target = load_model(tdir)
+    target.plan_kernels()
+    models: dict[tuple[str, str], LlamaModel] = {("target", "fp32, planned"): target}
+    for name in args.drafts:
+        models[(name, "fp32")] = load_model(dirs[name], target_path=tdir)
+        planned = load_model(dirs[name], target_path=tdir)
+        planned.plan_kernels()
+        models[(name, "fp32, planned")] = planned
+        models[(name, "int8")] = load_model(dirs[name], target_path=tdir, int8=True)
+
+    steps = {
+        (key, w): stepper(m, w, seed=i)
+        for i, (key, m) in enumerate(models.items())
+        for w in (WIDTHS if key[0] != "target" else (1,))
+    }
+    times: dict = {k: [] for k in steps}
+    with torch.inference_mode():
+        order = list(steps)
+        for r in range(args.rounds + 2):  # two warm-up rounds
+            for k in order[r % len(order) :] + order[: r % len(order)]:
+                t = time.perf_counter()
+                steps[k]()
+                if r >= 2:
+                    times[k].append(time.perf_counter() - t)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    target_ms = ms[(("target", "fp32, planned"), 1)]
+    print(f"target decode step (fp32, planned): {target_ms:.2f} ms; threads {args.threads}")
+    header = "| draft | weights | " + " | ".join(f"{w} tokens, ms" for w in WIDTHS)
+    print(header + " | 1 token / target step | int8 speed-up |")
+    print("|---|---|" + "---:|" * (len(WIDTHS) + 2))
+    rows = []
+    for (name, weights), _ in models.items():
+        if name == "target":
+            continue
+        cells = [ms[((name, weights), w)] for w in WIDTHS]
+        share = cells[0] / target_ms
+        planned = ms[((name, "fp32, planned"), 1)]
+        gain = f"{planned / cells[0]:.2f}x" if weights == "int8" else ""
+        print(
+            f"| {name} | {weights} | "
+            + " | ".join(f"{c:.2f}" for c in cells)
+            + f" | {share:.1%} | {gain} |"
+        )
+        rows.append(
+            {"draft": name, "weights": weights, "ms": dict(zip(WIDTHS, cells, strict=True))}
+        )
+    if args.json:
+        meta = {"threads": args.threads, "rounds": args.rounds, "torch": torch.__version__}
+        args.json.write_text(
+            json.dumps({"meta": meta, "target_ms": target_ms, "rows": rows}, indent=2) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
