@@ -23,7 +23,7 @@ from shared.model.linear import (
     choose,
     measure,
 )
-from shared.model.quantized import int8_available, quantized_linear
+from shared.model.quantized import HEAD_OUTLIER_CHANNELS, int8_available, quantized_linear
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
@@ -198,7 +198,10 @@ class LlamaModel(nn.Module):
         self._layer_linears = [
             tuple(quantized_linear(m) for m in self._layer_modules(layer)) for layer in self.layers
         ]
-        self._head_linear = quantized_linear(self.lm_head)
+        # a feature-level draft's head reads a (predicted) target feature, whose few huge
+        # channels would set the activation scale for all (shared/model/quantized.py)
+        outliers = HEAD_OUTLIER_CHANNELS if self.cfg.feature_size else 0
+        self._head_linear = quantized_linear(self.lm_head, outliers)
         self.is_int8 = True
 
     def planned_extra_bytes(self) -> int:
