@@ -14,7 +14,7 @@ from services.runtime import load_runner
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
-from shared.engine.spec_engine import SpecEngine
+from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.profiling import profile_key
@@ -125,3 +125,32 @@ def test_services_load_drafts_int8_on_a_cpu_and_never_the_target(tiny_target_dir
     assert draft.model.is_int8 and not target.model.is_int8
     native = settings.model_copy(update={"draft_weights": "native"})
     assert not load_runner(tiny_target_dir, native, target=tiny_target_dir).model.is_int8
+
+
+def test_sampled_outputs_with_an_int8_draft_follow_the_target(tmp_path_factory):
+    """Chi-square over the whole joint of 3 sampled tokens (4000 seeded requests): the verifier
+    corrects with the distribution the int8 draft computed, so sampling stays lossless."""
+    from tests.conftest import make_tiny_checkpoint
+    from tests.stats import P_VALUE_FLOOR, fit_p_value
+    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact_joint
+
+    target_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("int8_target"), seed=3, vocab_size=VOCAB, hidden_size=32
+    )
+    draft_dir = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("int8_draft"), seed=4, vocab_size=VOCAB, hidden_size=32
+    )
+    target = ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=2 << 20)
+    draft = ModelRunner(load_model(draft_dir, int8=True), block_size=4, kv_memory_bytes=2 << 20)
+    engine = SpecEngine(
+        Verifier(target),
+        Drafter(draft),
+        DraftMethod("static", expansion=(2, 1)),
+        EngineConfig(max_running=NUM_REQUESTS),
+    )
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+    ]
+    outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
+    assert engine.stats.num_accepted > 0
+    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
