@@ -17,41 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from distill.evaluate import width_stepper
 from shared.model import LlamaModel, load_model
 from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
-from shared.model.runner import ForwardItem, ModelRunner
 
 WIDTHS = (1, 4, 16)
 PREFIX = 256
-
-
-def stepper(model: LlamaModel, width: int, seed: int) -> Callable[[], None]:
-    """A closure running one step of `width` tokens (a root and its children) and its commit."""
-    runner = ModelRunner(model, kv_memory_bytes=64 << 20)
-    runner.add_request("r")
-    gen = torch.Generator().manual_seed(seed)
-    vocab, feature = model.cfg.vocab_size, model.cfg.feature_size
-
-    def features(n: int) -> torch.Tensor | None:
-        return torch.randn(n, feature, generator=gen) if feature else None
-
-    prompt = torch.randint(3, vocab, (PREFIX,), generator=gen).tolist()
-    runner.forward([ForwardItem.chain("r", prompt, features=features(PREFIX))])
-    runner.commit({"r": range(PREFIX)})
-
-    def step() -> None:
-        tokens = torch.randint(3, vocab, (width,), generator=gen).tolist()
-        parents = [-1] + [0] * (width - 1)
-        runner.forward([ForwardItem("r", tokens, parents, features=features(width))])
-        runner.commit({"r": [0]})  # the context grows by one token a step
-
-    return step
 
 
 def main() -> None:
@@ -75,20 +50,19 @@ def main() -> None:
         models[(name, "fp32, planned")] = planned
         models[(name, "int8")] = load_model(dirs[name], target_path=tdir, int8=True)
 
-    steps = {
-        (key, w): stepper(m, w, seed=i)
+    rounds = args.rounds + 2  # two warm-up rounds
+    steppers = {
+        key: width_stepper(m, PREFIX, room=rounds * len(WIDTHS) + max(WIDTHS), seed=i)
         for i, (key, m) in enumerate(models.items())
-        for w in (WIDTHS if key[0] != "target" else (1,))
     }
-    times: dict = {k: [] for k in steps}
+    order = [(key, w) for key in models for w in (WIDTHS if key[0] != "target" else (1,))]
+    times: dict = {k: [] for k in order}
     with torch.inference_mode():
-        order = list(steps)
-        for r in range(args.rounds + 2):  # two warm-up rounds
-            for k in order[r % len(order) :] + order[: r % len(order)]:
-                t = time.perf_counter()
-                steps[k]()
+        for r in range(rounds):
+            for key, w in order[r % len(order) :] + order[: r % len(order)]:
+                seconds = steppers[key](w)
                 if r >= 2:
-                    times[k].append(time.perf_counter() - t)
+                    times[(key, w)].append(seconds)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     target_ms = ms[(("target", "fp32, planned"), 1)]
     print(f"target decode step (fp32, planned): {target_ms:.2f} ms; threads {args.threads}")

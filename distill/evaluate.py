@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,15 +192,14 @@ class Costs:
     draft_step: dict[str, dict[int, float]]  # draft -> tree width -> seconds per draft forward
 
 
-@torch.inference_mode()
-def _time_widths(
-    model, widths: list[int], prefix: int = 200, repeats: int = 15
-) -> dict[int, float]:
-    """Median seconds of one forward + commit at each width (a root and width-1 children),
-    widths interleaved round-robin so that load from other processes hits all of them alike."""
-    runner = _runner(model, prefix + (repeats + 2) * len(widths) + max(widths))
+def width_stepper(model, prefix: int, room: int, seed: int = 0) -> Callable[[int], float]:
+    """After committing a random `prefix`, a function that runs one forward + commit of a root
+    and w - 1 children (a tree layer of width w) and returns its seconds; each call commits one
+    token, and the cache holds `room` more. A feature-level model reads random features, which
+    cost what real ones do."""
+    runner = _runner(model, prefix + room)
     runner.add_request("r")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     width = model.cfg.feature_size  # a feature-level draft reads a feature per token
 
@@ -209,14 +209,29 @@ def _time_widths(
     prompt = torch.randint(3, vocab, (prefix,), generator=gen).tolist()
     runner.forward([ForwardItem.chain("r", prompt, features=features(prefix))])
     runner.commit({"r": range(prefix)})
+
+    def step(w: int) -> float:
+        toks = torch.randint(3, vocab, (w,), generator=gen).tolist()
+        feats = features(w)
+        t = time.perf_counter()
+        runner.forward([ForwardItem("r", toks, [-1] + [0] * (w - 1), features=feats)])
+        runner.commit({"r": [0]})
+        return time.perf_counter() - t
+
+    return step
+
+
+@torch.inference_mode()
+def _time_widths(
+    model, widths: list[int], prefix: int = 200, repeats: int = 15
+) -> dict[int, float]:
+    """Median seconds of one forward + commit at each width (a root and width-1 children),
+    widths interleaved round-robin so that load from other processes hits all of them alike."""
+    step = width_stepper(model, prefix, (repeats + 2) * len(widths) + max(widths))
     times: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(repeats + 2):
         for w in widths:
-            toks = torch.randint(3, vocab, (w,), generator=gen).tolist()
-            t = time.perf_counter()
-            runner.forward([ForwardItem("r", toks, [-1] + [0] * (w - 1), features=features(w))])
-            runner.commit({"r": [0]})
-            times[w].append(time.perf_counter() - t)
+            times[w].append(step(w))
     return {w: statistics.median(ts[2:]) for w, ts in times.items()}
 
 
