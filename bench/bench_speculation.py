@@ -36,7 +36,7 @@ from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
-from shared.model.quantized import uses_int8
+from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 
@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument(
         "--draft-weights",
-        choices=["auto", "native", "int8"],
+        choices=DRAFT_WEIGHTS,
         default="auto",
         help="the draft's linear layers with int8 weights (auto, the default: on a CPU)",
     )

@@ -27,7 +27,7 @@ from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from shared.model.loader import read_config
 from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
 from shared.model.profiling import measure_profile, profile_key
-from shared.model.quantized import uses_int8
+from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
 
@@ -124,7 +124,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--draft-weights",
-        choices=["auto", "native", "int8"],
+        choices=DRAFT_WEIGHTS,
         default="auto",
         help="the drafts' linear layers with int8 weights, as the services run them "
         "(AUGURY_ENGINE__DRAFT_WEIGHTS; auto: on a CPU that has the kernels)",

@@ -22,7 +22,7 @@ from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
-from shared.model.quantized import uses_int8
+from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     gen.add_argument(
         "--draft-weights",
-        choices=["auto", "native", "int8"],
+        choices=DRAFT_WEIGHTS,
         default="auto",
         help="the draft's linear layers with int8 weights (auto: on a CPU that has the kernels); "
         "outputs are the same either way",

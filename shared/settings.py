@@ -108,6 +108,10 @@ class ModelsSettings(_Group):
         return drafts
 
 
+# How drafts hold their linear layers' weights (`shared/model/quantized.py`).
+DraftWeights = Literal["auto", "native", "int8"]
+
+
 class EngineSettings(_Group):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
@@ -130,7 +134,7 @@ class EngineSettings(_Group):
     cuda_graph_max_requests: PositiveInt = 64
     # Drafts' linear layers with int8 weights (`shared/model/quantized.py`): auto = on a CPU that
     # has the kernels (a draft's CPU forward is bound by its weights' bytes); outputs unchanged.
-    draft_weights: Literal["auto", "native", "int8"] = "auto"
+    draft_weights: DraftWeights = "auto"
 
 
 class SpeculationSettings(_Group):

@@ -22,7 +22,10 @@ from shared.model.quantized import Int8Linear, int8_available, uses_int8
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.settings import EngineSettings
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="no FBGEMM int8 kernels here")
+pytestmark = pytest.mark.skipif(
+    not int8_available(),
+    reason="needs PyTorch's FBGEMM int8 kernels, which only x86 builds have",
+)
 
 PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15, 16], [70], [33, 34, 35, 36]]
 

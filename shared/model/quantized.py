@@ -28,9 +28,12 @@ without it, so their heads skip its cost (0.1-0.2 ms a step).
 from __future__ import annotations
 
 import warnings
+from typing import get_args
 
 import torch
 from torch import nn
+
+from shared.settings import DraftWeights
 
 
 def int8_available() -> bool:
@@ -95,7 +98,7 @@ def quantized_linear(module: nn.Linear, num_outliers: int = 0) -> Int8Linear:
 
 
 HEAD_OUTLIER_CHANNELS = 8
-DRAFT_WEIGHTS = ("auto", "native", "int8")  # the `engine.draft_weights` setting's values
+DRAFT_WEIGHTS: tuple[str, ...] = get_args(DraftWeights)  # `engine.draft_weights`'s values
 
 
 def uses_int8(setting: str, device: str | torch.device) -> bool:
