@@ -206,12 +206,14 @@ async def bench_services(args: argparse.Namespace) -> str:
             engine={"kv_memory_bytes": KV_BYTES, "draft_weights": args.draft_weights},
             service={"cell": "bench", "replica": "bench"},
         )
-        models = ModelPaths(target_dir(), {args.draft: all_draft_dirs()[args.draft]})
+        served = args.drafts or [args.draft]  # the first is the draft every request uses
+        models = ModelPaths(target_dir(), {name: all_draft_dirs()[name] for name in served})
         stack = await start_stack(settings, url, models, gateway=False)
         client = Client(url, settings, "bench-client")
         runner = ServicesRunner(stack, client)
         lines = [
-            f"services, default settings (draft {args.draft}, weights {args.draft_weights}), "
+            f"services, default settings (drafts {', '.join(served)}; weights "
+            f"{args.draft_weights}), "
             f"{len(prompts)} prompts x "
             f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
             "",
@@ -263,6 +265,14 @@ def main() -> None:
         help="the draft's linear layers with int8 weights (auto, the default: on a CPU)",
     )
     ap.add_argument("--services", action="store_true")
+    ap.add_argument(
+        "--drafts",
+        nargs="+",
+        choices=sorted(all_draft_dirs()),
+        help="with --services: the stack's draft set, in order (the first drafts every request, "
+        "as the default chooser does; the services' default: draft-e draft-s draft-m draft-l); "
+        "default: --draft alone",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)

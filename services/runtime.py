@@ -44,14 +44,15 @@ class ModelPaths:
 
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
-    """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts."""
-    from shared.model.model_set import draft_dirs, target_dir
+    """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts,
+    `draft-e` first (`served_draft_dirs`)."""
+    from shared.model.model_set import served_draft_dirs, target_dir
 
     target = settings.models.target_dir or target_dir()
     if settings.models.drafts:
         return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts})
     try:
-        drafts = draft_dirs()
+        drafts = served_draft_dirs()
     except FileNotFoundError:
         drafts = {}  # no draft checkpoints yet: plain decoding
     return ModelPaths(target, drafts)

@@ -221,6 +221,10 @@ class LbssSettings(_Group):
     beta: PositiveInt = 2  # slots per exploration chunk: a request keeps its random draw this long
     switch_cost: Annotated[float, Field(ge=0)] = 1.0  # lambda: weight of a switch's prefill time
     capacities: dict[str, PositiveInt] = Field(default_factory=dict)  # requests per draft model
+    # exploration draws only among models not confidently worse than the best (mean goodput
+    # over requests, this many standard errors apart); 0: every live model, as Spin's Alg. 2
+    prune_z: Annotated[float, Field(ge=0)] = 0.0
+    prune_min_requests: Annotated[int, Field(ge=2)] = 4  # requests on a model before it can go
 
 
 class SchedulerSettings(_Group):

@@ -91,8 +91,9 @@ def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled()
 
     from bench.drafters.real import real_runs, run_env, settled
 
-    runs = real_runs(DRAFTS, ["fixed", "lbss", "lbss+fast"])
+    runs = real_runs(DRAFTS, ["fixed", "lbss", "lbss+fast", "lbss+pruned"], prune_z=1.5)
     labels = ["fixed draft-s", "fixed draft-m", "fixed draft-l", "lbss", "lbss+fast"]
+    labels.append("lbss+pruned")
     assert [r.label for r in runs] == labels
     assert runs[1].drafts[0] == "draft-m" and sorted(runs[1].drafts) == sorted(DRAFTS)
     env = run_env(runs[1], 8, "fixed")
@@ -101,6 +102,11 @@ def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled()
     fast = run_env(runs[4], 8, "fixed")
     assert fast["AUGURY_SCHEDULER__DRAFT_CHOOSER"] == "lbss"
     assert fast["AUGURY_SCHEDULER__FAST_SWITCHING"] == "true"
+    assert fast["AUGURY_SCHEDULER__LBSS__PRUNE_Z"] == "0.0"  # Spin's exploration
+    pruned = run_env(runs[5], 8, "fixed")
+    assert pruned["AUGURY_SCHEDULER__DRAFT_CHOOSER"] == "lbss"
+    assert pruned["AUGURY_SCHEDULER__LBSS__PRUNE_Z"] == "1.5"
+    assert pruned["AUGURY_SCHEDULER__FAST_SWITCHING"] == "false"
     assert env["AUGURY_SCHEDULER__SPECULATION__PLANNER"] == "fixed"
     assert [d["name"] for d in json.loads(env["AUGURY_MODELS__DRAFTS"])][0] == "draft-m"
     a, b, c = (RequestRecord(i, 0.0, 4, kind=k) for i, k in enumerate(["chat", "chat", "code"]))

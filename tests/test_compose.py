@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from services.__main__ import parse_args
-from shared.model.model_set import DRAFT_NAMES
+from shared.model.model_set import ALL_DRAFT_NAMES, SERVED_DRAFT_NAMES
 from shared.settings import load_settings
 from shared.wire.streams import DRAFTER, SCHEDULER, VERIFIER
 
@@ -49,13 +50,21 @@ def seconds(duration: str) -> float:
     return total
 
 
-def test_it_has_redis_and_every_service(services: dict[str, dict[str, Any]]) -> None:
+def test_it_has_redis_and_every_service(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
     commands = {name: parse_args(s["command"]) for name, s in augury_services(services).items()}
     kinds = sorted({args.service for args in commands.values()})
     assert kinds == ["drafter", "gateway", "scheduler", "verifier"]
     assert services["redis"]["image"].startswith("redis:")
     drafts = sorted(a.name for a in commands.values() if a.service == "drafter")
-    assert drafts == sorted(DRAFT_NAMES)  # one drafter service per default draft model
+    served = json.loads(compose["x-augury-env"]["AUGURY_MODELS__DRAFTS"])
+    assert drafts == sorted(d["name"] for d in served)  # one drafter service per draft model
+    assert served[0]["name"] == SERVED_DRAFT_NAMES[0]  # the services' default draft
+    for draft in served:  # committed checkpoints, where the image copies models/
+        assert draft["name"] in ALL_DRAFT_NAMES
+        assert draft["dir"] == f"/app/models/drafts/{draft['name']}"
+        assert (ROOT / "models" / "drafts" / draft["name"] / "config.json").is_file()
 
 
 def test_one_gpu_per_model_service_and_none_for_cpu_services(

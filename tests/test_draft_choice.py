@@ -23,6 +23,7 @@ from shared.scheduling.draft_choice import (
     DraftOutcome,
     EpsilonGreedy,
     FixedDraftModel,
+    GoodputTable,
     GreedyByLength,
     Oracle,
     make_chooser,
@@ -159,6 +160,43 @@ def test_random_exploration_alone_would_not_settle() -> None:
     env = Environment(8, seed=5)
     always_exploring = EpsilonGreedy(epsilon=1.0, seed=5)
     assert run(always_exploring, env, 300) < 0.5  # about a third: the test can tell
+
+
+def test_a_model_confidently_worse_over_requests_is_dominated() -> None:
+    table = GoodputTable()
+    for i, (good, poor) in enumerate([(3.0, 1.0), (3.4, 1.2), (2.8, 0.9), (3.1, 1.1)]):
+        table.add(DraftOutcome(f"r{i}", "good", 4, 0, step_ms=1 / good))
+        table.add(DraftOutcome(f"r{i}", "poor", 4, 0, step_ms=1 / poor))
+        table.add(DraftOutcome(f"r{i}", "close", 4, 0, step_ms=1 / (good - 0.1)))
+    models = ["close", "good", "poor"]
+    assert table.dominated(models, z=2.0, min_requests=4) == {"poor"}
+    assert table.dominated(models, z=2.0, min_requests=5) == set()  # too few requests yet
+    assert table.dominated(models, z=40.0, min_requests=4) == set()  # bounds that wide overlap
+    for i in range(4):  # finished requests still count, one sample each
+        table.forget(f"r{i}")
+    assert table.request_means("poor") == pytest.approx([1.0, 1.2, 0.9, 1.1])
+    assert table.dominated(models, z=2.0, min_requests=4) == {"poor"}
+
+
+def test_pruned_exploration_stops_drawing_a_dominated_model() -> None:
+    def explored(prune_z: float) -> set[str]:
+        """Models drawn in the exploration stages after every request tried every model."""
+        lbss = Lbss(settings=LbssSettings(alpha=4, beta=1, prune_z=prune_z), seed=2)
+        requests = [request(f"r{i}") for i in range(8)]
+        for r in requests:
+            for model, goodput in (("small", 2.15), ("mid", 2.2), ("big", 0.5)):
+                noise = 0.2 * (int(r.request_id[1:]) % 3)
+                lbss.observe(DraftOutcome(r.request_id, model, 4, 0, step_ms=1 / (goodput + noise)))
+        drawn: set[str] = set()
+        for _ in range(40):
+            exploring = lbss.is_exploring
+            chosen = lbss.assign(requests, MODELS, None)
+            if exploring:
+                drawn.update(chosen.values())
+        return drawn
+
+    assert explored(0.0) == set(MODELS)  # Spin's Alg. 2: every live model
+    assert explored(2.0) == {"mid", "small"}  # `big` is far below for every request
 
 
 def test_baselines() -> None:

@@ -4,6 +4,7 @@ they were trained to compute, and keep their acceptance on fixed prompts inside 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +227,18 @@ def test_draft_e_with_int8_weights_keeps_greedy_output_and_acceptance(
     assert row["outputs_equal_target_greedy"] == len(references)
     lo, hi = DRAFT_E_CHAIN4_RANGE
     assert lo <= row["engine_mean_accepted_length"] <= hi, row
+
+
+def test_the_services_serve_draft_e_first_then_the_independent_drafts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from services.runtime import resolve_models
+    from shared.settings import load_settings
+
+    monkeypatch.delenv("AUGURY_MODELS__DRAFTS", raising=False)
+    served = resolve_models(load_settings())
+    assert list(served.drafts) == ["draft-e", *DRAFT_NAMES]  # the fixed chooser takes the first
+    assert all((d / "config.json").is_file() for d in served.drafts.values())
+    own = [{"name": "mine", "dir": str(tmp_path)}]
+    monkeypatch.setenv("AUGURY_MODELS__DRAFTS", json.dumps(own))
+    assert resolve_models(load_settings()).drafts == {"mine": tmp_path}  # configured wins

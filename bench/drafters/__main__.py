@@ -29,9 +29,10 @@ PROFILE = (
 RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
 
 
-def lbss_options(p: argparse.ArgumentParser) -> None:
+def lbss_options(p: argparse.ArgumentParser, prune_z: float, prune_help: str) -> None:
     p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
     p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
+    p.add_argument("--prune-z", type=float, default=prune_z, help=prune_help)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -45,7 +46,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
         p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
         p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
-        lbss_options(p)
+        lbss_options(
+            p, 0.0, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)"
+        )
         p.add_argument(
             "--planner",
             choices=("goodput", "fixed"),
@@ -73,12 +76,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
     p.add_argument(
         "--choosers", nargs="+", default=["fixed", "eps-greedy", "lbss"],
-        choices=("fixed", "greedy-length", "eps-greedy", "lbss", "eps-greedy+fast", "lbss+fast"),
-        help="draft choosers; NAME+fast: that chooser with fast switching",
+        choices=("fixed", "greedy-length", "eps-greedy", "lbss", "eps-greedy+fast", "lbss+fast",
+                 "lbss+pruned"),
+        help="draft choosers; NAME+fast: that chooser with fast switching; lbss+pruned: LBSS "
+        "with pruned exploration (--prune-z)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
-    lbss_options(p)
+    lbss_options(p, 2.0, "z of the lbss+pruned runs (lbss runs explore every model)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -200,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         acceptance,
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
-        lbss=LbssSettings(alpha=args.alpha, beta=args.beta),
+        lbss=LbssSettings(alpha=args.alpha, beta=args.beta, prune_z=args.prune_z),
         planner=args.planner,
     )
     started = time.monotonic()
@@ -245,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "max_tokens": args.max_tokens,
         "copies": args.copies,
-        "lbss": {"alpha": args.alpha, "beta": args.beta},
+        "lbss": {"alpha": args.alpha, "beta": args.beta, "prune_z": args.prune_z},
         "planner": args.planner,
         "seconds": round(time.monotonic() - started, 1),
         "results": [
@@ -277,6 +282,7 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         out_dir=args.out,
         alpha=args.alpha,
         beta=args.beta,
+        prune_z=args.prune_z,
     )
     command = command_line(argv).strip()
     result = {"command": command, "seconds": round(time.monotonic() - started, 1)} | result

@@ -36,17 +36,24 @@ class RealRun:
     chooser: str
     drafts: tuple[str, ...]  # configured order: `fixed` takes the first
     fast_switching: bool = False
+    prune_z: float = 0.0  # LBSS's pruned exploration; 0: off
 
 
 FAST_SUFFIX = "+fast"  # a chooser name with it: that chooser with scheduler.fast_switching
+PRUNED_SUFFIX = "+pruned"  # lbss with pruned exploration
 
 
-def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
+def real_runs(
+    drafts: Sequence[str], choosers: Sequence[str], prune_z: float = 2.0
+) -> list[RealRun]:
     runs = []
     for name in choosers:
         if name == "fixed":
             for d in drafts:  # that draft first: the one `fixed` takes
                 runs.append(RealRun(f"fixed {d}", "fixed", (d, *(x for x in drafts if x != d))))
+        elif name.endswith(PRUNED_SUFFIX):
+            chooser = name.removesuffix(PRUNED_SUFFIX)
+            runs.append(RealRun(name, chooser, tuple(drafts), prune_z=prune_z))
         else:
             chooser = name.removesuffix(FAST_SUFFIX)
             runs.append(RealRun(name, chooser, tuple(drafts), name != chooser))
@@ -54,13 +61,17 @@ def real_runs(drafts: Sequence[str], choosers: Sequence[str]) -> list[RealRun]:
 
 
 def run_env(
-    run: RealRun, batch_size: int, planner: str, alpha: int = 8, beta: int = 2
+    run: RealRun,
+    batch_size: int,
+    planner: str,
+    alpha: int = 8,
+    beta: int = 2,
 ) -> dict[str, str]:
     import json
 
-    from shared.model.model_set import draft_dirs
+    from shared.model.model_set import all_draft_dirs
 
-    dirs = draft_dirs()
+    dirs = all_draft_dirs()
     return {
         "AUGURY_SCHEDULER__DRAFT_CHOOSER": run.chooser,
         "AUGURY_SCHEDULER__FAST_SWITCHING": str(run.fast_switching).lower(),
@@ -68,6 +79,7 @@ def run_env(
         "AUGURY_SCHEDULER__SPECULATION__PLANNER": planner,
         "AUGURY_SCHEDULER__LBSS__ALPHA": str(alpha),
         "AUGURY_SCHEDULER__LBSS__BETA": str(beta),
+        "AUGURY_SCHEDULER__LBSS__PRUNE_Z": str(run.prune_z),
         "AUGURY_MODELS__DRAFTS": json.dumps([{"name": d, "dir": str(dirs[d])} for d in run.drafts]),
     }
 
@@ -93,12 +105,13 @@ def real(
     out_dir: Path,
     alpha: int = 8,
     beta: int = 2,
+    prune_z: float = 2.0,
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     from bench.load.report import write_report
 
     rows: dict[str, Any] = {}
-    for run in real_runs(drafts, choosers):
+    for run in real_runs(drafts, choosers, prune_z):
         env = run_env(run, batch_size, planner, alpha, beta)
         with running(run.label, env, draft=run.drafts, timeout_s=timeout_s, logs=LOGS) as services:
             served = replay_and_read(run.label, services, trace, timeout_s, strict=False)
@@ -119,7 +132,7 @@ def real(
         "requests": len(trace),
         "batch_size": batch_size,
         "planner": planner,
-        "lbss": {"alpha": alpha, "beta": beta},
+        "lbss": {"alpha": alpha, "beta": beta, "pruned_z": prune_z},
         "runs": rows,
     }
 

@@ -1,8 +1,14 @@
-"""The default model set: SmolLM2-135M-Instruct as target, three distilled drafts in the repo.
+"""The default model set: SmolLM2-135M-Instruct as target, distilled drafts in the repo.
 
-The drafts (`models/drafts/draft-{s,m,l}`) are LLaMA-architecture checkpoints distilled from the
-target (see `docs/models.md`; rebuilt with `python -m distill build`). They use the target's
+The independent drafts (`models/drafts/draft-{s,m,l}`) are LLaMA-architecture checkpoints
+distilled from the target; `draft-e` is a feature-level draft that reads the target's features
+(see `docs/models.md`; all rebuilt with `python -m distill build`). They use the target's
 tokenizer, so they ship no tokenizer files: load the tokenizer from `target_dir()`.
+
+`draft_dirs()` is the three independent drafts (the experiments on choosing among drafts of
+different sizes use them); `served_draft_dirs()` is what the services serve when no draft set is
+configured: `draft-e` first, the default draft of the `fixed` chooser, then the other three for
+the choosers that learn.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ DRAFT_NAMES = ("draft-s", "draft-m", "draft-l")
 # results (see `shared.engine.feature_drafting`).
 FEATURE_DRAFT_NAMES = ("draft-e",)
 ALL_DRAFT_NAMES = DRAFT_NAMES + FEATURE_DRAFT_NAMES
+# The services' default draft set; the first is the default draft (the best on every measured
+# machine, `docs/benchmarks.md`).
+SERVED_DRAFT_NAMES = ("draft-e", *DRAFT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,17 @@ def target_dir() -> Path:
 
 
 def draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
-    """The committed draft checkpoints, by name, smallest first."""
-    out = {name: root / name for name in DRAFT_NAMES}
+    """The committed independent draft checkpoints, by name, smallest first."""
+    return _committed(DRAFT_NAMES, root)
+
+
+def served_draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
+    """The services' default draft set, by name, the default draft first."""
+    return _committed(SERVED_DRAFT_NAMES, root)
+
+
+def _committed(names: tuple[str, ...], root: Path) -> dict[str, Path]:
+    out = {name: root / name for name in names}
     missing = [str(p) for p in out.values() if not (p / "config.json").is_file()]
     if missing:
         raise FileNotFoundError(

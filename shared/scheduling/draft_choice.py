@@ -27,12 +27,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
 
 EPSILON = 0.2
 RECENT_PROMPTS = 256  # greedy-length ranks a prompt among this many recent ones
+RECENT_REQUESTS = 256  # finished requests' goodputs kept per model (LBSS's pruning reads them)
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,38 @@ class GoodputTable:
         known = [m for m in (self.model_mean(x) for x in self.model_counts) if m is not None]
         return max(known, default=0.0)
 
+    # each finished request's mean per model, the most recent RECENT_REQUESTS per model
+    finished: dict[str, deque[float]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT_REQUESTS))
+    )
+
     def forget(self, request_id: str) -> None:
         for model in self._models_of.pop(request_id, ()):
-            del self.counts[(request_id, model)]
-            del self.sums[(request_id, model)]
+            key = (request_id, model)
+            self.finished[model].append(self.sums.pop(key) / self.counts.pop(key))
+
+    def request_means(self, model: str) -> list[float]:
+        """Each request's mean goodput on `model`, running requests' and recently finished
+        ones': one sample per request (a request's steps are far from independent)."""
+        running = [self.sums[key] / n for key, n in self.counts.items() if key[1] == model]
+        return [*self.finished.get(model, ()), *running]
+
+    def dominated(self, models: Sequence[str], z: float, min_requests: int) -> set[str]:
+        """The models whose goodput is confidently below another's: the upper bound of their
+        mean over requests (mean + z standard errors) under the best lower bound. A model tried
+        by fewer than `min_requests` requests is never dominated."""
+        bounds: dict[str, tuple[float, float]] = {}
+        for model in models:
+            samples = self.request_means(model)
+            if len(samples) < min_requests:
+                continue
+            mean = float(np.mean(samples))
+            error = z * float(np.std(samples, ddof=1)) / len(samples) ** 0.5
+            bounds[model] = (mean - error, mean + error)
+        if not bounds:
+            return set()
+        best_low = max(low for low, _ in bounds.values())
+        return {m for m, (_, high) in bounds.items() if high < best_low}
 
     def best_other(self, request: RequestState, live_models: Sequence[str]) -> str | None:
         """The live model other than the request's current one with the highest estimated

@@ -18,6 +18,13 @@ exploration stage it is the next chunk's random draw (a draw is a function of th
 and the request, so knowing it early changes nothing); otherwise the model with the highest
 estimated goodput other than the current one.
 
+Pruned exploration (`prune_z`, off by default, which is Spin's Alg. 2): a model whose goodput,
+averaged per request over the requests that tried it, is confidently below the best model's
+(upper bound under the best's lower bound, `prune_z` standard errors each side) is no longer
+drawn in exploration. Where one draft is far better for nearly every request, exploring the
+others costs every request's chunks on them and teaches nothing new; exploitation still matches
+on each request's own estimates, so a request that does better on a pruned model keeps it.
+
 Goodput is what the core observes after each verified step: tokens committed per ms of the step
 (`DraftOutcome.goodput`), averaged per (request, model) over every step seen; a request that
 never ran on a model is estimated by the model's mean over all requests. Switching costs a
@@ -89,7 +96,7 @@ class Lbss:
     ) -> dict[str, str]:
         models = sorted(live_models)
         if self.is_exploring:
-            chosen = self._explore(requests, models)
+            chosen = self._explore(requests, self.explorable(models))
         else:
             chosen = self._exploit(requests, models, cost)
         self._next_slot()
@@ -108,7 +115,7 @@ class Lbss:
         if self.is_exploring and held is not None and held[0][0] == self.stage:
             following = (self.stage, held[0][1] + 1)
             if following[1] * self.settings.beta < self.settings.alpha:  # a chunk of this stage
-                drawn = self._draw(request.request_id, following, models)
+                drawn = self._draw(request.request_id, following, self.explorable(models))
                 return drawn if drawn != request.draft_model else None
         return self.table.best_other(request, models)
 
@@ -116,6 +123,16 @@ class Lbss:
         self.table.forget(request_id)
         self._explored.pop(request_id, None)
         self._matched.pop(request_id, None)
+
+    def explorable(self, models: list[str]) -> list[str]:
+        """The models exploration draws from: all of them, or with `prune_z` those not
+        confidently worse than the best over the requests that tried them."""
+        if not self.settings.prune_z:
+            return models
+        dominated = self.table.dominated(
+            models, self.settings.prune_z, self.settings.prune_min_requests
+        )
+        return [m for m in models if m not in dominated]
 
     # ---- stages ----------------------------------------------------------------------------
     def _next_slot(self) -> None:
