@@ -122,7 +122,7 @@ class EngineSettings(_Group):
     # Cost profiles (python -m bench.profile): a matching one is loaded from here at start
     # (None: the repository's profiles/); without one, a quick one is measured if allowed.
     profile_dir: Path | None = None
-    profile_cache_dir: Path | None = None  # quick profiles kept here (None: ~/.cache/augury)
+    profile_cache_dir: Path | None = None  # quick profiles kept here (None: ~/.cache/augury/profiles)
     measure_profile: bool = True
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
@@ -223,7 +223,7 @@ class LbssSettings(_Group):
     capacities: dict[str, PositiveInt] = Field(default_factory=dict)  # requests per draft model
     # exploration draws only among models not confidently worse than the best (mean goodput
     # over requests, this many standard errors apart); 0: every live model, as Spin's Alg. 2
-    prune_z: Annotated[float, Field(ge=0)] = 0.0
+    prune_z: Annotated[float, Field(ge=0)] = 1.0
     prune_min_requests: Annotated[int, Field(ge=2)] = 4  # requests on a model before it can go
 
 
@@ -340,10 +340,27 @@ def env_name(location: tuple[int | str, ...]) -> str:
     return ENV_PREFIX + ENV_NESTED_DELIMITER.join(parts) if parts else ENV_PREFIX + "*"
 
 
+# Variables of the project's scripts, compose file and tests that share the prefix but are not
+# settings (`scripts/setup.sh`, `compose.yaml`, `tests/`): a service started from a shell that
+# set them must not refuse to start.
+NOT_SETTINGS = frozenset(
+    {
+        "AUGURY_TORCH",
+        "AUGURY_VENV",
+        "AUGURY_REDIS_PASSWORD",
+        "AUGURY_REDIS_MAXMEMORY",
+        "AUGURY_FUZZ_SCALE",
+        "AUGURY_TEST_REDIS_URL",
+    }
+)
+
+
 def _unknown_groups(environ: Mapping[str, str]) -> list[str]:
     known = {name.upper() for name in AugurySettings.model_fields}
     unknown = []
     for key in environ:
+        if key.upper() in NOT_SETTINGS:
+            continue
         if key.upper().startswith(ENV_PREFIX):
             group = key[len(ENV_PREFIX) :].split(ENV_NESTED_DELIMITER, 1)[0].upper()
             if group not in known:

@@ -121,6 +121,20 @@ def test_unknown_group_is_an_error_not_silently_ignored(clean_env: pytest.Monkey
         load_settings()
 
 
+def test_the_scripts_own_variables_do_not_stop_a_service(clean_env: pytest.MonkeyPatch) -> None:
+    # `AUGURY_TORCH=... bash scripts/serve.sh` hands its environment to `python -m services all`
+    import re
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    used = {m for f in scripts.glob("*.sh") for m in re.findall(r"AUGURY_[A-Z]+\b", f.read_text())}
+    assert {"AUGURY_TORCH", "AUGURY_VENV"} <= used
+    for name in used:
+        clean_env.setenv(name, "x")
+    clean_env.setenv("AUGURY_REDIS_MAXMEMORY", "4gb")  # compose's, beside its password
+    clean_env.setenv("AUGURY_REDIS_PASSWORD", "secret")
+    assert load_settings().redis.password is None  # not a setting: AUGURY_REDIS__PASSWORD is
+
+
 def test_settings_are_immutable() -> None:
     settings = load_settings()
     with pytest.raises(ValueError):

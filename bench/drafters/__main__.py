@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
         p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
         lbss_options(
-            p, 0.0, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)"
+            p, 1.0, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)"
         )
         p.add_argument(
             "--planner",
@@ -83,7 +83,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
-    lbss_options(p, 2.0, "z of the lbss+pruned runs (lbss runs explore every model)")
+    lbss_options(p, 1.0, "z of the lbss+pruned runs (lbss runs explore every model)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

@@ -44,7 +44,7 @@ PRUNED_SUFFIX = "+pruned"  # lbss with pruned exploration
 
 
 def real_runs(
-    drafts: Sequence[str], choosers: Sequence[str], prune_z: float = 2.0
+    drafts: Sequence[str], choosers: Sequence[str], prune_z: float = 1.0
 ) -> list[RealRun]:
     runs = []
     for name in choosers:
@@ -105,7 +105,7 @@ def real(
     out_dir: Path,
     alpha: int = 8,
     beta: int = 2,
-    prune_z: float = 2.0,
+    prune_z: float = 1.0,
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     from bench.load.report import write_report

@@ -18,7 +18,7 @@ exploration stage it is the next chunk's random draw (a draw is a function of th
 and the request, so knowing it early changes nothing); otherwise the model with the highest
 estimated goodput other than the current one.
 
-Pruned exploration (`prune_z`, off by default, which is Spin's Alg. 2): a model whose goodput,
+Pruned exploration (`prune_z`, 1 by default; 0 is Spin's Alg. 2): a model whose goodput,
 averaged per request over the requests that tried it, is confidently below the best model's
 (upper bound under the best's lower bound, `prune_z` standard errors each side) is no longer
 drawn in exploration. Where one draft is far better for nearly every request, exploring the
