@@ -122,7 +122,8 @@ class EngineSettings(_Group):
     # Cost profiles (python -m bench.profile): a matching one is loaded from here at start
     # (None: the repository's profiles/); without one, a quick one is measured if allowed.
     profile_dir: Path | None = None
-    profile_cache_dir: Path | None = None  # quick profiles kept here (None: ~/.cache/augury/profiles)
+    # quick profiles kept here (None: ~/.cache/augury/profiles)
+    profile_cache_dir: Path | None = None
     measure_profile: bool = True
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
