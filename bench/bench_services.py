@@ -1,6 +1,8 @@
 """Tokens/s of the whole service stack against the in-process engine, same prompts, same models.
 
-Both run greedy speculative decoding with the same target, draft and method, closed loop: at
+Both run greedy speculative decoding with the same target, draft (with the same weights: int8
+on an x86 CPU, as the services load drafts by default) and method, every step drafting the
+method's whole tree (planner `fixed` in both, so both do the same work), closed loop: at
 concurrency c, c requests are in flight and a new one starts whenever one finishes. The services
 run verifier, drafter and scheduler in this process (each model on its own thread), with every
 message through Redis (embedded unless --redis-url). Reported per concurrency: tokens/s of
@@ -9,6 +11,7 @@ each, their ratio, the scheduler's iterations and the per-iteration cost outside
 own measured time). Outputs are checked equal between the two.
 
     python -m bench.bench_services --concurrency 1 8 32 --requests 32 --max-tokens 64
+    python -m bench.bench_services --draft draft-e --method dynamic --concurrency 1 8
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
+from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
-from shared.engine.spec_engine import SpecEngine
+from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
-from shared.model.model_set import draft_dirs, target_dir
+from shared.model.cost_profiles import load_or_measure
+from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
 from tests.test_services_support import Client
@@ -75,21 +81,31 @@ def engine_method(method: str, k: int) -> DraftMethod | None:
         return None
     if method == "chain":
         return DraftMethod("chain", k=k)
-    return DraftMethod("dynamic", budget=10, max_size=10, max_depth=6, max_width=2)
+    return DEFAULT_METHOD  # the services' default speculation is this preset
 
 
 class EngineRunner:
     """The in-process engine with the same models, driven closed-loop like the services."""
 
-    def __init__(self, target: Path, draft: Path | None, method: DraftMethod | None) -> None:
+    def __init__(
+        self, target: Path, draft: Path | None, method: DraftMethod | None, *, int8: bool
+    ) -> None:
         runner = ModelRunner(load_model(target), kv_memory_bytes=KV_BYTES)
-        drafter = (
-            Drafter(ModelRunner(load_model(draft, target_path=target), kv_memory_bytes=KV_BYTES))
-            if draft
-            else None
-        )
+        drafter = None
+        if draft:
+            model = load_model(draft, target_path=target, int8=int8)
+            drafter = Drafter(ModelRunner(model, kv_memory_bytes=KV_BYTES), name="draft")
+        # the profiles the services' model services load (their kernel plans applied), and the
+        # cost model their scheduler builds from them
+        drafts = {drafter.name: drafter.runner} if drafter else {}
+        cost = load_or_measure(runner, drafts, target_name=target.name)
         self.engine = SpecEngine(
-            Verifier(runner), drafter, method, eos_token_ids=runner.cfg.eos_token_ids
+            Verifier(runner),
+            drafter,
+            method,
+            EngineConfig(planner="fixed"),
+            eos_token_ids=runner.cfg.eos_token_ids,
+            cost=cost,
         )
         self._ids = itertools.count()
 
@@ -196,15 +212,12 @@ async def bench(args: argparse.Namespace, url: str) -> list[Row]:
     draft: Path | None = None
     if args.draft != "none" and args.method != "none":
         try:
-            draft = (
-                draft_dirs()[args.draft] if args.draft.startswith("draft-") else Path(args.draft)
-            )
-        except FileNotFoundError:
+            named = args.draft.startswith("draft-")
+            draft = all_draft_dirs()[args.draft] if named else Path(args.draft)
+        except KeyError:
             print(f"({args.draft} is not built yet: plain decoding, no draft)")
     method_name = args.method if draft else "none"
-    spec: dict[str, object] = {"method": method_name, "chain_length": args.k}
-    if method_name == "dynamic":
-        spec |= {"dynamic_max_nodes": 10, "dynamic_max_depth": 6, "dynamic_max_width": 2}
+    spec: dict[str, object] = {"method": method_name, "chain_length": args.k, "planner": "fixed"}
     settings = AugurySettings(
         redis=RedisSettings(url=url),
         engine={"kv_memory_bytes": KV_BYTES},
@@ -213,13 +226,15 @@ async def bench(args: argparse.Namespace, url: str) -> list[Row]:
     )
     prompts = load_prompts(args.requests)
     params = SamplingParams(max_tokens=args.max_tokens)
-    engine = EngineRunner(target, draft, engine_method(method_name, args.k))
+    int8 = uses_int8(settings.engine.draft_weights, settings.engine.device)
+    engine = EngineRunner(target, draft, engine_method(method_name, args.k), int8=int8)
     models = ModelPaths(target, {"draft": draft} if draft else {})
     stack = await start_stack(settings, url, models, gateway=False)
     client = Client(url, settings, "bench-client")
     services = ServicesRunner(stack, client)
     print(
-        f"target {target.name}, draft {draft}, method {method_name}, "
+        f"target {target.name}, draft {draft}{' (int8)' if draft and int8 else ''}, "
+        f"method {method_name}, "
         f"{torch.get_num_threads()} torch threads, M={args.micro_batches}, "
         f"{args.requests} requests x {args.max_tokens} tokens, {args.rounds} rounds",
         flush=True,
