@@ -50,6 +50,30 @@ def plan(queries, curve, *, budget: int = 512, prefill: int = 0) -> dict[str, in
     return plan_depths(queries, cost, prefill_tokens=prefill, budget=budget, context=100)
 
 
+def test_a_drafters_backlog_is_spread_over_the_steps_the_request_has_left() -> None:
+    steady = DepthQuery("r", "d", CHAIN, 4, 0.5, new_tokens=5, tokens_left=100)
+    assert steady.root_tokens() == 5  # at most one step's commit: charged in full
+    behind = DepthQuery("r", "d", CHAIN, 4, 0.5, new_tokens=400, tokens_left=100)
+    per_step = 1 + 0.5 + 0.25 + 0.125 + 0.0625  # committed tokens a step expects
+    assert behind.root_tokens() == pytest.approx(5 + 395 / (100 / per_step))
+    long = DepthQuery("r", "d", CHAIN, 4, 0.5, new_tokens=400, tokens_left=4000)
+    assert long.root_tokens() == pytest.approx(5 + 395 / (128 / per_step))  # length unknown
+    ending = DepthQuery("r", "d", CHAIN, 4, 0.5, new_tokens=400, tokens_left=1)
+    assert ending.root_tokens() == 400  # no later step to share it
+    assert DepthQuery("r", "d", CHAIN, 4, 0.5, new_tokens=400).root_tokens() == 400
+
+
+def test_a_request_that_sat_out_drafts_again_once_its_backlog_pays_over_its_life() -> None:
+    # a draft forward over a prompt-sized backlog costs three target steps here; charged to one
+    # step it never pays, and every plain step would add to it
+    cost = cost_model(CPU, [(1, 0.5), (8, 0.8), (512, 30.0)])
+    step = {"prefill_tokens": 0, "budget": 512, "context": 100}
+    behind = DepthQuery("r", "d", CHAIN, 4, 0.8, new_tokens=400, tokens_left=100)
+    assert plan_depths([behind], cost, **step) == {"r": 4}
+    unknown = DepthQuery("r", "d", CHAIN, 4, 0.8, new_tokens=400)
+    assert plan_depths([unknown], cost, **step) == {"r": 0}
+
+
 def test_cost_curves_are_what_they_claim() -> None:
     cpu = cost_model(CPU)
     assert cpu.verify_ms(5, 0) == pytest.approx(1.7 * cpu.verify_ms(1, 0))

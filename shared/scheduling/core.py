@@ -664,6 +664,7 @@ class SchedulerCore:
                     min(self.max_depth(request), method.num_layers),
                     state.estimate.rate(prior),
                     request.num_tokens - request.num_seen_by_drafter,
+                    request.tokens_left,
                 )
             )
         if not queries:

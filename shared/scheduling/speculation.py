@@ -15,7 +15,9 @@ whose draft keeps failing stops paying for it, and one whose draft is accurate d
    marginal expected token is largest; the best configuration seen is kept (the thesis's Alg. 1
    objective with verification cost as a term, under AdaServe's hardware budget B). A level
    costs the drafter a forward over its whole width, and the verifier about one node: the
-   selection after drafting keeps only the nodes that pay.
+   selection after drafting keeps only the nodes that pay. The first level also costs the
+   drafter's root forward, whose backlog beyond one step's commit is spread over the
+   request's remaining steps (`DepthQuery.root_tokens`).
 2. After drafting (`select_by_goodput`), the drafted trees' own path probabilities f(i) (AdaServe
    Thm. 3.1: E[accepted] = sum f(i)), calibrated per request by how the target actually agreed,
    rank every node of the micro-batch; the verified prefix of that ranking is the one with the
@@ -48,6 +50,9 @@ CALIBRATION_CLIP = (0.25, 4.0)
 FIRST_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 64
 OPTIMISTIC_RATE = 0.9  # a probe is worth it only if a draft this good would pay in the step
+# a drafter's backlog is spread over the steps of at most this many of the request's tokens to
+# come: `max_tokens` is only a bound on its length (a chat answer is typically shorter)
+AMORTIZED_TOKENS = 128
 
 
 @dataclass
@@ -87,6 +92,22 @@ class DepthQuery:
     max_depth: int  # tokens left and context room allow no deeper
     rate: float  # per-depth acceptance estimate
     new_tokens: int  # committed tokens the drafter has not seen (its root forward)
+    tokens_left: int | None = None  # output tokens the request may still commit (None: unknown)
+
+    def root_tokens(self) -> float:
+        """The root forward's tokens this step is charged for. A drafter that drafted last
+        step has at most a step's commit to catch up on (`max_depth + 1`); anything beyond is a
+        backlog (a prompt it never saw, the steps it sat out) that drafting pays once and every
+        later step of the request draws on, so it is spread over the steps the request still
+        has. Charging it all to this step would keep a request that once stopped drafting from
+        ever starting again, its backlog growing with every plain step."""
+        steady = self.max_depth + 1
+        backlog = self.new_tokens - steady
+        if backlog <= 0 or self.tokens_left is None:
+            return float(self.new_tokens)
+        per_step = sum(self.rate**d for d in range(self.max_depth + 1))  # 1 + expected accepted
+        steps_left = max(1.0, min(self.tokens_left, AMORTIZED_TOKENS) / per_step)
+        return steady + backlog / steps_left
 
 
 def verify_shares(
@@ -168,7 +189,7 @@ def _drafting_ms(
     mine = np.array([queries[i].draft_model == model for _, i, _ in levels])
     level = np.array([d for _, _, d in levels]) * mine  # 0 where another model's level
     starts = level == 1  # a request's first level: it drafts, and its root forward grows
-    new_tokens = np.array([queries[i].new_tokens for _, i, _ in levels]) * starts
+    new_tokens = np.array([queries[i].root_tokens() for _, i, _ in levels]) * starts
     width = np.array([layer_widths(queries[i].method)[d] for _, i, d in levels])
 
     def prefix(values: np.ndarray) -> np.ndarray:
