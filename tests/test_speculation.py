@@ -298,7 +298,7 @@ def reference_goodput(queries, depths, cost, *, prefill, context, num_requests) 
                 for q in mine if depths[q.request_id] >= d)
             for d in range(1, deepest + 1)
         ]  # fmt: skip
-        root = sum(q.new_tokens for q in mine)
+        root = sum(q.root_tokens() for q in mine)  # a backlog spread over the request's life
         ms += cost.draft_tree_ms(model, root, layers, context, len(mine))
     return tokens / ms
 
@@ -307,7 +307,8 @@ def reference_goodput(queries, depths, cost, *, prefill, context, num_requests) 
 @given(
     rates=st.lists(st.floats(0.0, 0.99), min_size=1, max_size=12),
     models=st.lists(st.sampled_from(["d", "e"]), min_size=12, max_size=12),
-    new_tokens=st.lists(st.integers(1, 40), min_size=12, max_size=12),
+    new_tokens=st.lists(st.integers(1, 400), min_size=12, max_size=12),
+    tokens_left=st.lists(st.none() | st.integers(1, 300), min_size=12, max_size=12),
     num_requests=st.none() | st.integers(1, 20),
     method=st.sampled_from(
         [CHAIN, DraftMethod("dynamic", max_size=8, budget=8, max_depth=5, max_width=3)]
@@ -315,12 +316,12 @@ def reference_goodput(queries, depths, cost, *, prefill, context, num_requests) 
     target=st.sampled_from([GPU_LIKE, CPU_LIKE]),
 )
 def test_the_plan_is_the_best_prefix_of_the_greedy_order(
-    rates, models, new_tokens, num_requests, method, target
+    rates, models, new_tokens, tokens_left, num_requests, method, target
 ) -> None:
     # the vectorized planner against a plain pricing of every prefix of the same order
     cost = two_draft_cost(target)
     queries = [
-        DepthQuery(f"r{i}", models[i], method, 5, rate, new_tokens[i])
+        DepthQuery(f"r{i}", models[i], method, 5, rate, new_tokens[i], tokens_left[i])
         for i, rate in enumerate(rates)
     ]
     step = {"prefill": 0, "context": 0, "num_requests": num_requests}
