@@ -95,6 +95,10 @@ class GoodputTable:
     model_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     model_counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _models_of: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    # each finished request's mean per model, the most recent RECENT_REQUESTS per model
+    finished: dict[str, deque[float]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT_REQUESTS))
+    )
 
     def add(self, outcome: DraftOutcome) -> None:
         key = (outcome.request_id, outcome.draft_model)
@@ -124,11 +128,6 @@ class GoodputTable:
             return prior
         known = [m for m in (self.model_mean(x) for x in self.model_counts) if m is not None]
         return max(known, default=0.0)
-
-    # each finished request's mean per model, the most recent RECENT_REQUESTS per model
-    finished: dict[str, deque[float]] = field(
-        default_factory=lambda: defaultdict(lambda: deque(maxlen=RECENT_REQUESTS))
-    )
 
     def forget(self, request_id: str) -> None:
         for model in self._models_of.pop(request_id, ()):
