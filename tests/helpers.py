@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
+
+from shared.model.quantized import int8_available
+
+# int8 drafts run PyTorch's FBGEMM kernels, which only x86 builds of PyTorch have (every machine
+# this project's CI runs on); elsewhere `auto` keeps the drafts' own weights and these tests skip
+requires_int8 = pytest.mark.skipif(
+    not int8_available(), reason="needs PyTorch's FBGEMM int8 kernels, which only x86 builds have"
+)
 
 
 def hf_greedy(model_dir, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -18,7 +18,7 @@ from shared import datasets
 from shared.model import load_model
 from shared.model.model_set import DRAFT_NAMES, all_draft_dirs, default_model_set
 from shared.model.runner import ModelRunner
-from tests.helpers import paged_logits
+from tests.helpers import paged_logits, requires_int8
 
 pytestmark = pytest.mark.smollm2
 
@@ -211,6 +211,7 @@ def test_draft_e_greedy_equals_target_and_accepts_inside_its_range(model_set, re
     assert lo <= row["engine_mean_accepted_length"] <= hi, row
 
 
+@requires_int8
 def test_draft_e_with_int8_weights_keeps_greedy_output_and_acceptance(
     model_set, references, draft_e
 ):
@@ -219,10 +220,7 @@ def test_draft_e_with_int8_weights_keeps_greedy_output_and_acceptance(
     docs/models.md)."""
     from distill.evaluate import engine_run
     from shared.engine.methods import DraftMethod
-    from shared.model.quantized import int8_available
 
-    if not int8_available():
-        pytest.skip("needs PyTorch's FBGEMM int8 kernels, which only x86 builds have")
     row = engine_run(model_set.target, draft_e, references, DraftMethod("chain", k=4), int8=True)
     assert row["outputs_equal_target_greedy"] == len(references)
     lo, hi = DRAFT_E_CHAIN4_RANGE

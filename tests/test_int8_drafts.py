@@ -18,14 +18,12 @@ from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.profiling import profile_key
-from shared.model.quantized import Int8Linear, int8_available, uses_int8
+from shared.model.quantized import Int8Linear, uses_int8
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.settings import EngineSettings
+from tests.helpers import requires_int8
 
-pytestmark = pytest.mark.skipif(
-    not int8_available(),
-    reason="needs PyTorch's FBGEMM int8 kernels, which only x86 builds have",
-)
+pytestmark = requires_int8
 
 PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15, 16], [70], [33, 34, 35, 36]]
 
