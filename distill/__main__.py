@@ -329,6 +329,16 @@ def kinds_cmd(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def draft_weights_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-weights",
+        choices=["native", "int8"],
+        default="native",
+        help="the drafts as trained, or their linear layers with int8 weights (what the "
+        "services run on a CPU by default)",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -386,13 +396,7 @@ def main() -> None:
         default=",".join(METHOD_KEYS),
         help="subset of " + ",".join(METHOD_KEYS),
     )
-    k.add_argument(
-        "--draft-weights",
-        choices=["native", "int8"],
-        default="native",
-        help="the drafts as trained, or their linear layers with int8 weights (what the "
-        "services run on a CPU by default)",
-    )
+    draft_weights_option(k)
     w = sub.add_parser("winners", help="fastest draft per request, through the real engine")
     w.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     w.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
@@ -401,13 +405,7 @@ def main() -> None:
     w.add_argument("--max-new-tokens", type=int, default=128)
     w.add_argument("--chain", type=int, default=4)
     w.add_argument("--threads", type=int, default=2)
-    w.add_argument(
-        "--draft-weights",
-        choices=["native", "int8"],
-        default="native",
-        help="the drafts as trained, or their linear layers with int8 weights (what the "
-        "services run on a CPU by default)",
-    )
+    draft_weights_option(w)
     lv = sub.add_parser("levels", help="a feature-level draft's held-out top-1 per tree level")
     lv.add_argument("drafts", type=Path, nargs="+", help="draft directories")
     lv.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

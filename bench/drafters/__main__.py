@@ -29,10 +29,13 @@ PROFILE = (
 RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
 
 
-def lbss_options(p: argparse.ArgumentParser, prune_z: float, prune_help: str) -> None:
-    p.add_argument("--alpha", type=int, default=8, help="LBSS exploration slots per epoch")
-    p.add_argument("--beta", type=int, default=2, help="LBSS slots per exploration chunk")
-    p.add_argument("--prune-z", type=float, default=prune_z, help=prune_help)
+def lbss_options(p: argparse.ArgumentParser, prune_help: str) -> None:
+    from shared.settings import LbssSettings
+
+    defaults = LbssSettings()
+    p.add_argument("--alpha", type=int, default=defaults.alpha, help="LBSS exploration slots")
+    p.add_argument("--beta", type=int, default=defaults.beta, help="LBSS slots per chunk")
+    p.add_argument("--prune-z", type=float, default=defaults.prune_z, help=prune_help)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -46,9 +49,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
         p.add_argument("--copies", type=int, default=2, help="requests per recorded prompt")
         p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
-        lbss_options(
-            p, 1.0, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)"
-        )
+        lbss_options(p, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)")
         p.add_argument(
             "--planner",
             choices=("goodput", "fixed"),
@@ -83,7 +84,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
-    lbss_options(p, 1.0, "z of the lbss+pruned runs (lbss runs explore every model)")
+    lbss_options(p, "z of the lbss+pruned runs (lbss runs explore every model)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

@@ -43,9 +43,7 @@ FAST_SUFFIX = "+fast"  # a chooser name with it: that chooser with scheduler.fas
 PRUNED_SUFFIX = "+pruned"  # lbss with pruned exploration
 
 
-def real_runs(
-    drafts: Sequence[str], choosers: Sequence[str], prune_z: float = 1.0
-) -> list[RealRun]:
+def real_runs(drafts: Sequence[str], choosers: Sequence[str], prune_z: float) -> list[RealRun]:
     runs = []
     for name in choosers:
         if name == "fixed":
@@ -61,11 +59,7 @@ def real_runs(
 
 
 def run_env(
-    run: RealRun,
-    batch_size: int,
-    planner: str,
-    alpha: int = 8,
-    beta: int = 2,
+    run: RealRun, batch_size: int, planner: str, alpha: int = 8, beta: int = 2
 ) -> dict[str, str]:
     import json
 
@@ -105,7 +99,7 @@ def real(
     out_dir: Path,
     alpha: int = 8,
     beta: int = 2,
-    prune_z: float = 1.0,
+    prune_z: float,
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
     from bench.load.report import write_report
