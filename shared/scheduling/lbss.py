@@ -82,6 +82,8 @@ class Lbss:
         self._rng = random.Random(seed)
         self._explored: dict[str, tuple[tuple[int, int], str]] = {}  # rid -> (chunk, model)
         self._matched: dict[str, tuple[int, str]] = {}  # rid -> (stage, model)
+        # the models exploration draws from, worked out once per slot and table state
+        self._explorable: tuple[tuple[int, int, tuple[str, ...]], list[str]] | None = None
 
     @property
     def stage_slots(self) -> int:
@@ -104,6 +106,7 @@ class Lbss:
 
     def observe(self, outcome: DraftOutcome) -> None:
         self.table.add(outcome)
+        self._explorable = None  # the table changed
         if self.slot_ms is None:
             self.slot_ms = outcome.step_ms
         else:
@@ -121,6 +124,7 @@ class Lbss:
 
     def forget(self, request_id: str) -> None:
         self.table.forget(request_id)
+        self._explorable = None
         self._explored.pop(request_id, None)
         self._matched.pop(request_id, None)
 
@@ -129,10 +133,13 @@ class Lbss:
         confidently worse than the best over the requests that tried them."""
         if not self.settings.prune_z:
             return models
-        dominated = self.table.dominated(
-            models, self.settings.prune_z, self.settings.prune_min_requests
-        )
-        return [m for m in models if m not in dominated]
+        key = (self.stage, self.slot, tuple(models))
+        if self._explorable is None or self._explorable[0] != key:
+            dominated = self.table.dominated(
+                models, self.settings.prune_z, self.settings.prune_min_requests
+            )
+            self._explorable = (key, [m for m in models if m not in dominated])
+        return self._explorable[1]
 
     # ---- stages ----------------------------------------------------------------------------
     def _next_slot(self) -> None:

@@ -189,7 +189,8 @@ def _drafting_ms(
     mine = np.array([queries[i].draft_model == model for _, i, _ in levels])
     level = np.array([d for _, _, d in levels]) * mine  # 0 where another model's level
     starts = level == 1  # a request's first level: it drafts, and its root forward grows
-    new_tokens = np.array([queries[i].root_tokens() for _, i, _ in levels]) * starts
+    roots = [q.root_tokens() for q in queries]  # once per request, not per level
+    new_tokens = np.array([roots[i] for _, i, _ in levels]) * starts
     width = np.array([layer_widths(queries[i].method)[d] for _, i, d in levels])
 
     def prefix(values: np.ndarray) -> np.ndarray:
