@@ -8,6 +8,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared.model.smollm2 import ensure_smollm2
 from shared.text.detokenize import IncrementalDetokenizer
@@ -70,9 +72,38 @@ def test_matcher_holds_back_only_a_possible_stop() -> None:
     assert matcher.push("later") == ""
 
 
-def test_matcher_earliest_match_and_include() -> None:
+def reference_cut(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    """The output and stop string, from the whole text: the match that completes first."""
+    found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    if not found:
+        return text, None
+    end, start, stop = min(found)
+    return text[: end if include else start], stop
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc\n", max_size=40),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+    include=st.booleans(),
+)
+def test_matcher_equals_matching_the_whole_text(
+    text: str, stops: list[str], cuts: list[int], include: bool
+) -> None:
+    matcher = StopStringMatcher(stops, include_in_output=include)
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    released = "".join(matcher.push(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    if matcher.matched is None:
+        released += matcher.flush()
+    assert (released, matcher.matched) == reference_cut(text, stops, include)
+
+
+def test_matcher_first_completed_match_and_include() -> None:
     matcher = StopStringMatcher(["world", "lo w"], include_in_output=True)
     assert matcher.push("hello world") == "hello w" and matcher.matched == "lo w"
+    nested = StopStringMatcher(["abcd", "bc"])
+    assert nested.push("abcd") == "a" and nested.matched == "bc"  # "bc" completes first
     plain = StopStringMatcher(["lo"])
     assert plain.push("hello") == "hel" and plain.flush() == ""
     unmatched = StopStringMatcher(["xyz"])

@@ -2,8 +2,8 @@
 
 Text is released as soon as no stop string can still begin in it: only the longest tail that
 is a prefix of some stop string is held back. A match ends the output at the match (or after it,
-with `include_stop_str_in_output`); the earliest match in the text wins. The gateway and the
-in-process engine share this one matcher.
+with `include_stop_str_in_output`); the match that completes first in the text wins. The
+gateway and the in-process engine share this one matcher.
 """
 
 from __future__ import annotations
@@ -44,21 +44,28 @@ class StopStringMatcher:
         return held
 
     def _earliest(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
+        """The match that completes first (ties: the one that starts first), so that how the
+        text was split into pushes never changes which stop string wins."""
+        best: tuple[int, int, str] | None = None
         for stop in self.stops:
             start = buffer.find(stop)
-            if start >= 0 and (best is None or start < best[0]):
-                best = (start, stop)
-        return best
+            if start >= 0:
+                found = (start + len(stop), start, stop)
+                best = found if best is None else min(best, found)
+        return None if best is None else (best[1], best[2])
 
     def _partial_tail(self, buffer: str) -> int:
         """Length of the longest tail of `buffer` that a stop string starts with."""
         longest = 0
+        end = len(buffer)
         for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if stop.startswith(buffer[len(buffer) - size :]):
-                    longest = size
+            # candidate starts: where the stop's first character occurs in its reach
+            start = buffer.find(stop[0], max(0, end - len(stop) + 1))
+            while start != -1 and end - start > longest:
+                if stop.startswith(buffer[start:]):
+                    longest = end - start
                     break
+                start = buffer.find(stop[0], start + 1)
         return longest
 
 
