@@ -85,6 +85,14 @@ async def test_stop_strings_inside_accepted_chains(
     [reference] = plain_greedy(worded_dir, [prompt], [SamplingParams(max_tokens=60)])
     full = tokenizer.decode(reference)
     stop, taken = stop_inside_a_step(tokenizer, reference)
+    chat = [{"role": "user", "content": PROMPT}]
+    chat_ids = tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    [chat_reference] = plain_greedy(worded_dir, [chat_ids], [SamplingParams(max_tokens=60)])
+    chat_full = tokenizer.decode(chat_reference)
+    chat_stop, _ = stop_inside_a_step(tokenizer, chat_reference)
+    # (references first: computing them blocks the loop the services' heartbeats run on)
     async with serving(server.url, "clients-stop", worded_dir) as (stack, client):
         assert stack.scheduler is not None
         cancels = spy_on_cancels(stack)
@@ -105,13 +113,6 @@ async def test_stop_strings_inside_accepted_chains(
         assert state is not None and state.finish_reason == "abort"
         assert len(state.output) < state.params.max_tokens == CONTEXT - len(prompt)
 
-        chat = [{"role": "user", "content": PROMPT}]
-        chat_ids = tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        [chat_reference] = plain_greedy(worded_dir, [chat_ids], [SamplingParams(max_tokens=60)])
-        chat_full = tokenizer.decode(chat_reference)
-        chat_stop, _ = stop_inside_a_step(tokenizer, chat_reference)
         chat_stream = await client.chat.completions.create(
             model=model,
             messages=chat,  # type: ignore[arg-type]
