@@ -418,6 +418,8 @@ def _refuse_unknown_augury_fields(extension: Mapping[str, Any]) -> None:
 def _top_k(body: Mapping[str, Any]) -> int:
     """vLLM's top_k: -1 (and 0) mean no truncation."""
     top_k = _integer(body, "top_k", 0) or 0
+    if top_k < -1:
+        raise bad_request(f"top_k must be positive, or -1 or 0 for off; got {top_k}", "top_k")
     return 0 if top_k == -1 else top_k
 
 
