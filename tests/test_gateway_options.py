@@ -241,3 +241,15 @@ async def test_the_openai_client_sends_stop_n_and_echo(
         assert texts == [REPLY[: REPLY.index("stand") + len("stand")]] * 2
     finally:
         await openai.close()
+
+
+async def test_a_client_leaving_cancels_every_choice(
+    running: tuple[TestClient, StandInScheduler],
+) -> None:
+    client, scheduler = running
+    body = {"messages": [{"role": "user", "content": "hang"}], "n": 2, "stream": True}
+    response = await post(client, "/v1/chat/completions", body)
+    await response.content.readline()  # a role chunk: the requests are in flight
+    response.close()
+    assert sorted(await cancelled(scheduler, 2)) == sorted(s.request_id for s in scheduler.submits)
+    assert len(scheduler.submits) == 2
