@@ -502,3 +502,48 @@ def test_bad_input_is_one_line_and_exit_code_2(
         err = capsys.readouterr().err
         assert err.startswith("bench.replay: error: ") and expected in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---- the load-testing doc's own commands, and failures ---------------------------------------
+async def test_the_docs_synth_trace_replays_and_failures_exit_1_counted_by_reason(
+    server: EmbeddedRedis,
+    models: ModelPaths,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.traces import main as traces_main
+
+    # docs/load-testing.md's synth command (smaller), whose classes the server does not know
+    trace = tmp_path / "trace.jsonl"
+    synth = ["synth", "--rate", "20", "--duration", "0.3", "--kinds", "chat", "--input-range"]
+    synth += ["16", "32", "--output-range", "4", "8", "--slo", "tight=60", "loose=150"]
+    synth += ["--seed", "1", "--target", str(models.target), "--out", str(trace)]
+    assert traces_main(synth) in (0, None)
+    requests = read_trace(trace)
+    assert {r.slo_class for r in requests} == {"tight", "loose"} and len(requests) >= 2
+    # a trace class the server does not know, without an objective in ms: a 400 per request
+    unknown = write_jsonl(
+        tmp_path / "unknown.jsonl",
+        [{"timestamp": 10 * i, "output_length": 3, "prompt": "Hi", "slo_class": "nope"}
+         for i in range(3)],  # fmt: skip
+    )
+    async with serving(server, models, "docs") as (_, base):
+        argv = ["run", "--trace", str(trace), "--base-url", base, "--no-progress", "--no-plots"]
+        assert await asyncio.to_thread(main, [*argv, "--out", str(tmp_path / "ok")]) == 0
+        records = load_records(tmp_path / "ok")
+        assert all(r.is_completed for r in records), [r.error for r in records]
+        assert {r.slo_class for r in records} == {"tight", "loose"}  # the report keeps them
+        capsys.readouterr()
+
+        argv = ["run", "--trace", str(unknown), "--base-url", base, "--no-progress"]
+        assert await asyncio.to_thread(main, [*argv, "--out", str(tmp_path / "bad")]) == 1
+        err = capsys.readouterr().err
+        assert "3 of 3 requests failed" in err and "HTTP 400" in err and "nope" in err
+        argv += ["--out", str(tmp_path / "allowed"), "--allow-failures", "--no-plots"]
+        assert await asyncio.to_thread(main, argv) == 0
+    report = json.loads((tmp_path / "bad" / "report.json").read_text())
+    [(reason, count)] = report["failures_by_reason"].items()
+    assert count == 3 and reason.startswith("HTTP 400: unknown SLO class 'nope'")
+    markdown = (tmp_path / "bad" / "report.md").read_text()
+    assert "## Failures" in markdown and f"| 3 | {reason} |" in markdown
+    assert (tmp_path / "bad" / "throughput.png").is_file()
