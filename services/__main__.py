@@ -1,15 +1,22 @@
-"""`python -m services all|scheduler|verifier|drafter|gateway`: see services/run.py."""
+"""`python -m services all|scheduler|verifier|drafter|gateway`: see services/run.py.
+
+`python -m services health [--live] SERVICE` probes a service on this host (services/health.py);
+it imports nothing that imports torch, so it answers in well under a second.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from services.run import SERVICES, serve_until_signalled, start_one, start_stack
-from services.runtime import resolve_models, run_async
-from shared.bus import redis_url
+from services.health import SERVICE_NAMES
 from shared.settings import AugurySettings, SettingsError, load_settings, redacted_url
+
+if TYPE_CHECKING:
+    from services.run import Stack
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -17,9 +24,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m services",
         description="Run Augury's services over Redis (settings from AUGURY_* variables).",
     )
-    parser.add_argument("service", choices=("all", "health", *SERVICES))
+    parser.add_argument("service", choices=("all", "health", *SERVICE_NAMES))
     parser.add_argument(
-        "probe", nargs="?", choices=SERVICES, help="health: the service to probe on this host"
+        "probe", nargs="?", choices=SERVICE_NAMES, help="health: the service to probe on this host"
+    )
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="health: liveness (the process's event loop runs) instead of readiness",
     )
     parser.add_argument("--name", help="drafter: the draft model this replica serves")
     parser.add_argument(
@@ -35,21 +47,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="DEBUG adds the scheduler's per-micro-batch timings (draft, verify, whole step)",
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> int:
+    from services.health import keep_alive
+    from services.run import serve_until_signalled
+
+    # liveness from the start: a model service loading its weights is alive, not yet ready
+    names = SERVICE_NAMES if args.service == "all" else (args.service,)
+    touching = [asyncio.create_task(keep_alive(name), name=f"alive-{name}") for name in names]
+    try:
+        stack = await start(args, settings, url)
+        logging.getLogger("services").info(
+            "%s running (cell %s, redis %s)", args.service, settings.service.cell, redacted_url(url)
+        )
+        return await serve_until_signalled(stack)
+    finally:
+        for task in touching:
+            task.cancel()
+        await asyncio.gather(*touching, return_exceptions=True)
+
+
+async def start(args: argparse.Namespace, settings: AugurySettings, url: str) -> Stack:
+    from services.run import start_one, start_stack
+    from services.runtime import resolve_models
+
     models = resolve_models(settings)
     if args.service == "all":
-        stack = await start_stack(
+        return await start_stack(
             settings, url, models, gateway=not args.no_gateway, drafts=args.drafts
         )
-    else:
-        stack = await start_one(settings, url, models, args.service, args.name)
-    logging.getLogger("services").info(
-        "%s running (cell %s, redis %s)", args.service, settings.service.cell, redacted_url(url)
-    )
-    return await serve_until_signalled(stack)
+    return await start_one(settings, url, models, args.service, args.name)
+
+
+def probe(args: argparse.Namespace, settings: AugurySettings) -> int:
+    from services.health import alive, ready
+
+    if args.probe is None:
+        print("health needs the service to probe, e.g. `python -m services health verifier`")
+        return 2
+    if args.live:
+        return 0 if alive(args.probe) else 1
+    return 0 if ready(settings, args.probe) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,12 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error)
         return 2
     if args.service == "health":
-        from services.health import healthy
+        return probe(args, settings)
+    from services.runtime import run_async
+    from shared.bus import redis_url
 
-        if args.probe is None:
-            print("health needs the service to probe, e.g. `python -m services health verifier`")
-            return 2
-        return 0 if healthy(settings, args.probe) else 1
     if args.threads:
         import torch
 
