@@ -1,4 +1,4 @@
-"""`python -m services health [--live]`: cheap liveness (no torch, no Redis) apart from readiness."""
+"""`python -m services health [--live]`: liveness (no torch, no Redis) apart from readiness."""
 
 from __future__ import annotations
 
