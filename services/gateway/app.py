@@ -30,6 +30,7 @@ from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
+from shared.bus.cell_stats import read_cell_stats
 from shared.bus.preemptions import read_preemptions
 from shared.bus.profiles import read_profiles
 from shared.engine.sampling import SamplingParams
@@ -196,6 +197,12 @@ class Gateway:
             )
         except (RedisError, OSError, ValueError) as error:
             log.warning("could not read the preemption totals: %s", error)
+        try:
+            self.metrics.cell_load.stats = await read_cell_stats(
+                self.bus, self.settings.service.cell
+            )
+        except (RedisError, OSError, ValueError, KeyError) as error:
+            log.warning("could not read the cell's load: %s", error)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -250,6 +257,7 @@ class Gateway:
             self.metrics.running.dec()
             self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
             if progress.finish is None:
+                self.metrics.aborted.inc()  # the client left (or the stream failed)
                 await self._cancel(request_id)
             else:
                 self._record_finished(gen, progress)
@@ -307,6 +315,8 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
+        if progress.finish is FinishReason.ABORT:
+            self.metrics.aborted.inc()
         count_slo(self.metrics, progress)
 
     # ---- responses -----------------------------------------------------------------------------
