@@ -16,15 +16,31 @@ import logging
 import signal
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
 from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
-from shared.bus.profiles import TARGET, draft_role, publish_profile
-from shared.model.cost_profiles import CACHE_DIR, QUICK_MAX_TOKENS, model_profile
+from shared.bus.profiles import (
+    TARGET,
+    draft_role,
+    publish_profile,
+    publish_profile_status,
+    read_profiles,
+)
+from shared.model.cost_profiles import (
+    CACHE_DIR,
+    QUICK_MAX_TOKENS,
+    SUSPECT,
+    ProfileChoice,
+    choose_profile,
+)
+from shared.model.profile_trust import committed_target
+from shared.model.profiling import fingerprint_of, profile_key
 from shared.model.runner import ModelRunner
+from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, ModelProfile
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
 
@@ -58,6 +74,7 @@ class Stack:
     drafters: list[DrafterService] = field(default_factory=list)
     gateway: asyncio.Task[None] | None = None
     buses: list[Bus] = field(default_factory=list)
+    target_profile: ModelProfile | None = None  # the verifier's, once chosen (drafts check theirs)
 
     def bus(self, name: str) -> Bus:
         bus = Bus(self.url, self.settings.redis, name)
@@ -92,12 +109,27 @@ async def bounded(what: str, stopping: Awaitable[object]) -> None:
 
 
 async def publish_own_profile(
-    stack: Stack, bus: Bus, runner: ModelRunner, name: str, role: str
-) -> None:
-    """Load (or measure, bounded) this model's cost profile and publish it for the scheduler."""
+    stack: Stack,
+    bus: Bus,
+    runner: ModelRunner,
+    name: str,
+    role: str,
+    *,
+    target_dir: Path | None = None,
+) -> ProfileChoice:
+    """Load (or measure, bounded, and check) this model's cost profile and publish it for the
+    scheduler, with its status for /metrics. A draft is checked against its target's profile
+    (`target_dir`: the target's checkpoint, to find a committed one). A suspect measurement is
+    never cached; a suspect draft's is not published either (the scheduler prices a draft
+    without a profile as free, so it keeps speculating, instead of never drafting with it), a
+    suspect target's is published for this run (without one there is no cost model at all)."""
     engine = stack.settings.engine
-    profile = await asyncio.to_thread(
-        model_profile,
+    cell = stack.settings.service.cell
+    reference = None
+    if role != TARGET:
+        reference = await target_reference(stack, bus, runner, name, target_dir)
+    choice = await asyncio.to_thread(
+        choose_profile,
         runner,
         name,
         directory=engine.profile_dir,
@@ -105,14 +137,50 @@ async def publish_own_profile(
         plan_kernels=engine.plan_kernels,
         cache_dir=engine.profile_cache_dir or CACHE_DIR,
         max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
+        reference=reference,
     )
-    if profile is not None:
-        await publish_profile(bus, stack.settings.service.cell, role, profile)
+    published = choice.profile is not None and (choice.trusted or role == TARGET)
+    if published:
+        assert choice.profile is not None
+        await publish_profile(bus, cell, role, choice.profile)
+        if role == TARGET:
+            stack.target_profile = choice.profile
+    elif choice.source == SUSPECT:
+        log.warning(
+            "cost profile of %s: not published; the scheduler prices %s as free until a "
+            "trusted profile is published (a restart on a quiet machine, or a committed one "
+            "from python -m bench.profile)",
+            name,
+            name,
+        )
+    await publish_profile_status(
+        bus, cell, role, source=choice.source, detail=choice.detail, published=published
+    )
+    return choice
 
 
-async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:
+async def target_reference(
+    stack: Stack, bus: Bus, runner: ModelRunner, name: str, target_dir: Path | None
+) -> ModelProfile | None:
+    """The target's profile a draft's measurement is checked against: this process's verifier's,
+    else the one the cell's verifier published, else a committed one of the same target on
+    this kind of machine (`profile_trust` ignores one from another kind of machine)."""
+    if stack.target_profile is not None:
+        return stack.target_profile
+    published = (await read_profiles(bus, stack.settings.service.cell)).get(TARGET)
+    if published is not None or target_dir is None:
+        return published
+    fingerprint = fingerprint_of(read_model_config(target_dir))
+    directory = stack.settings.engine.profile_dir or DEFAULT_PROFILES_DIR
+    return committed_target([directory], profile_key(runner, name), fingerprint)
+
+
+async def start_verifier(
+    stack: Stack, models: ModelPaths, replica: str, runner: ModelRunner | None = None
+) -> VerifierService:
     settings = stack.settings
-    runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
+    if runner is None:
+        runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
     service = VerifierService(
         stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
     )
@@ -122,18 +190,34 @@ async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> Veri
     return service
 
 
-async def start_drafter(
-    stack: Stack, models: ModelPaths, name: str, replica: str
-) -> DrafterService:
+def check_draft_name(models: ModelPaths, name: str) -> None:
     if name not in models.drafts:
         raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
-    runner = await asyncio.to_thread(
+
+
+async def load_draft(stack: Stack, models: ModelPaths, name: str) -> ModelRunner:
+    check_draft_name(models, name)
+    return await asyncio.to_thread(
         load_runner, models.drafts[name], stack.settings.engine, target=models.target
     )
+
+
+async def start_drafter(
+    stack: Stack,
+    models: ModelPaths,
+    name: str,
+    replica: str,
+    runner: ModelRunner | None = None,
+) -> DrafterService:
+    check_draft_name(models, name)
+    if runner is None:
+        runner = await load_draft(stack, models, name)
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
-    await publish_own_profile(stack, service.bus, runner, name, draft_role(name))
+    await publish_own_profile(
+        stack, service.bus, runner, name, draft_role(name), target_dir=models.target
+    )
     await service.start()
     stack.drafters.append(service)
     return service
@@ -167,16 +251,24 @@ async def start_stack(
     drafts: Sequence[str] | None = None,
     drafter_replicas: int = 1,
 ) -> Stack:
-    """All services in this process: verifier, drafters, scheduler, then the gateway."""
+    """All services in this process: verifier, drafters, scheduler, then the gateway. Every
+    model is loaded before any profile is measured, so no measurement runs beside a load."""
     stack = Stack(settings, url)
     base = settings.service.replica
     names = list(models.drafts) if drafts is None else list(drafts)
     try:
-        await start_verifier(stack, models, f"{base}-verifier")
+        for name in names:
+            check_draft_name(models, name)
+        target = await asyncio.to_thread(load_runner, models.target, settings.engine)
+        replicas = []
         for name in names:
             for i in range(drafter_replicas):
                 suffix = f"-{i}" if drafter_replicas > 1 else ""
-                await start_drafter(stack, models, name, f"{base}-{name}{suffix}")
+                runner = await load_draft(stack, models, name)
+                replicas.append((name, f"{base}-{name}{suffix}", runner))
+        await start_verifier(stack, models, f"{base}-verifier", target)
+        for name, replica, runner in replicas:
+            await start_drafter(stack, models, name, replica, runner)
         await start_scheduler(stack, models, f"{base}-scheduler")
         if gateway:
             await start_gateway(stack)

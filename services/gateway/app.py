@@ -25,14 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
-from services.gateway.metrics import GatewayMetrics, export_profiles
+from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
 from shared.bus.cell_stats import read_cell_stats
 from shared.bus.preemptions import read_preemptions
-from shared.bus.profiles import read_profiles
+from shared.bus.profiles import read_profile_statuses, read_profiles
 from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
 from shared.wire import Cancel, FinishReason, Submit, Tokens
@@ -191,6 +191,12 @@ class Gateway:
             log.warning("could not read the cost profiles: %s", error)
         else:
             export_profiles(self.metrics, profiles)
+        try:
+            statuses = await read_profile_statuses(self.bus, self.settings.service.cell)
+        except (RedisError, OSError) as error:
+            log.warning("could not read the cost profiles' statuses: %s", error)
+        else:
+            export_profile_statuses(self.metrics, statuses)
         try:
             self.metrics.preemptions.totals = await read_preemptions(
                 self.bus, self.settings.service.cell

@@ -128,6 +128,14 @@ class GatewayMetrics:
             ["role", "tokens", "context"],
             registry=r,
         )
+        self.cost_profile_info = Gauge(
+            "augury_cost_profile_info",
+            "The cost profile in force per model role (value 1): source is stored (a profile "
+            "file), measured (a quick one that passed the checks), suspect (measured, failed "
+            "the checks, not cached) or none; published 0 means the scheduler does not use it.",
+            ["role", "source", "published"],
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "augury_time_to_first_token_seconds",
             "Time to first token.",
@@ -201,3 +209,11 @@ def export_profiles(metrics: GatewayMetrics, profiles: dict[str, ModelProfile]) 
             for j, context in enumerate(curve.contexts):
                 gauge = metrics.cost_forward_ms.labels(role, str(tokens), str(context))
                 gauge.set(curve.ms_grid[i][j])
+
+
+def export_profile_statuses(metrics: GatewayMetrics, statuses: dict[str, dict[str, str]]) -> None:
+    """Set `augury_cost_profile_info` from the statuses the model services published."""
+    metrics.cost_profile_info.clear()
+    for role, status in statuses.items():
+        published = "1" if status.get("published") == "1" else "0"
+        metrics.cost_profile_info.labels(role, status.get("source", "none"), published).set(1)
