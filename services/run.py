@@ -23,6 +23,7 @@ from services.runtime import ModelPaths, load_runner, max_context, read_model_co
 from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
+from shared.bus.lease import Lease
 from shared.bus.profiles import (
     TARGET,
     draft_role,
@@ -43,6 +44,7 @@ from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, ModelProfile
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
+from shared.wire.streams import PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ class Stack:
     gateway: asyncio.Task[None] | None = None
     buses: list[Bus] = field(default_factory=list)
     target_profile: ModelProfile | None = None  # the verifier's, once chosen (drafts check theirs)
+    verifier_lease: Lease | None = None
+    lease_keepers: list[asyncio.Task[None]] = field(default_factory=list)
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)  # the verifier's
 
     def bus(self, name: str) -> Bus:
         bus = Bus(self.url, self.settings.redis, name)
@@ -91,8 +96,12 @@ class Stack:
             await bounded("scheduler", self.scheduler.stop())
         for drafter in self.drafters:
             await bounded(f"drafter {drafter.replica}", drafter.stop())
+        for keeper in self.lease_keepers:
+            keeper.cancel()
         if self.verifier is not None:
             await bounded("verifier", self.verifier.stop())
+        if self.verifier_lease is not None and not self.lease_lost.is_set():
+            await bounded("verifier lease", self.verifier_lease.release())
         for bus in self.buses:
             await bounded("redis connections", bus.close())
 
@@ -175,15 +184,48 @@ async def target_reference(
     return committed_target([directory], profile_key(runner, name), fingerprint)
 
 
+def verifier_lease_key(cell: str) -> str:
+    """Names the one verifier of the cell (its verify stream is one consumer group whose
+    consumers would split the requests, each holding the KV of only some)."""
+    return f"{PREFIX}:{cell}:verifier:lease"
+
+
+async def take_verifier_lease(stack: Stack, bus: Bus) -> None:
+    """Wait, as a standby, while another verifier serves the cell; then hold its lease. A lost
+    lease sets `stack.lease_lost` (this process then exits with status 1)."""
+    cell = stack.settings.service.cell
+    lease = Lease(
+        bus, verifier_lease_key(cell), bus.consumer_name, stack.settings.scheduler.lease_ttl_ms
+    )
+
+    def refuse(holder: str | None) -> None:
+        log.warning(
+            "cell %s already has a verifier (%s): a second one would split the cell's verify "
+            "stream, each holding the KV of only some requests; verifier %s waits as a standby "
+            "and takes over when that one stops (lease %s). Scale out with cells, not verifiers.",
+            cell, holder, bus.consumer_name, lease.key,
+        )  # fmt: skip
+
+    await lease.take(on_wait=refuse)
+    stack.verifier_lease = lease
+
+    async def keep() -> None:
+        reason = await lease.keep()
+        log.error("%s: this verifier stops serving cell %s", reason, cell)
+        stack.lease_lost.set()
+
+    stack.lease_keepers.append(asyncio.create_task(keep(), name="verifier-lease"))
+
+
 async def start_verifier(
     stack: Stack, models: ModelPaths, replica: str, runner: ModelRunner | None = None
 ) -> VerifierService:
     settings = stack.settings
+    bus = stack.bus(replica)
+    await take_verifier_lease(stack, bus)
     if runner is None:
         runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
-    service = VerifierService(
-        stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
-    )
+    service = VerifierService(bus, runner, cell=settings.service.cell, model=models.target.name)
     await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
     await service.start()
     stack.verifier = service
@@ -300,7 +342,7 @@ async def start_one(
 
 async def serve_until_signalled(stack: Stack) -> int:
     """Run until SIGINT or SIGTERM, then stop every service (in-flight handlers finish).
-    Returns the exit status: 1 when the scheduler lost its cell to another scheduler."""
+    Returns the exit status: 1 when the scheduler (or the verifier) lost its cell to another."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -311,6 +353,8 @@ async def serve_until_signalled(stack: Stack) -> int:
             waits.append(stack.gateway)
         if stack.scheduler is not None:
             waits.append(asyncio.ensure_future(stack.scheduler.lease_lost.wait()))
+        if stack.verifier is not None:
+            waits.append(asyncio.ensure_future(stack.lease_lost.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         log.info("stopping")
@@ -318,4 +362,5 @@ async def serve_until_signalled(stack: Stack) -> int:
             if wait is not stack.gateway:
                 wait.cancel()
         await stack.stop()
-    return 1 if stack.scheduler is not None and stack.scheduler.lease_lost.is_set() else 0
+    lost = stack.scheduler is not None and stack.scheduler.lease_lost.is_set()
+    return 1 if lost or stack.lease_lost.is_set() else 0
