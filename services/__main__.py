@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.health import SERVICE_NAMES
@@ -17,6 +20,8 @@ from shared.settings import AugurySettings, SettingsError, load_settings, redact
 
 if TYPE_CHECKING:
     from services.run import Stack
+
+PASSWORD_FILE_VARIABLE = "REDIS_PASSWORD_FILE"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -26,7 +31,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("service", choices=("all", "health", *SERVICE_NAMES))
     parser.add_argument(
-        "probe", nargs="?", choices=SERVICE_NAMES, help="health: the service to probe on this host"
+        "probe",
+        nargs="?",
+        choices=("all", *SERVICE_NAMES),
+        help="health: the service to probe on this host",
     )
     parser.add_argument(
         "--live",
@@ -55,10 +63,12 @@ async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> i
     from services.run import serve_until_signalled
 
     # liveness from the start: a model service loading its weights is alive, not yet ready
-    names = SERVICE_NAMES if args.service == "all" else (args.service,)
+    names = ("all", *SERVICE_NAMES) if args.service == "all" else (args.service,)
     touching = [asyncio.create_task(keep_alive(name), name=f"alive-{name}") for name in names]
     try:
-        stack = await start(args, settings, url)
+        stack = await start_unless_signalled(args, settings, url)
+        if stack is None:
+            return 0
         logging.getLogger("services").info(
             "%s running (cell %s, redis %s)", args.service, settings.service.cell, redacted_url(url)
         )
@@ -67,6 +77,29 @@ async def run(args: argparse.Namespace, settings: AugurySettings, url: str) -> i
         for task in touching:
             task.cancel()
         await asyncio.gather(*touching, return_exceptions=True)
+
+
+async def start_unless_signalled(
+    args: argparse.Namespace, settings: AugurySettings, url: str
+) -> Stack | None:
+    """Start the services; None when SIGTERM or SIGINT came first (a stop during a long model
+    load or profile measurement is a clean exit, not a kill)."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    starting = asyncio.create_task(start(args, settings, url), name="start")
+    signalled = asyncio.create_task(stopping.wait(), name="start-signalled")
+    try:
+        await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+    if starting.done():
+        return starting.result()
+    logging.getLogger("services").info("stopped while starting")
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    return None
 
 
 async def start(args: argparse.Namespace, settings: AugurySettings, url: str) -> Stack:
@@ -89,7 +122,18 @@ def probe(args: argparse.Namespace, settings: AugurySettings) -> int:
         return 2
     if args.live:
         return 0 if alive(args.probe) else 1
-    return 0 if ready(settings, args.probe) else 1
+    # `all` is ready when its scheduler and verifier are (the gateway is optional there)
+    probes = ("scheduler", "verifier") if args.probe == "all" else (args.probe,)
+    return 0 if all(ready(settings, name) for name in probes) else 1
+
+
+def read_password_file() -> None:
+    """`REDIS_PASSWORD_FILE` (a Docker secret's path): its content becomes the Redis password
+    unless `AUGURY_REDIS__PASSWORD` is set, so the password is in no command line and in no
+    container's configuration."""
+    path = os.environ.get(PASSWORD_FILE_VARIABLE)
+    if path and not os.environ.get("AUGURY_REDIS__PASSWORD"):
+        os.environ["AUGURY_REDIS__PASSWORD"] = Path(path).read_text().strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("services").setLevel(args.log_level)
     try:
+        read_password_file()
         settings = load_settings()
+    except OSError as error:
+        print(f"could not read {PASSWORD_FILE_VARIABLE}: {error}")
+        return 2
     except SettingsError as error:
         print(error)
         return 2

@@ -69,7 +69,7 @@ class ProfileChoice:
 
 STORED, MEASURED, SUSPECT, NONE = "stored", "measured", "suspect", "none"
 QUICK_RETRIES = 2  # more measurements after a suspect one, combined point by point
-RETRY_WAIT_S = 10.0  # between them: the interference (another model loading) may pass
+RETRY_WAIT_S = 5.0  # between them: the interference (another model loading) may pass
 
 
 def measured_summary(profile: ModelProfile) -> str:
