@@ -54,9 +54,9 @@ COPY profiles ./profiles
 
 USER augury
 ENV HOME=/home/augury
-# Liveness only (cheap: no torch import); readiness is `health SERVICE` without --live, which
-# the compose files use per service (a model service is ready once its model is loaded).
+# Liveness of whichever service the container runs (cheap: no torch import); readiness is
+# `health SERVICE` without --live, which the compose files use per service.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python3", "-m", "services", "health", "--live", "all"]
+    CMD ["python3", "-m", "services", "health", "--live"]
 ENTRYPOINT ["python3", "-m", "services"]
 CMD ["all"]

@@ -117,11 +117,11 @@ async def start(args: argparse.Namespace, settings: AugurySettings, url: str) ->
 def probe(args: argparse.Namespace, settings: AugurySettings) -> int:
     from services.health import alive, ready
 
+    if args.live:  # without a service: any Augury service process on this host
+        return 0 if alive(args.probe or "*") else 1
     if args.probe is None:
         print("health needs the service to probe, e.g. `python -m services health verifier`")
         return 2
-    if args.live:
-        return 0 if alive(args.probe) else 1
     # `all` is ready when its scheduler and verifier are (the gateway is optional there)
     probes = ("scheduler", "verifier") if args.probe == "all" else (args.probe,)
     return 0 if all(ready(settings, name) for name in probes) else 1

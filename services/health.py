@@ -69,7 +69,7 @@ async def keep_alive(service: str, directory: Path = LIVE_DIR) -> None:
 
 
 def alive(service: str, directory: Path = LIVE_DIR, max_age_s: float = LIVE_MAX_AGE_S) -> bool:
-    """Whether a process of `service` touched its liveness file within `max_age_s`."""
+    """Whether a process of `service` (`*`: any) touched its liveness file within `max_age_s`."""
     now = time.time()
     for path in directory.glob(f"{service}-*.alive"):
         with contextlib.suppress(OSError):

@@ -30,18 +30,18 @@ pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_probe_imports_no_torch() -> None:
+def test_the_probe_imports_no_torch(tmp_path: Path) -> None:
+    """A healthcheck has seconds; importing torch alone takes seconds on a busy machine."""
     code = (
         "import sys; from services.__main__ import main; "
         "rc = main(['health', '--live', 'verifier']); "
         "print(rc, 'torch' in sys.modules)"
     )
-    started = time.monotonic()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # no other process's liveness files
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, env=env
     )
     assert out.stdout.split() == ["1", "False"], out  # nothing of the verifier runs here
-    assert time.monotonic() - started < 5.0  # the healthcheck's timeout (torch alone is ~5 s)
 
 
 def test_service_names_match_the_runner() -> None:
@@ -55,6 +55,7 @@ async def test_liveness_follows_the_event_loop(tmp_path: Path) -> None:
     task = asyncio.create_task(keep_alive("drafter", tmp_path))
     await asyncio.sleep(0.05)
     assert alive("drafter", tmp_path) and not alive("verifier", tmp_path)
+    assert alive("*", tmp_path)  # `health --live` without a service: any
     path = live_file("drafter", os.getpid(), tmp_path)
     stale = time.time() - LIVE_MAX_AGE_S - 1  # a wedged loop stops touching it
     os.utime(path, (stale, stale))
