@@ -19,7 +19,9 @@ tokenizer of `--target` (default: SmolLM2-135M-Instruct). `run` waits until the 
 (`report.json`, `report.md`, `records.jsonl`, plots) into `--out` and prints its tables.
 
 Bad input (no such trace, a malformed trace, an unreachable server or Redis) ends with one line
-on stderr and exit code 2.
+on stderr and exit code 2. A run where requests failed still writes its report (failures counted
+by reason) and then exits with code 1, naming the most frequent reasons on stderr;
+`--allow-failures` makes it exit 0 (fault tests that expect some failures).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from bench.load.recording import is_redis_url, read_recorded, split_trace_url
 from bench.load.trace import TraceError, TraceRequest
 from shared.settings import redacted_url
 
+REQUESTS_FAILED = 1
 BAD_INPUT = 2
 HEALTH_POLL_S = 0.25
 
@@ -161,8 +164,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "base_url": args.base_url,
         "started_at": started_at,
     }
-    write_report(args.out, records, meta=meta, plots=not args.no_plots)
+    summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)
     print((args.out / REPORT_MD).read_text())
+    if summary["failed"] and not args.allow_failures:
+        reasons = "; ".join(
+            f"{n} x {reason}" for reason, n in list(summary["failures_by_reason"].items())[:3]
+        )
+        print(
+            f"bench.replay: {summary['failed']} of {summary['requests']} requests failed: "
+            f"{reasons} (all in {args.out / REPORT_MD})",
+            file=sys.stderr,
+        )
+        return REQUESTS_FAILED
     return 0
 
 
@@ -240,6 +253,11 @@ def parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--no-plots", action="store_true", help="no PNG plots in the report")
+    r.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="exit 0 even when requests failed (default: exit 1)",
+    )
 
     e = commands.add_parser("export", help="write recorded traffic as a JSONL trace")
     e.set_defaults(handler=export)

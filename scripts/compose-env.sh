@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Once per deployment: write .env beside compose.yaml with a generated Redis password (kept if
-# .env already has one). docker compose reads .env; the file is readable by its owner only.
+# Once per deployment, on every host: the secrets directory the compose files read.
+#   secrets/redis_password   a generated Redis password (kept if present; copy this file to
+#                            the other hosts of the deployment), readable by its owner only
+#   secrets/tls/             TLS material for rediss:// (scripts/redis-tls-certs.sh fills it)
+#   model-store/             where a target other than SmolLM2 goes (mounted read-only)
+# AUGURY_SECRETS_DIR and AUGURY_MODEL_STORE move them, as in the compose files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -f .env ] && grep -q '^AUGURY_REDIS_PASSWORD=' .env; then
-  echo "compose-env: .env already has AUGURY_REDIS_PASSWORD; left as it is"
+secrets=${AUGURY_SECRETS_DIR:-./secrets}
+umask 077
+mkdir -p "$secrets/tls" "${AUGURY_MODEL_STORE:-./model-store}"
+chmod 700 "$secrets"
+if [ -s "$secrets/redis_password" ]; then
+  echo "compose-env: $secrets/redis_password exists; left as it is"
   exit 0
 fi
-umask 077
-password=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
-echo "AUGURY_REDIS_PASSWORD=$password" >> .env
-echo "compose-env: wrote a generated AUGURY_REDIS_PASSWORD to .env"
+python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > "$secrets/redis_password"
+echo "compose-env: wrote a generated Redis password to $secrets/redis_password"

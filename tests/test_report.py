@@ -200,7 +200,7 @@ REPORT_KEYS = {
     "total_output_tokens", "request_throughput", "tpot_slos_ms", "slo_met", "slo_attainment",
     "goodput_tok_s", "throughput_tok_s", "ttft_s", "tpot_ms", "itl_ms", "e2e_s", "drafts",
     "draft_tokens", "accepted_tokens", "mean_accepted_length", "acceptance_rate",
-    "steps_by_draft", "per_class", "per_kind", "meta",
+    "steps_by_draft", "per_class", "per_kind", "meta", "failures_by_reason",
 }  # fmt: skip
 
 
@@ -287,3 +287,32 @@ def test_compare_names_a_directory_without_report(tmp_path: Path) -> None:
     (missing / "report.json").write_text("{truncated")
     with pytest.raises(ValueError, match="not-a-run"):
         compare([good, missing])
+
+
+def test_failures_are_counted_by_reason() -> None:
+    records = five_records()
+    long = "HTTP 503: " + "overloaded " * 40
+    for index, error in ((5, "HTTP 400: unknown SLO class 'x'"), (6, long), (7, long)):
+        records.append(RequestRecord(index=index, arrival_s=1.0, num_prompt_tokens=1, error=error))
+    reasons = summarize(records)["failures_by_reason"]
+    assert list(reasons.values()) == [2, 1, 1]  # the most frequent first
+    [cut, *_] = reasons
+    assert cut.startswith("HTTP 503: overloaded") and cut.endswith("...") and len(cut) == 200
+    assert set(list(reasons)[1:]) == {"HTTP 400: unknown SLO class 'x'", "connection reset"}
+    assert summarize(five_records()[:3])["failures_by_reason"] == {}
+
+
+def test_throughput_plot_marks_every_arrival() -> None:
+    import matplotlib.pyplot as plt
+
+    from bench.load.plots import mark_arrivals
+
+    fig, ax = plt.subplots()
+    mark_arrivals(ax, five_records())
+    ticks = {
+        label: sorted(float(seg[0][0]) for seg in coll.get_segments())
+        for coll in ax.collections
+        if (label := coll.get_label())
+    }
+    plt.close(fig)
+    assert ticks == {"arrival": [0.0, 0.5, 1.0, 2.0], "arrival (failed)": [3.0]}

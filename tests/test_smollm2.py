@@ -96,3 +96,31 @@ def test_cli_reports_bad_input_clearly(capsys):
 
     assert main(["generate", "Hi", "--max-tokens", "9000", "--no-spec"]) == 2
     assert "context of 8192 tokens" in capsys.readouterr().err
+
+
+def test_processes_starting_together_convert_once(tmp_path):
+    """A second process waits on the conversion lock and then finds the first one's checkpoint
+    (the lock is held here; the checkpoint appears as the conversion would leave it)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from shared.model.smollm2 import CHECKPOINT_NAME, conversion_lock
+
+    target = tmp_path / CHECKPOINT_NAME
+    code = "import sys; from pathlib import Path; from shared.model.smollm2 import ensure_smollm2;"
+    code += " print(ensure_smollm2(Path(sys.argv[1])))"
+    root = Path(__file__).resolve().parents[1]
+    with conversion_lock(target):
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True
+        )
+        time.sleep(3.0)
+        assert waiting.poll() is None  # blocked on the lock, not converting beside us
+        assert not target.with_name(CHECKPOINT_NAME + ".partial").exists()
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+    out, _ = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and out.strip() == str(target)
+    assert not target.with_name(CHECKPOINT_NAME + ".partial").exists()  # it converted nothing

@@ -3,7 +3,9 @@
 `latency_cdfs.png`: CDFs of TTFT, TPOT and E2E side by side. `tpot_slo.png`: each request's TPOT
 per SLO class, with the class's objective drawn as a line. `throughput.png`: output tokens/s of
 all completed requests and of those that met their SLO (goodput), binned over the run from the
-chunks' arrival times. Every plot copes with no data (it then says so).
+chunks' arrival times, with a tick under the axis at every request's arrival (black: completed,
+red: failed), so an idle gap without arrivals does not read as a stall. Every plot copes with
+no data (it then says so).
 """
 
 from __future__ import annotations
@@ -153,8 +155,19 @@ def throughput_series(
     return edges, through / width, goodput / width
 
 
+def mark_arrivals(ax: Axes, records: Sequence[RequestRecord]) -> None:
+    """A short tick at the foot of the plot per request arrival (red: the request failed)."""
+    for failed, color in ((False, "black"), (True, "tab:red")):
+        times = [r.arrival_s for r in records if r.is_completed != failed]
+        if times:
+            label = "arrival (failed)" if failed else "arrival"
+            # x in data units, y in axes units: the ticks stay at the foot whatever the scale
+            ax.vlines(times, 0.0, 0.04, colors=color, linewidth=0.8, label=label,
+                      transform=ax.get_xaxis_transform())  # fmt: skip
+
+
 def plot_throughput(path: Path, records: Sequence[RequestRecord]) -> Path:
-    """Throughput and goodput (tok/s) over the run."""
+    """Throughput and goodput (tok/s) over the run, arrivals marked at the foot."""
     fig, ax = plt.subplots(figsize=(10, 4))
     edges, through, goodput = throughput_series(records)
     if len(edges) == 0:
@@ -162,6 +175,7 @@ def plot_throughput(path: Path, records: Sequence[RequestRecord]) -> Path:
         return _save(fig, path)
     ax.stairs(through, edges, label="throughput", color="tab:blue", linewidth=1.5)
     ax.stairs(goodput, edges, label="goodput (met SLO)", color="tab:green", fill=True, alpha=0.4)
+    mark_arrivals(ax, records)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Output throughput over time ({edges[1] - edges[0]:.2g} s bins)")

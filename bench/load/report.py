@@ -6,8 +6,10 @@ and goodput); `write_report` writes `report.json`, `records.jsonl`, `report.md` 
 be recomputed or compared (`bench.load.compare`).
 
 Latencies (TTFT, TPOT, ITL, E2E) are taken over completed requests only, as vLLM does; failed
-requests count in `requests`/`failed` and as SLO misses. Every statistic is a dict of `count`,
-`mean`, `p50`, `p90`, `p99`, with None (never NaN) when there is nothing to measure.
+requests count in `requests`/`failed` and as SLO misses, and `failures_by_reason` counts them by
+their error (the HTTP status and the server's message, or what else ended them). Every
+statistic is a dict of `count`, `mean`, `p50`, `p90`, `p99`, with None (never NaN) when there is
+nothing to measure.
 
     python -m bench.load.report RUN_DIR   # recompute RUN_DIR's report from its records.jsonl
 """
@@ -31,6 +33,7 @@ NO_GROUP = "none"  # the per_class / per_kind key of requests without a class / 
 REPORT_JSON = "report.json"
 RECORDS_JSONL = "records.jsonl"
 REPORT_MD = "report.md"
+MAX_REASON_CHARS = 200
 
 
 # --- per-request quantities ---------------------------------------------------------------
@@ -166,6 +169,18 @@ def _grouped(
     return {name: group_summary(groups[name], duration_s) for name in sorted(groups)}
 
 
+def failure_reason(record: RequestRecord) -> str:
+    """Why a failed request failed, as the report counts it: its error, cut to one short line."""
+    text = " ".join((record.error or "no answer").split())
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def failures_by_reason(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Failed requests counted by `failure_reason`, the most frequent first."""
+    counts = Counter(failure_reason(r) for r in records if not r.is_completed)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def speculation_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """vLLM's speculative counters summed over all requests, and what they give."""
     drafts = sum(r.drafts for r in records)
@@ -195,6 +210,7 @@ def summarize(
         "requests": overall.pop("requests"),
         "completed": overall.pop("completed"),
         "failed": overall.pop("failed"),
+        "failures_by_reason": failures_by_reason(records),
         "duration_s": duration,
         "total_prompt_tokens": sum(r.num_prompt_tokens for r in records if r.is_completed),
         "total_output_tokens": completed_tokens,
@@ -376,6 +392,10 @@ def markdown(
     if meta:
         lines += [*_meta_lines(meta), ""]
     lines += ["## Overview", "", *_table(["metric", "value"], _overview_rows(summary)), ""]
+    failures = summary.get("failures_by_reason") or {}
+    if failures:
+        rows = [[str(n), reason.replace("|", "\\|")] for reason, n in failures.items()]
+        lines += ["## Failures", "", *_table(["requests", "reason"], rows), ""]
     header = ["metric", "count", "mean", "p50", "p90", "p99"]
     lines += ["## Latency", "", *_table(header, _latency_rows(summary)), ""]
     lines += ["Latencies are over completed requests; failed ones count as SLO misses.", ""]

@@ -10,8 +10,8 @@ Arrivals come from a gamma renewal process with a coefficient of variation above
 as the SplitWise trace AdaServe replays).
 
 A simulated request carries token counts; a replayed one sends its message with `max_tokens`
-= the answer length and `ignore_eos`, and its objective as an explicit `tpot_slo_ms` beside
-its class name.
+= the answer length and `ignore_eos`, and its objective as an explicit `tpot_slo_ms` (its class
+name labels it in the report; `bench/load/client.py` sends the class only without an objective).
 """
 
 from __future__ import annotations

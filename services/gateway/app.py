@@ -32,13 +32,14 @@ from services.gateway.choices import (
     make_choices,
     merged,
 )
-from services.gateway.metrics import GatewayMetrics, export_profiles
+from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
+from shared.bus.cell_stats import read_cell_stats
 from shared.bus.preemptions import read_preemptions
-from shared.bus.profiles import read_profiles
+from shared.bus.profiles import read_profile_statuses, read_profiles
 from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
 from shared.wire import Cancel, FinishReason, Submit, Tokens
@@ -198,11 +199,23 @@ class Gateway:
         else:
             export_profiles(self.metrics, profiles)
         try:
+            statuses = await read_profile_statuses(self.bus, self.settings.service.cell)
+        except (RedisError, OSError) as error:
+            log.warning("could not read the cost profiles' statuses: %s", error)
+        else:
+            export_profile_statuses(self.metrics, statuses)
+        try:
             self.metrics.preemptions.totals = await read_preemptions(
                 self.bus, self.settings.service.cell
             )
         except (RedisError, OSError, ValueError) as error:
             log.warning("could not read the preemption totals: %s", error)
+        try:
+            self.metrics.cell_load.stats = await read_cell_stats(
+                self.bus, self.settings.service.cell
+            )
+        except (RedisError, OSError, ValueError, KeyError) as error:
+            log.warning("could not read the cell's load: %s", error)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -298,6 +311,7 @@ class Gateway:
         self.outputs.close(choice.request_id)
         self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
         if progress.finish is None:
+            self.metrics.aborted.inc()  # the client left (or the stream failed)
             await self._cancel(choice.request_id)
         else:
             self._record_finished(gen, progress, prompt=choice.index == 0)
@@ -362,6 +376,8 @@ class Gateway:
             self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
+        if progress.finish is FinishReason.ABORT:
+            self.metrics.aborted.inc()
         count_slo(self.metrics, progress)
 
     # ---- responses -----------------------------------------------------------------------------

@@ -6,9 +6,15 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from shared.bus.cell_stats import QUEUE_TIME_BUCKETS, CellStats
 from shared.scheduling.cost_model import ModelProfile
 
 LATENCY_BUCKETS = (
@@ -54,17 +60,80 @@ class PreemptionTotals(Collector):
         yield family
 
 
+class CellLoad(Collector):
+    """The cell's load as its scheduler and model services published it (read at scrape):
+    vLLM's `num_requests_waiting`, the scheduler's running batch, the KV-cache usage of each
+    model service replica and the queue-time histogram. Gauges are left out while no live
+    scheduler (or model service) has published."""
+
+    def __init__(self) -> None:
+        self.stats = CellStats()
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats.waiting is not None and stats.running is not None:
+            yield GaugeMetricFamily(
+                "augury_num_requests_waiting",
+                "Requests the cell's scheduler holds waiting for admission.",
+                value=stats.waiting,
+            )
+            yield GaugeMetricFamily(
+                "augury_scheduler_num_requests_running",
+                "Requests in the cell's scheduler's running batch (all gateways').",
+                value=stats.running,
+            )
+        usage = GaugeMetricFamily(
+            "augury_kv_cache_usage_perc",
+            "KV-cache usage of a model service replica (1 = full): role is target or "
+            "draft:<model>.",
+            labels=["role", "replica"],
+        )
+        for (role, replica), share in sorted(stats.kv_usage.items()):
+            usage.add_metric([role, replica], share)
+        yield usage
+        cumulative, running_total = [], 0
+        for bound, n in zip((*QUEUE_TIME_BUCKETS, float("inf")), stats.queue_buckets, strict=True):
+            running_total += n
+            cumulative.append((_bucket_label(bound), running_total))
+        yield HistogramMetricFamily(
+            "augury_request_queue_time_seconds",
+            "Time from a request's submit to its first micro-batch in the scheduler.",
+            buckets=cumulative,
+            sum_value=stats.queue_sum_s,
+        )
+
+
+def _bucket_label(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.preemptions = PreemptionTotals()
         r.register(self.preemptions)
+        self.cell_load = CellLoad()
+        r.register(self.cell_load)
+        self.aborted = Counter(
+            "augury_num_requests_aborted",
+            "Requests of this gateway that ended without finishing: the client left, or the "
+            "cell aborted them (finish reason abort).",
+            registry=r,
+        )
         self.cost_forward_ms = Gauge(
             "augury_cost_forward_ms",
             "Measured forward latency of a model service (its cost profile): role is target or "
             "draft:<model>, tokens the forward's token count, context the per-request context.",
             ["role", "tokens", "context"],
+            registry=r,
+        )
+        self.cost_profile_info = Gauge(
+            "augury_cost_profile_info",
+            "The cost profile in force per model role (value 1): source is stored (a profile "
+            "file), measured (a quick one that passed the checks), suspect (measured, failed "
+            "the checks, not cached) or none; published 0 means the scheduler does not use it.",
+            ["role", "source", "published"],
             registry=r,
         )
         self.time_to_first_token = Histogram(
@@ -86,7 +155,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.running = Gauge(
-            "augury_num_requests_running", "Requests this gateway is serving.", registry=r
+            "augury_num_requests_running",
+            "Requests this gateway is serving (queued or running in the cell).",
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "augury_prompt_tokens", "Prompt tokens of finished requests.", registry=r
@@ -138,3 +209,11 @@ def export_profiles(metrics: GatewayMetrics, profiles: dict[str, ModelProfile]) 
             for j, context in enumerate(curve.contexts):
                 gauge = metrics.cost_forward_ms.labels(role, str(tokens), str(context))
                 gauge.set(curve.ms_grid[i][j])
+
+
+def export_profile_statuses(metrics: GatewayMetrics, statuses: dict[str, dict[str, str]]) -> None:
+    """Set `augury_cost_profile_info` from the statuses the model services published."""
+    metrics.cost_profile_info.clear()
+    for role, status in statuses.items():
+        published = "1" if status.get("published") == "1" else "0"
+        metrics.cost_profile_info.labels(role, status.get("source", "none"), published).set(1)

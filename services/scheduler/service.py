@@ -43,6 +43,7 @@ from services.scheduler.gateways import GatewayDirectory
 from services.scheduler.replies import Replies
 from services.scheduler.store import REMEMBER_FINISHED, RequestStore, Resolved, StoredRequest
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
+from shared.bus.cell_stats import QueueTimes, publish_forever, publish_scheduler_stats
 from shared.bus.lease import Lease
 from shared.bus.preemptions import add_preemptions
 from shared.engine.sampling import SEED_BITS
@@ -155,6 +156,9 @@ class SchedulerService:
         self.reply_to: dict[str, str] = {}  # request id -> its output stream
         self.stats = SchedulerStats(acceptance=self.core.stats)
         self._counted_preemptions: Counter[str] = Counter()  # added to the cell's totals
+        self._queue_times = QueueTimes()  # since the last stats write (shared/bus/cell_stats.py)
+        self._dequeued: OrderedDict[str, None] = OrderedDict()  # queue time already counted
+        self._stats_task: asyncio.Task[None] | None = None
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._candidates: Replies[CandidateTrees] = Replies()
@@ -227,8 +231,16 @@ class SchedulerService:
             for i in range(self.core.config.micro_batches)
         ]
         await self.heartbeat.start()
+        publishing = publish_forever(
+            self.bus.settings.heartbeat_interval_s, self._publish_stats, "the scheduler's stats"
+        )
+        self._stats_task = asyncio.create_task(publishing, name="scheduler-stats")
 
     async def stop(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
         if self._lease_keeper is not None:
             self._lease_keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -436,6 +448,7 @@ class SchedulerService:
 
     async def _iterate(self, batch: MicroBatch) -> None:
         started = time.perf_counter()
+        self._observe_queue_times(batch)
         try:
             await self._publish(self._outputs(batch.failed) + self._releases())
             await self._count_preemptions()  # the core's, up to this batch
@@ -654,6 +667,31 @@ class SchedulerService:
         self._finished[request_id] = None
         while len(self._finished) > REMEMBER_FINISHED:
             self._finished.popitem(last=False)
+
+    def _observe_queue_times(self, batch: MicroBatch) -> None:
+        """Each request's wait from its submit to its first micro-batch, counted once."""
+        now = time.time()
+        for request in batch.members:
+            if request.first_token_time is None and request.request_id not in self._dequeued:
+                self._dequeued[request.request_id] = None
+                self._queue_times.observe(now - request.arrival_time)
+        while len(self._dequeued) > REMEMBER_FINISHED:
+            self._dequeued.popitem(last=False)
+
+    async def _publish_stats(self) -> None:
+        queued = self._queue_times.take()
+        try:
+            await publish_scheduler_stats(
+                self.bus,
+                self.cell,
+                running=len(self.core.running),
+                waiting=len(self.core.waiting),
+                queued=queued,
+                ttl_ms=self.bus.settings.heartbeat_ttl_ms,
+            )
+        except BaseException:
+            self._queue_times.add(queued)  # counted at the next write
+            raise
 
     async def _count_preemptions(self) -> None:
         """Add the core's preemptions since the last call to the cell's totals (best effort:

@@ -46,3 +46,31 @@ def assemble(profiles: dict[str, ModelProfile]) -> CostProfile | None:
     }
     method = "published by the model services"
     return CostProfile(target=target, drafts=drafts, method=method)
+
+
+# ---- which profile is in force -----------------------------------------------------------------
+def profile_status_key(cell: str, role: str) -> str:
+    return f"{PREFIX}:{cell}:profile-status:{role}"
+
+
+async def publish_profile_status(
+    bus: Bus, cell: str, role: str, *, source: str, detail: str, published: bool
+) -> None:
+    """Where a model service's profile came from (`cost_profiles.ProfileChoice.source`), what
+    was wrong with a suspect one, and whether it was published for the scheduler."""
+    fields = {"source": source, "detail": detail[:500], "published": int(published)}
+    await bus.redis.hset(profile_status_key(cell, role), mapping=fields)
+
+
+async def read_profile_statuses(bus: Bus, cell: str) -> dict[str, dict[str, str]]:
+    """Role -> {source, detail, published} of every model service that published a status."""
+    prefix = profile_status_key(cell, "")
+    out = {}
+    async for key in bus.redis.scan_iter(f"{prefix}*", 100):
+        name = key.decode() if isinstance(key, bytes) else key
+        raw = await bus.redis.hgetall(key)
+        out[name.removeprefix(prefix)] = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+    return out

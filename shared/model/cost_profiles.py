@@ -1,6 +1,7 @@
 """Finding the cost profile of the models this process runs: a matching one from the profile
 directory (`python -m bench.profile` writes them), else (when allowed) a quick measurement,
-bounded to seconds and logged.
+bounded to seconds, checked (`shared.model.profile_trust`) and logged; only a measurement that
+passes the checks is cached for later starts.
 
 A profile describes what runs: on a CPU the linear layers' kernel plan (`shared.model.linear`)
 travels with it. A stored profile's plan is applied to the model as it is loaded; without one,
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.errors import OutOfKVMemoryError
 from shared.model.linear import LinearPlan
+from shared.model.profile_trust import check_profile, combine
 from shared.model.profiling import QUICK_CONTEXTS, measure_profile, profile_key
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import (
@@ -49,39 +52,39 @@ def _stored(directories: list[Path], key: ProfileKey) -> ModelProfile | None:
     return max(found, key=lambda item: item[0])[1] if found else None
 
 
-def model_profile(
-    runner: ModelRunner,
-    name: str,
-    *,
-    directory: Path | None = None,
-    measure: bool = True,
-    plan_kernels: bool = True,
-    max_tokens: int = QUICK_MAX_TOKENS,
-    cache_dir: Path = CACHE_DIR,
-) -> ModelProfile | None:
-    """One model's profile on this machine: stored (its kernel plan applied), else measured
-    quickly, after planning the kernels if asked, and kept in `cache_dir` (None: neither).
-    A profile matches by its key (architecture, device, dtype, threads), whichever model of a
-    stored profile it belongs to."""
-    directory = directory or DEFAULT_PROFILES_DIR
-    key = profile_key(runner, name)
-    stored = _stored([directory, cache_dir], key)
-    if stored is not None:
-        if stored.kernels is not None and not runner.model.is_int8:
-            runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
-        log.info("cost profile of %s: loaded (%s)", name, stored.key.file_stem)
-        return stored.model_copy(update={"key": key})
-    if not measure:
-        log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
-        return None
-    started = time.perf_counter()
-    if plan_kernels and runner.device.type == "cpu" and not runner.model.is_int8:
-        runner.model.plan_kernels()
-    max_tokens = min(max_tokens, runner.max_context // 2)
-    contexts = tuple(c for c in QUICK_CONTEXTS if c + max_tokens < runner.max_context)
-    measured = None
-    # the largest layout that fits the free KV (a small cache measures fewer requests at once)
-    for max_requests, ctxs in ((8, contexts), (2, contexts), (1, contexts[:1])):
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile a model runs with, and where it came from."""
+
+    profile: ModelProfile | None
+    # "stored" (a profile file), "measured" (a quick one that passed the checks and was
+    # cached), "suspect" (measured, failed the checks: not cached), "none"
+    source: str
+    detail: str = ""  # the file it came from or went to, or what was wrong with it
+
+    @property
+    def trusted(self) -> bool:
+        return self.source in (STORED, MEASURED)
+
+
+STORED, MEASURED, SUSPECT, NONE = "stored", "measured", "suspect", "none"
+QUICK_RETRIES = 2  # more measurements after a suspect one, combined point by point
+RETRY_WAIT_S = 5.0  # between them: the interference (another model loading) may pass
+
+
+def measured_summary(profile: ModelProfile) -> str:
+    """One line of what was measured: ms per forward by token count, at the first context."""
+    curve = profile.curve
+    rows = zip(curve.tokens, curve.ms_grid, strict=True)
+    points = ", ".join(f"{n}: {row[0]:.2f}" for n, row in rows)
+    return f"ms per forward by tokens at context {curve.contexts[0]}: {points}"
+
+
+def _measure_quick(
+    runner: ModelRunner, name: str, max_tokens: int, layouts: list[tuple[int, tuple[int, ...]]]
+) -> tuple[ModelProfile, tuple[int, tuple[int, ...]]] | None:
+    """A quick measurement in the largest layout that fits the free KV, and that layout."""
+    for max_requests, ctxs in layouts:
         try:
             measured = measure_profile(
                 runner,
@@ -92,22 +95,118 @@ def model_profile(
                 contexts=ctxs,
                 max_requests=max_requests,
             )
-            break
+            return measured.target, (max_requests, ctxs)
         except OutOfKVMemoryError:
             continue
-    if measured is None:
+    return None
+
+
+Measure = Callable[
+    [ModelRunner, str, int, list[tuple[int, tuple[int, ...]]]],
+    tuple[ModelProfile, tuple[int, tuple[int, ...]]] | None,
+]
+
+
+def choose_profile(
+    runner: ModelRunner,
+    name: str,
+    *,
+    directory: Path | None = None,
+    measure: bool = True,
+    plan_kernels: bool = True,
+    max_tokens: int = QUICK_MAX_TOKENS,
+    cache_dir: Path = CACHE_DIR,
+    reference: ModelProfile | None = None,
+    retries: int = QUICK_RETRIES,
+    retry_wait_s: float = RETRY_WAIT_S,
+    measure_quick: Measure = _measure_quick,
+) -> ProfileChoice:
+    """One model's profile on this machine: stored (its kernel plan applied), else measured
+    quickly (after planning the kernels if asked) and checked (`profile_trust.check_profile`,
+    against `reference`: the target's profile when `runner` runs a draft). A suspect
+    measurement is measured again up to `retries` times, `retry_wait_s` apart, the
+    measurements combined point by point; what passes is cached in `cache_dir`, what never
+    passes is returned as "suspect" and not cached (the caller decides what to do with it).
+    A profile matches by its key (architecture, device, dtype, threads), whichever model of a
+    stored profile it belongs to."""
+    directory = directory or DEFAULT_PROFILES_DIR
+    key = profile_key(runner, name)
+    stored = _stored([directory, cache_dir], key)
+    if stored is not None:
+        if stored.kernels is not None and not runner.model.is_int8:
+            runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
+        log.info("cost profile of %s: loaded (%s)", name, stored.key.file_stem)
+        return ProfileChoice(stored.model_copy(update={"key": key}), STORED, stored.key.file_stem)
+    if not measure:
+        log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
+        return ProfileChoice(None, NONE, f"none in {directory} matches")
+    started = time.perf_counter()
+    if plan_kernels and runner.device.type == "cpu" and not runner.model.is_int8:
+        runner.model.plan_kernels()
+    max_tokens = min(max_tokens, runner.max_context // 2)
+    contexts = tuple(c for c in QUICK_CONTEXTS if c + max_tokens < runner.max_context)
+    # the largest layout that fits the free KV (a small cache measures fewer requests at once)
+    layouts = [(8, contexts), (2, contexts), (1, contexts[:1])]
+    first = measure_quick(runner, name, max_tokens, layouts)
+    if first is None:
         log.warning("cost profile of %s: too little free KV to measure one", name)
-        return None
-    saved = measured.save(cache_dir / f"{key.file_stem}.json")
+        return ProfileChoice(None, NONE, "too little free KV to measure one")
+    measurements, layout = [first[0]], first[1]
+    combined = first[0]
+    verdict = check_profile(combined, reference)
+    while not verdict.trusted and len(measurements) <= retries:
+        log.warning(
+            "cost profile of %s: the quick measurement is suspect (%s; %s); measuring again "
+            "in %.0f s (%d of %d)",
+            name, verdict, measured_summary(combined), retry_wait_s, len(measurements), retries,
+        )  # fmt: skip
+        time.sleep(retry_wait_s)
+        again = measure_quick(runner, name, max_tokens, [layout])
+        if again is None:
+            break
+        measurements.append(again[0])
+        combined = combine(measurements)
+        verdict = check_profile(combined, reference)
+    elapsed = time.perf_counter() - started
+    if not verdict.trusted:
+        log.warning(
+            "cost profile of %s: measured %d times in %.1f s, still suspect (%s; %s): NOT kept "
+            "(python -m bench.profile on a quiet machine measures one to commit)",
+            name, len(measurements), elapsed, verdict, measured_summary(combined),
+        )  # fmt: skip
+        return ProfileChoice(combined, SUSPECT, str(verdict))
+    saved = CostProfile(
+        target=combined, method=f"quick, {len(measurements)} measurement(s) combined"
+    ).save(cache_dir / f"{key.file_stem}.json")
     log.info(
-        "cost profile of %s: none in %s matches; measured a quick one in %.1f s, kept in %s "
-        "(python -m bench.profile measures the full one)",
+        "cost profile of %s: none in %s matches; measured a quick one in %.1f s (%d "
+        "measurement(s); %s), checked and kept in %s (python -m bench.profile measures the "
+        "full one)",
+        name, directory, elapsed, len(measurements), measured_summary(combined), saved,
+    )  # fmt: skip
+    return ProfileChoice(combined, MEASURED, str(saved))
+
+
+def model_profile(
+    runner: ModelRunner,
+    name: str,
+    *,
+    directory: Path | None = None,
+    measure: bool = True,
+    plan_kernels: bool = True,
+    max_tokens: int = QUICK_MAX_TOKENS,
+    cache_dir: Path = CACHE_DIR,
+) -> ModelProfile | None:
+    """`choose_profile`'s profile, suspect or not (None: neither stored nor measured)."""
+    return choose_profile(
+        runner,
         name,
-        directory,
-        time.perf_counter() - started,
-        saved,
-    )
-    return measured.target
+        directory=directory,
+        measure=measure,
+        plan_kernels=plan_kernels,
+        max_tokens=max_tokens,
+        cache_dir=cache_dir,
+    ).profile
 
 
 def load_or_measure(
@@ -122,12 +221,12 @@ def load_or_measure(
     """The cost model of `target` and `drafts` on this machine, or None when the target has no
     profile and measuring is not allowed (a draft without one is dropped, with a warning)."""
     kwargs = {"directory": directory, "measure": measure, "plan_kernels": plan_kernels}
-    target_profile = model_profile(target, target_name, **kwargs)
+    target_profile = choose_profile(target, target_name, **kwargs).profile
     if target_profile is None:
         return None
     draft_profiles = {}
     for name, runner in drafts.items():
-        found = model_profile(runner, name, **kwargs)
-        if found is not None:
-            draft_profiles[name] = found
+        found = choose_profile(runner, name, reference=target_profile, **kwargs)
+        if found.trusted and found.profile is not None:  # a suspect draft: dropped, logged
+            draft_profiles[name] = found.profile
     return CostModel(CostProfile(target=target_profile, drafts=draft_profiles))

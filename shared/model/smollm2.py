@@ -3,14 +3,21 @@
 The package is installed with --no-deps and never imported (its `__init__` needs packages we do
 not want); we only locate its GGUF file, let transformers dequantize it once (through the `gguf`
 package), and keep the result as a local safetensors checkpoint with its tokenizer.
+
+Processes that start together (containers sharing the cache volume) convert once: the
+conversion runs under an exclusive lock on `<checkpoint>.lock` next to it, and whoever gets the
+lock after another finished finds the checkpoint and converts nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -37,11 +44,30 @@ def find_gguf() -> Path:
     return gguf
 
 
+@contextlib.contextmanager
+def conversion_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock (flock) on `<target>.lock`, held while `target` is made."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """Return the safetensors checkpoint directory, converting the GGUF file the first time."""
     target = (cache_dir or default_cache_dir()) / CHECKPOINT_NAME
     if (target / "config.json").is_file():
         return target
+    with conversion_lock(target):
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            return target
+        return _convert(target)
+
+
+def _convert(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,215 @@
+"""Quick cost profiles that can be trusted: a measurement spoiled by interference (issue 39: a
+draft measured at 82.8 ms per forward while another model loaded, its target at 42) is checked,
+measured again, and never cached or published while it stays suspect.
+
+The interference is simulated deterministically: the measurement function is replaced by one
+that returns given numbers (the real one is exercised by the services tests)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import services.run
+from services.gateway.metrics import GatewayMetrics, export_profile_statuses
+from services.run import Stack, publish_own_profile
+from services.runtime import load_runner
+from shared.bus import Bus, EmbeddedRedis
+from shared.bus.profiles import TARGET, draft_role, read_profile_statuses, read_profiles
+from shared.model.cost_profiles import MEASURED, STORED, SUSPECT, choose_profile
+from shared.model.profile_trust import check_profile, combine, committed_target
+from shared.model.profiling import profile_key
+from shared.scheduling.cost_model import (
+    DEFAULT_PROFILES_DIR,
+    CostProfile,
+    ForwardCurve,
+    ModelProfile,
+    ProfileKey,
+)
+from shared.settings import EngineSettings
+from tests.conftest import make_tiny_checkpoint
+from tests.test_services_support import make_settings
+
+pytestmark = pytest.mark.anyio
+TOKENS = [1, 4, 16, 64]
+CONTEXTS = [0, 512]
+TARGET_MS = [[42.0, 44.0], [43.0, 45.0], [46.0, 49.0], [58.0, 63.0]]
+
+
+def curve(ms: list[list[float]], spread: float = 0.05) -> ForwardCurve:
+    return ForwardCurve(
+        tokens=TOKENS,
+        contexts=CONTEXTS,
+        ms_grid=ms,
+        rel_spread=[[spread] * len(CONTEXTS) for _ in TOKENS],
+        repeats=3,
+    )
+
+
+def profile(key: ProfileKey, ms: list[list[float]], spread: float = 0.05) -> ModelProfile:
+    return ModelProfile(key=key, curve=curve(ms, spread), single=curve(ms, spread))
+
+
+def scaled(factor: float) -> list[list[float]]:
+    return [[factor * v for v in row] for row in TARGET_MS]
+
+
+KEY = ProfileKey(model="m", fingerprint="f", device="cuda: H100", dtype="bfloat16", threads=0)
+
+
+def test_the_issues_draft_at_twice_its_targets_cost_is_refused() -> None:
+    target = profile(KEY.model_copy(update={"model": "target"}), TARGET_MS)
+    spoiled = profile(KEY, scaled(82.8 / 42.0))
+    verdict = check_profile(spoiled, target)
+    assert not verdict.trusted and "1.97x its target target's forward" in str(verdict)
+    assert check_profile(profile(KEY, scaled(0.2)), target).trusted  # a real draft's cost
+    other_machine = target.model_copy(update={"key": KEY.model_copy(update={"device": "cpu"})})
+    assert check_profile(spoiled, other_machine).trusted  # no comparison across machine kinds
+
+
+def test_spread_and_monotonicity_are_checked() -> None:
+    assert not check_profile(profile(KEY, TARGET_MS, spread=1.2)).trusted
+    dip = [row[:] for row in TARGET_MS]
+    dip[2][0] = 15.0  # 16 tokens at a third of the cost of 4: a burst of load hit the 4
+    verdict = check_profile(profile(KEY, dip))
+    assert not verdict.trusted and "16 tokens cost 15.00 ms" in str(verdict)
+    flat = [[42.0, 44.0], [40.0, 43.5], [41.0, 44.0], [43.0, 45.0]]  # a GPU's flat start
+    assert check_profile(profile(KEY, flat)).trusted
+
+
+def test_the_committed_profiles_pass_their_own_checks() -> None:
+    for path in sorted(DEFAULT_PROFILES_DIR.glob("*.json")):
+        committed = CostProfile.load(path)
+        assert check_profile(committed.target).trusted, path.name
+        for name, draft in committed.drafts.items():
+            assert check_profile(draft, committed.target).trusted, (path.name, name)
+
+
+def test_combining_keeps_the_fastest_of_each_point() -> None:
+    spoiled, quiet = profile(KEY, scaled(2.0)), profile(KEY, scaled(0.2))
+    quiet.curve.ms_grid[0][0] = 100.0  # one point spoiled in the second measurement
+    both = combine([spoiled, quiet])
+    assert both.curve.ms_grid[0][0] == pytest.approx(84.0)
+    assert both.curve.ms_grid[1][1] == pytest.approx(9.0) and both.curve.repeats == 6
+
+
+def test_a_committed_target_is_found_for_the_same_machine_kind() -> None:
+    h200 = CostProfile.load(
+        DEFAULT_PROFILES_DIR / "SmolLM2-135M-Instruct-cuda-nvidia-h200-bfloat16-t0.json"
+    )
+    key = h200.drafts["draft-s"].key
+    found = committed_target([DEFAULT_PROFILES_DIR], key, h200.target.key.fingerprint)
+    assert found is not None and found.key.fingerprint == h200.target.key.fingerprint
+    assert found.key.device == key.device
+    cpu_key = key.model_copy(update={"device": "cpu: nothing like it", "threads": 2})
+    assert committed_target([DEFAULT_PROFILES_DIR], cpu_key, h200.target.key.fingerprint) is None
+
+
+@pytest.fixture(scope="module")
+def draft_runner(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("draft"), seed=1, num_layers=1)
+    return load_runner(path, EngineSettings(kv_memory_bytes=1 << 20, block_size=4))
+
+
+class Interference:
+    """Stands in for the quick measurement: returns the given numbers, one set per call."""
+
+    def __init__(self, *measurements: list[list[float]]) -> None:
+        self.measurements = list(measurements)
+        self.calls = 0
+
+    def __call__(
+        self, runner: Any, name: str, max_tokens: int, layouts: list[tuple[int, tuple[int, ...]]]
+    ) -> tuple[ModelProfile, tuple[int, tuple[int, ...]]]:
+        ms = self.measurements[min(self.calls, len(self.measurements) - 1)]
+        self.calls += 1
+        return profile(profile_key(runner, name), ms), layouts[0]
+
+
+def target_like(runner: Any) -> ModelProfile:
+    return profile(profile_key(runner, "target"), TARGET_MS)
+
+
+def test_a_suspect_draft_is_measured_again_and_kept_once_quiet(
+    draft_runner: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    measure = Interference(scaled(2.0), scaled(0.2))  # spoiled while the target loads, then quiet
+    caplog.set_level(logging.INFO, "shared.model.cost_profiles")
+    choice = choose_profile(
+        draft_runner,
+        "draft-m",
+        directory=tmp_path / "none",
+        cache_dir=tmp_path / "cache",
+        plan_kernels=False,
+        reference=target_like(draft_runner),
+        retry_wait_s=0.0,
+        measure_quick=measure,
+    )
+    assert measure.calls == 2 and choice.source == MEASURED and choice.profile is not None
+    assert choice.profile.curve.ms_grid == scaled(0.2)
+    assert "is suspect" in caplog.text and "checked and kept" in caplog.text
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    again = choose_profile(
+        draft_runner, "draft-m", directory=tmp_path / "none", cache_dir=tmp_path / "cache"
+    )
+    assert again.source == STORED  # the next start loads the kept one
+
+
+def test_a_draft_that_stays_suspect_is_neither_cached_nor_published(
+    draft_runner: Any,
+    tmp_path: Path,
+    server: EmbeddedRedis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    measure = Interference(scaled(82.8 / 42.0))  # every measurement spoiled
+    settings = make_settings(
+        server.url,
+        "trust",
+        engine={
+            "measure_profile": True,
+            "profile_dir": tmp_path / "none",
+            "profile_cache_dir": tmp_path / "cache",
+            "plan_kernels": False,
+        },
+    )
+    quick = functools.partial(choose_profile, retry_wait_s=0.0, measure_quick=measure)
+    monkeypatch.setattr(services.run, "choose_profile", quick)
+    caplog.set_level(logging.INFO)
+
+    async def start() -> tuple[Any, dict[str, ModelProfile], dict[str, dict[str, str]]]:
+        stack = Stack(settings, server.url)
+        bus = Bus(server.url, settings.redis, "trust")
+        try:
+            stack.target_profile = target_like(draft_runner)  # this process's verifier's
+            choice = await publish_own_profile(
+                stack, bus, draft_runner, "draft-m", draft_role("draft-m")
+            )
+            return choice, await read_profiles(bus, "trust"), await read_profile_statuses(
+                bus, "trust"
+            )
+        finally:
+            await bus.close()
+
+    choice, published, statuses = asyncio.run(start())
+    assert choice.source == SUSPECT and measure.calls == 3  # the first and two more
+    assert "NOT kept" in caplog.text and "1.97x its target" in caplog.text
+    assert "prices draft-m as free" in caplog.text
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.json"))
+    assert draft_role("draft-m") not in published and TARGET not in published
+    status = statuses[draft_role("draft-m")]
+    assert (status["source"], status["published"]) == ("suspect", "0")
+    assert "1.97x" in status["detail"]
+    metrics = GatewayMetrics()
+    export_profile_statuses(metrics, statuses)
+    value = metrics.registry.get_sample_value(
+        "augury_cost_profile_info",
+        {"role": "draft:draft-m", "source": "suspect", "published": "0"},
+    )
+    assert value == 1.0
