@@ -110,9 +110,13 @@ async def publish_own_profile(
         await publish_profile(bus, stack.settings.service.cell, role, profile)
 
 
-async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> VerifierService:
+async def start_verifier(
+    stack: Stack, models: ModelPaths, replica: str, runner: ModelRunner | None = None
+) -> VerifierService:
+    """`runner`: one built already (a tensor-parallel group's rank 0), else loaded here."""
     settings = stack.settings
-    runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
+    if runner is None:
+        runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
     service = VerifierService(
         stack.bus(replica), runner, cell=settings.service.cell, model=models.target.name
     )

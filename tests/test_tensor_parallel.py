@@ -9,12 +9,21 @@ architectures, and on SmolLM2-135M (3 ranks: its 9 heads and 3 KV heads do not s
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.run import Stack, start_drafter, start_scheduler
+from services.runtime import ModelPaths
+from shared.bus import EmbeddedRedis
+from shared.bus.profiles import TARGET, read_profiles
+from shared.engine.sampling import SamplingParams
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
@@ -30,11 +39,20 @@ from shared.model.rank_group import (
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import check_shardable, shard_bounds, valid_sizes
 from tests.conftest import make_tiny_checkpoint
+from tests.test_services_processes import LOGS, launch, log_tail, processes, service_env, stop
+from tests.test_services_support import Client, make_settings, plain_greedy
+
+__all__ = ["processes"]  # the fixture
 
 # Each row's largest difference, relative to the row's largest magnitude: summing the ranks'
 # partial products reorders fp32 additions (SmolLM2's logits differ by up to 4e-5 on values
 # near 25; the tiny models' by 3e-6).
 TOLERANCE = 1e-5
+# Spawning a rank group loads torch in each process: the long cases run on demand
+# (AUGURY_SLOW_TESTS=1 bash scripts/test.sh -m slow), the short logits case always.
+slow = pytest.mark.skipif(
+    not os.environ.get("AUGURY_SLOW_TESTS"), reason="long: set AUGURY_SLOW_TESTS=1 to run"
+)
 RUNNER = {"block_size": 4, "kv_memory_bytes": 8 << 20}
 
 
@@ -181,6 +199,8 @@ def test_sharded_forward_equals_the_single_process_forward(tmp_path: Path) -> No
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
+@slow
 def test_smollm2_over_three_ranks(tmp_path: Path) -> None:
     from shared.model.model_set import target_dir
 
@@ -216,3 +236,87 @@ def test_head_counts_that_do_not_divide_are_refused() -> None:
         check_shardable(_cfg(4, 2, feature_size=64), 2)
     assert valid_sizes(_cfg(64, 8)) == [1, 2, 4, 8]  # Llama-3-70B's heads
     assert shard_bounds(90, 4) == [0, 23, 46, 68, 90]
+
+
+# ---- the verifier as a rank group, through the services ----------------------------------------
+
+RANK_PID = re.compile(r"verifier group start (\d+): rank verifier-rank(\d+) pid (\d+)")
+
+
+def rank_pids(log: Path) -> dict[tuple[int, int], int]:
+    """(group start, rank) -> pid, from the launcher's log."""
+    found = RANK_PID.findall(log.read_text(errors="replace"))
+    return {(int(start), int(rank)): int(pid) for start, rank, pid in found}
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@slow
+async def test_a_two_rank_verifier_serves_plain_greedy_and_survives_a_killed_rank(
+    server: EmbeddedRedis, tiny_target_dir: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """`python -m services verifier --tp 2` beside an in-process scheduler and drafter (the
+    target drafting for itself): output equals plain greedy decoding with nearly every draft
+    accepted; then rank 1 is SIGKILLed mid-stream, the launcher restarts the whole group, and
+    every stream completes equal to plain greedy with no gap and no repeated token (the client
+    checks every offset)."""
+    cell = "tp"
+    env = service_env(
+        tiny_target_dir,
+        tiny_target_dir,
+        cell,
+        AUGURY_REDIS__URL=server.url,
+        AUGURY_REDIS__CLAIM_IDLE_MS="2000",
+    )
+    group = launch("verifier", "--tp", "2", env=env)
+    processes.append(group)
+    settings = make_settings(server.url, cell, scheduler={"micro_batches": 2})
+    models = ModelPaths(tiny_target_dir, {"d": tiny_target_dir})
+    stack = Stack(settings, server.url)
+    client = Client(server.url, settings, f"{cell}-client")
+    try:
+        await start_drafter(stack, models, "d", f"{cell}-drafter")
+        await start_scheduler(stack, models, f"{cell}-scheduler")
+        # the scheduler sees the drafter on its own schedule: until then it decodes plainly
+        warmups = 0
+        while not any(o.drafts for o in client.outcomes.values()):
+            assert warmups < 20, "the scheduler never drafted"
+            await client.submit(f"warm{warmups}", [1, 2, 3], SamplingParams(max_tokens=6))
+            await client.wait([f"warm{warmups}"], timeout_s=180)
+            warmups += 1
+        # phase 1: greedy output through the group
+        prompts = [[3 + i, 9, 27 + i, 4] for i in range(4)]
+        params = [SamplingParams(max_tokens=12 + 3 * i) for i in range(4)]
+        expected = plain_greedy(tiny_target_dir, prompts, params)
+        for i, prompt in enumerate(prompts):
+            await client.submit(f"g{i}", prompt, params[i])
+        await client.wait([f"g{i}" for i in range(4)], timeout_s=180)
+        for i, want in enumerate(expected):
+            outcome = client.outcomes[f"g{i}"]
+            assert outcome.tokens == want, f"request {i}"
+            # trees were verified and nearly every one had a token accepted (a garbage draft:
+            # 1 in 96 per node)
+            assert outcome.accepted_tokens >= 0.9 * outcome.drafts > 0, outcome
+        profile = (await read_profiles(client.bus, cell))[TARGET]
+        assert profile.key.tensor_parallel == 2  # measured through the group at start
+        # phase 2: a rank dies mid-stream
+        prompts = [[5 + i, 11, 2 * i + 1, 60] for i in range(4)]
+        params = [SamplingParams(max_tokens=70 + 5 * i) for i in range(4)]
+        expected = plain_greedy(tiny_target_dir, prompts, params)
+        for i, prompt in enumerate(prompts):
+            await client.submit(f"k{i}", prompt, params[i])
+        while not all(client.outcomes[f"k{i}"].tokens for i in range(4)):
+            await client.poll(50)
+        os.kill(rank_pids(LOGS[group.pid])[(0, 1)], signal.SIGKILL)
+        assert not all(client.outcomes[f"k{i}"].done for i in range(4)), "done before the kill"
+        await client.wait([f"k{i}" for i in range(4)], timeout_s=180)
+        for i, want in enumerate(expected):
+            outcome = client.outcomes[f"k{i}"]
+            assert outcome.error is None and outcome.tokens == want, f"request {i}"
+        assert (1, 0) in rank_pids(LOGS[group.pid]), "the group was not started again"
+        assert group.poll() is None, log_tail(group)
+    finally:
+        await client.close()
+        await stack.stop()
+    assert stop([group]) == [0], log_tail(group)  # SIGTERM: rank 0 stops, then the followers
+    processes.remove(group)

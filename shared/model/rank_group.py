@@ -23,6 +23,7 @@ verifier's launcher, `services/verifier/group.py`), never repaired.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -119,7 +120,8 @@ def load_sharded_runner(
 class GroupRunner:
     """Rank 0's runner: a `ModelRunner` whose state-changing calls every rank makes alike.
 
-    Attributes and read-only methods are the local runner's; `close()` releases the followers.
+    Attributes (the model, the cache) and read-only methods are the local runner's; `close()`
+    releases the followers.
     """
 
     def __init__(self, runner: ModelRunner, group: RankGroup) -> None:
@@ -132,7 +134,7 @@ class GroupRunner:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.runner, name)
-        if name.startswith("_") or name in READ_ONLY or not callable(value):
+        if name.startswith("_") or name in READ_ONLY or not inspect.ismethod(value):
             return value
         return self._forwarded(name, value)
 
@@ -144,6 +146,8 @@ class GroupRunner:
             result = method(*args, **kwargs)
             if name == "swap_out":
                 self._swapped[args[0]] = result
+            elif name == "free_request":
+                self._swapped.pop(args[0], None)
             return result
 
         return call
