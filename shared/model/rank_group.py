@@ -216,3 +216,77 @@ def torchrun_rank() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def _follower_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    path: str,
+    dtype: str,
+    device: str,
+    threads: int,
+    runner_options: dict[str, Any],
+) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    group = init_rank_group(rank, size, init_method, device)
+    try:
+        follow(load_sharded_runner(group, path, getattr(torch, dtype), **runner_options), group)
+    finally:
+        close_rank_group()
+
+
+@dataclass
+class LocalGroup:
+    """A rank group whose rank 0 is this process (`start_local_group`)."""
+
+    runner: GroupRunner
+    followers: list[Any]
+
+    def close(self) -> None:
+        try:
+            self.runner.close()
+            close_rank_group()
+        finally:
+            for process in self.followers:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+
+
+def start_local_group(
+    path: str | Path,
+    size: int,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 0,
+    **runner_options: Any,
+) -> LocalGroup:
+    """This process as rank 0 of `size` ranks, the followers spawned here (`augury generate
+    --tp N`, benchmarks). A follower that dies makes rank 0's next forward raise."""
+    import multiprocessing
+
+    init_method = tcp_init_method(free_port())
+    spawn = multiprocessing.get_context("spawn")
+    followers = [
+        spawn.Process(
+            target=_follower_main,
+            args=(rank, size, init_method, str(path), dtype, device, threads, runner_options),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, size)
+    ]
+    for process in followers:
+        process.start()
+    try:
+        group = init_rank_group(0, size, init_method, device)
+        runner = load_sharded_runner(group, path, getattr(torch, dtype), **runner_options)
+    except BaseException:
+        for process in followers:
+            process.kill()
+        raise
+    return LocalGroup(GroupRunner(runner, group), followers)
