@@ -320,3 +320,16 @@ async def test_a_two_rank_verifier_serves_plain_greedy_and_survives_a_killed_ran
         await stack.stop()
     assert stop([group]) == [0], log_tail(group)  # SIGTERM: rank 0 stops, then the followers
     processes.remove(group)
+
+
+def test_the_paper_estimate_scales_the_profile_and_adds_the_collectives() -> None:
+    from bench.tp_estimate import LLAMA_3_8B, LLAMA_3_70B, estimate
+    from shared.scheduling.cost_model import ForwardCurve
+
+    curve = ForwardCurve(tokens=[1, 16], contexts=[0], ms_grid=[[7.0], [8.0]])
+    alone = estimate(curve, LLAMA_3_8B, LLAMA_3_8B, 1, 16)
+    assert (alone.compute_ms, alone.collectives_ms) == (8.0, 0.0)
+    tp8 = estimate(curve, LLAMA_3_8B, LLAMA_3_70B, 8, 1, alpha_us=10.0)
+    assert tp8.compute_ms == pytest.approx(7.0 * 69.50 / 8 / 7.50, rel=1e-3)
+    # 160 all-reduces and one gather of latency 10 us, plus their bytes over 450 GB/s
+    assert 1.61 < tp8.collectives_ms < 1.65
