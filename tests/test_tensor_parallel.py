@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.run import Stack, start_drafter, start_scheduler
@@ -28,8 +29,8 @@ from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
 from shared.model.rank_group import (
+    GROUP_FAILED_EXIT,
     GroupRunner,
-    close_rank_group,
     follow,
     free_port,
     init_rank_group,
@@ -103,56 +104,70 @@ def _run(runner: ModelRunner | GroupRunner, steps: list[tuple[str, object]]) -> 
 
 
 def _compare_rank(rank: int, size: int, port: int, paths: list[str], report: str) -> None:
+    """Each checkpoint through the group and alone (rank 0 compares); then the last rank dies
+    and rank 0's next call must end its process with GROUP_FAILED_EXIT, not raise."""
     torch.set_num_threads(1)
     group = init_rank_group(rank, size, tcp_init_method(port), "cpu")
-    try:
-        results = {}
-        for path in paths:
-            runner = load_sharded_runner(group, path, torch.float32, **RUNNER)
-            if rank != 0:
-                follow(runner, group)
-                continue
-            sharded = GroupRunner(runner, group)
-            plain = ModelRunner(load_model(path), **RUNNER)
-            steps = _steps(plain.cfg.vocab_size)
-            got, want = _run(sharded, steps), _run(plain, steps)
-            sharded.close()
-            same_argmax, worst_abs, worst_scaled = True, {}, {}
-            for step_got, step_want in zip(got, want, strict=True):
-                for g, w in zip(step_got, step_want, strict=True):
-                    assert g.logits.shape == w.logits.shape
-                    assert g.features.shape == w.features.shape
-                    for what, a, b in (
-                        ("logits", g.logits, w.logits),
-                        ("features", g.features, w.features),
-                    ):
-                        if a.numel():
-                            diff = (a - b).abs()
-                            worst_abs[what] = max(worst_abs.get(what, 0.0), diff.max().item())
-                            scale = b.abs().amax(-1, keepdim=True)
-                            worst_scaled[what] = max(
-                                worst_scaled.get(what, 0.0), (diff / scale).max().item()
-                            )
-                    if g.logits.numel():
-                        same_argmax &= bool((g.logits.argmax(-1) == w.logits.argmax(-1)).all())
-            results[path] = {
-                "abs": worst_abs,
-                "scaled": worst_scaled,
-                "same_argmax": same_argmax,
-                "kv_heads": runner.cache.k.shape[3],
-                "full_kv_heads": plain.cache.k.shape[3],
-                "free_after": runner.cache.allocator.num_free == runner.cache.num_blocks,
-            }
-        if rank == 0:
-            Path(report).write_text(json.dumps(results))
-    finally:
-        close_rank_group()
+    results = {}
+    for path in paths:
+        runner = load_sharded_runner(group, path, torch.float32, **RUNNER)
+        if rank != 0:
+            follow(runner, group)
+            continue
+        sharded = GroupRunner(runner, group)
+        plain = ModelRunner(load_model(path), **RUNNER)
+        steps = _steps(plain.cfg.vocab_size)
+        got, want = _run(sharded, steps), _run(plain, steps)
+        sharded.close()
+        results[path] = _differences(got, want) | {
+            "kv_heads": runner.cache.k.shape[3],
+            "full_kv_heads": plain.cache.k.shape[3],
+            "free_after": runner.cache.allocator.num_free == runner.cache.num_blocks,
+        }
+    if rank == 0:
+        Path(report).write_text(json.dumps(results))
+    dist.barrier(group=group.control)  # the report is written
+    if rank == size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        GroupRunner(runner, group).add_request("after")
+        raise AssertionError("a call on a group with a dead rank returned")
+    follow(runner, group)  # the other followers: the broken group's error ends them
+
+
+def _differences(got: list[list], want: list[list]) -> dict[str, object]:
+    same_argmax, worst_abs, worst_scaled = True, {}, {}
+    for step_got, step_want in zip(got, want, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            assert g.logits.shape == w.logits.shape
+            assert g.features.shape == w.features.shape
+            pairs = (("logits", g.logits, w.logits), ("features", g.features, w.features))
+            for what, a, b in pairs:
+                if a.numel():
+                    diff = (a - b).abs()
+                    worst_abs[what] = max(worst_abs.get(what, 0.0), diff.max().item())
+                    scale = b.abs().amax(-1, keepdim=True)
+                    worst_scaled[what] = max(
+                        worst_scaled.get(what, 0.0), (diff / scale).max().item()
+                    )
+            if g.logits.numel():
+                same_argmax &= bool((g.logits.argmax(-1) == w.logits.argmax(-1)).all())
+    return {"abs": worst_abs, "scaled": worst_scaled, "same_argmax": same_argmax}
 
 
 def compare_sharded(paths: list[Path], size: int, tmp_path: Path) -> dict[str, dict]:
+    """Spawn `size` ranks running `_compare_rank`; rank 0's report, after checking that the
+    dead rank took rank 0 down with GROUP_FAILED_EXIT."""
     report = tmp_path / "report.json"
+    spawn = mp.get_context("spawn")
     args = (size, free_port(), [str(p) for p in paths], str(report))
-    mp.spawn(_compare_rank, args=args, nprocs=size, join=True)
+    ranks = [spawn.Process(target=_compare_rank, args=(rank, *args)) for rank in range(size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(600)
+    codes = [p.exitcode for p in ranks]
+    assert codes[0] == GROUP_FAILED_EXIT and codes[-1] == -signal.SIGKILL, codes
     return json.loads(report.read_text())
 
 
@@ -182,6 +197,7 @@ def _qwen2_checkpoint(path: Path) -> Path:
 
 
 def test_sharded_forward_equals_the_single_process_forward(tmp_path: Path) -> None:
+    # (and a rank that dies then ends rank 0 at its next call: `compare_sharded` checks)
     paths = [
         # an odd vocabulary: the head's last shard is padded
         make_tiny_checkpoint(tmp_path / "llama", seed=5, vocab_size=97),

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # Runner methods that change nothing: answered by rank 0 alone.
 READ_ONLY = frozenset({"has_request", "num_cached", "tree_size", "blocks_needed"})
 STOP = "__stop__"
+GROUP_FAILED_EXIT = 70  # rank 0's exit status when the group broke under a call
 # A follower waits on the control group while the service is idle: no timeout in practice.
 CONTROL_TIMEOUT = timedelta(days=365)
 COMPUTE_TIMEOUT = timedelta(minutes=10)
@@ -119,6 +120,7 @@ def load_sharded_runner(
 
 class GroupRunner:
     """Rank 0's runner: a `ModelRunner` whose state-changing calls every rank makes alike.
+    A call that fails other than with a client error ends this process (`_fail`).
 
     Attributes (the model, the cache) and read-only methods are the local runner's; `close()`
     releases the followers.
@@ -142,8 +144,14 @@ class GroupRunner:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self._closed:
                 raise RuntimeError("the rank group is closed")
-            self._broadcast((name, self._outgoing(name, args), kwargs))
-            result = method(*args, **kwargs)
+            message = (name, self._outgoing(name, args), kwargs)
+            try:
+                self._broadcast(message)
+                result = method(*args, **kwargs)
+            except (AuguryError, ValueError):
+                raise  # a client error: every rank raised it alike and stays in step
+            except Exception as error:
+                self._fail(name, error)
             if name == "swap_out":
                 self._swapped[args[0]] = result
             elif name == "free_request":
@@ -151,6 +159,20 @@ class GroupRunner:
             return result
 
         return call
+
+    def _fail(self, name: str, error: Exception) -> NoReturn:
+        """A collective failed (a peer died) or rank 0 alone failed after the followers made the
+        call: the ranks are out of step. Exit at once, answering nothing (a verifier would
+        otherwise fail the step's requests), so that the launcher restarts the whole group and
+        the scheduler recomputes what it held."""
+        log.critical(
+            "rank group: %s failed (%r); rank 0 exits with status %d so that the group restarts",
+            name,
+            error,
+            GROUP_FAILED_EXIT,
+        )
+        logging.shutdown()
+        os._exit(GROUP_FAILED_EXIT)
 
     def _outgoing(self, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """A swap-in names KV every rank swapped out: followers use their own share."""
