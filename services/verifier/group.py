@@ -25,6 +25,7 @@ from shared.settings import AugurySettings
 log = logging.getLogger(__name__)
 
 RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 30.0
 STOP_TIMEOUT_S = 60.0
 
 
@@ -101,14 +102,23 @@ def run_verifier_group(
 ) -> int:
     """Start the verifier's `size` ranks and keep them up until SIGTERM or SIGINT; returns
     rank 0's exit status then."""
+    from services.runtime import read_model_config, resolve_models
+    from shared.errors import UnsupportedModelError
     from shared.model.rank_group import free_port, tcp_init_method
+    from shared.model.tensor_parallel import check_shardable
 
+    try:  # refused at once, not by every restart of the group
+        check_shardable(read_model_config(resolve_models(settings).target), size)
+    except UnsupportedModelError as error:
+        log.error("%s", error)
+        return 2
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     spawn = multiprocessing.get_context("spawn")
-    starts = 0
+    starts, delay = 0, RESTART_DELAY_S
     while True:
+        started = time.monotonic()
         init_method = tcp_init_method(free_port())
         ranks = [
             spawn.Process(
@@ -140,7 +150,11 @@ def run_verifier_group(
                 process.kill()
         for process in ranks:
             process.join()
-        time.sleep(RESTART_DELAY_S)
+        # a group that keeps failing at once (a broken checkpoint, a missing GPU) backs off
+        lived = time.monotonic() - started
+        quick = lived < MAX_RESTART_DELAY_S
+        delay = min(2 * delay, MAX_RESTART_DELAY_S) if quick else RESTART_DELAY_S
+        time.sleep(delay)
 
 
 def _stop_group(ranks: list[multiprocessing.process.BaseProcess]) -> int:
