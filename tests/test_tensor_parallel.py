@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 from services.run import Stack, start_drafter, start_scheduler
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.bus.profiles import TARGET, read_profiles
 from shared.engine.sampling import SamplingParams
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
+from shared.model.profiling import measure_curve, profile_key
 from shared.model.rank_group import (
     GROUP_FAILED_EXIT,
     GroupRunner,
@@ -39,9 +39,10 @@ from shared.model.rank_group import (
 )
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import check_shardable, shard_bounds, valid_sizes
+from shared.scheduling.cost_model import architecture_fingerprint
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_processes import LOGS, launch, log_tail, processes, service_env, stop
-from tests.test_services_support import Client, make_settings, plain_greedy
+from tests.test_services_support import NO_PROFILES, Client, make_settings, plain_greedy
 
 __all__ = ["processes"]  # the fixture
 
@@ -118,8 +119,14 @@ def _compare_rank(rank: int, size: int, port: int, paths: list[str], report: str
         plain = ModelRunner(load_model(path), **RUNNER)
         steps = _steps(plain.cfg.vocab_size)
         got, want = _run(sharded, steps), _run(plain, steps)
+        # a cost profile through the group: its key, and a small curve (zero KV swapped in)
+        key = profile_key(sharded, "t")  # type: ignore[arg-type]
+        curve = measure_curve(sharded, [1, 4], [0, 8], repeats=1, warmup=0)  # type: ignore[arg-type]
         sharded.close()
         results[path] = _differences(got, want) | {
+            "profile_tp": key.tensor_parallel,
+            "profile_fingerprint": key.fingerprint == architecture_fingerprint(plain.cfg),
+            "profile_points": len(curve.ms_grid) * len(curve.ms_grid[0]),
             "kv_heads": runner.cache.k.shape[3],
             "full_kv_heads": plain.cache.k.shape[3],
             "free_after": runner.cache.allocator.num_free == runner.cache.num_blocks,
@@ -212,6 +219,8 @@ def test_sharded_forward_equals_the_single_process_forward(tmp_path: Path) -> No
         assert r["same_argmax"], path
         assert r["kv_heads"] * 2 == r["full_kv_heads"], path  # each rank caches half the heads
         assert r["free_after"], path
+        # the profile keys on the whole architecture and the size; measured through the group
+        assert (r["profile_tp"], r["profile_fingerprint"], r["profile_points"]) == (2, True, 4)
 
 
 @pytest.mark.smollm2
@@ -283,6 +292,11 @@ async def test_a_two_rank_verifier_serves_plain_greedy_and_survives_a_killed_ran
         cell,
         AUGURY_REDIS__URL=server.url,
         AUGURY_REDIS__CLAIM_IDLE_MS="2000",
+        # no cost model: a profile measured on a loaded host can price every draft out (the
+        # profile through the group is checked by the logits test)
+        AUGURY_ENGINE__MEASURE_PROFILE="false",
+        AUGURY_ENGINE__PROFILE_DIR=str(NO_PROFILES),
+        AUGURY_ENGINE__PROFILE_CACHE_DIR=str(NO_PROFILES),
     )
     group = launch("verifier", "--tp", "2", env=env)
     processes.append(group)
@@ -314,8 +328,6 @@ async def test_a_two_rank_verifier_serves_plain_greedy_and_survives_a_killed_ran
         # 96 per node); over all four, since a loaded host may miss the drafter's heartbeat
         drafts = sum(o.drafts for o in outcomes)
         assert sum(o.accepted_tokens for o in outcomes) >= 0.9 * drafts >= 0.9 * 4, outcomes
-        profile = (await read_profiles(client.bus, cell))[TARGET]
-        assert profile.key.tensor_parallel == 2  # measured through the group at start
         # phase 2: a rank dies mid-stream
         prompts = [[5 + i, 11, 2 * i + 1, 60] for i in range(4)]
         params = [SamplingParams(max_tokens=70 + 5 * i) for i in range(4)]
