@@ -50,6 +50,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-gateway", action="store_true", help="all: no HTTP gateway")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument(
+        "--tp",
+        type=int,
+        help="verifier: ranks (GPUs) the target is split over, one process each "
+        "(default: engine.tensor_parallel_size)",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -158,7 +164,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    tp = args.tp or settings.engine.tensor_parallel_size
+    if tp > 1 and args.service != "verifier":
+        print(
+            f"a tensor-parallel target ({tp} ranks) runs as its own verifier group: start it with "
+            "`python -m services verifier --tp N` and the other services without it"
+        )
+        return 2
     with redis_url(settings.redis) as url:
+        if tp > 1:
+            from services.verifier.group import run_verifier_group
+
+            return run_verifier_group(
+                settings, url, tp, threads=args.threads, level=args.log_level
+            )
         return run_async(run(args, settings, url))
 
 

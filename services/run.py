@@ -225,6 +225,7 @@ async def take_verifier_lease(stack: Stack, bus: Bus) -> None:
 async def start_verifier(
     stack: Stack, models: ModelPaths, replica: str, runner: ModelRunner | None = None
 ) -> VerifierService:
+    """`runner`: one built already (a tensor-parallel group's rank 0), else loaded here."""
     settings = stack.settings
     bus = stack.bus(replica)
     await take_verifier_lease(stack, bus)

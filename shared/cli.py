@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,6 +84,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     gen.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="split the target over this many ranks, one process each (gloo on this CPU; "
+        "docs/tensor-parallel.md)",
+    )
+    gen.add_argument(
         "--planner",
         choices=["goodput", "fixed"],
         default="goodput",
@@ -121,7 +129,6 @@ def generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    target = load_model(target_path)
     drafter = (
         Drafter(
             ModelRunner(
@@ -136,7 +143,29 @@ def generate(args: argparse.Namespace) -> int:
         if draft_path
         else None
     )
-    verifier = Verifier(ModelRunner(target))
+    group = None
+    if args.tp > 1:
+        from shared.model.rank_group import start_local_group
+
+        group = start_local_group(target_path, args.tp, threads=args.threads)
+        verifier = Verifier(group.runner)  # type: ignore[arg-type]
+    else:
+        verifier = Verifier(ModelRunner(load_model(target_path)))
+    try:
+        return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _generate(
+    args: argparse.Namespace,
+    tokenizer: Any,
+    target_path: str,
+    draft_path: str | None,
+    drafter: Drafter | None,
+    verifier: Verifier,
+) -> int:
     # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
     cost = load_or_measure(
         verifier.runner,
@@ -148,7 +177,7 @@ def generate(args: argparse.Namespace) -> int:
         drafter,
         build_method(args) if drafter else None,
         EngineConfig(planner=args.planner),
-        eos_token_ids=target.cfg.eos_token_ids,
+        eos_token_ids=verifier.runner.cfg.eos_token_ids,
         cost=cost if args.planner == "goodput" else None,
         tokenizer=tokenizer,
     )

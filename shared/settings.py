@@ -136,6 +136,9 @@ class EngineSettings(_Group):
     # Drafts' linear layers with int8 weights (`shared/model/quantized.py`): auto = on a CPU that
     # has the kernels (a draft's CPU forward is bound by its weights' bytes); outputs unchanged.
     draft_weights: DraftWeights = "auto"
+    # The verifier's target split over this many ranks (GPUs), one process each
+    # (`shared/model/tensor_parallel.py`, docs/tensor-parallel.md); drafts stay on one device.
+    tensor_parallel_size: PositiveInt = 1
 
 
 class SpeculationSettings(_Group):

@@ -35,6 +35,7 @@ from shared.errors import OutOfKVMemoryError
 from shared.model.config import ModelConfig
 from shared.model.kv_cache import SwappedKV
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.model.tensor_parallel import full_config, tensor_parallel_size
 from shared.scheduling.cost_model import (
     CostProfile,
     ForwardCurve,
@@ -75,13 +76,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
     """The key a profile of `runner`'s model on this machine has (threads: torch's CPU threads,
-    0 on CUDA). Services build it to look a profile up before measuring one."""
+    0 on CUDA). Services build it to look a profile up before measuring one. A sharded target
+    keys on its whole architecture and the number of ranks."""
     return ProfileKey(
         model=model,
-        fingerprint=fingerprint_of(runner.cfg),
+        fingerprint=fingerprint_of(full_config(runner.model)),
         device=device_name(runner.device),
         dtype="int8" if runner.model.is_int8 else dtype_name(runner.dtype),
         threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
+        tensor_parallel=tensor_parallel_size(runner.model),
     )
 
 

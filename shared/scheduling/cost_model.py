@@ -134,9 +134,18 @@ class ProfileKey(BaseModel):
     device: str  # "cpu: AMD EPYC", "cuda: NVIDIA H100 80GB HBM3"
     dtype: str  # "float32", "bfloat16", ...; "int8": int8 weights (`LlamaModel.quantize_int8`)
     threads: int = Field(ge=0)  # torch threads on CPU; 0 on CUDA
+    # Ranks the model was split over (`shared/model/tensor_parallel.py`): the forward measured
+    # is one rank's share plus the all-reduces; `device` names one rank's device.
+    tensor_parallel: int = Field(default=1, ge=1)
 
     # Fields compared by `mismatch`, in the order they are reported.
-    CHECKED: ClassVar[tuple[str, ...]] = ("fingerprint", "device", "dtype", "threads")
+    CHECKED: ClassVar[tuple[str, ...]] = (
+        "fingerprint",
+        "device",
+        "dtype",
+        "threads",
+        "tensor_parallel",
+    )
 
     def mismatch(self, asked: ProfileKey) -> str | None:
         """The first checked field whose value differs from `asked`, or None."""
@@ -147,8 +156,10 @@ class ProfileKey(BaseModel):
 
     @property
     def file_stem(self) -> str:
-        """`<model>-<device-slug>-<dtype>-t<threads>`: the default profile file name."""
-        return f"{self.model}-{slug(self.device)}-{self.dtype}-t{self.threads}"
+        """`<model>-<device-slug>-<dtype>-t<threads>` (then `-tp<n>` when sharded): the default
+        profile file name."""
+        sharded = f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.model}-{slug(self.device)}-{self.dtype}-t{self.threads}{sharded}"
 
 
 class ProfileMismatchError(ValueError):
