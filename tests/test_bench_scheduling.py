@@ -12,6 +12,7 @@ from bench.scheduling import experiments as ex
 from bench.scheduling.reports import markdown
 from bench.scheduling.workloads import (
     HELDOUT,
+    MAX_TOKENS,
     WORKLOADS,
     burst,
     draw,
@@ -93,3 +94,40 @@ def test_tables_render(items: list[Any], machine: ex.Machine, acceptance: Accept
     )  # fmt: skip
     table = markdown("paper", {"draws": 1, "machines": {"cpu": result}})
     assert "| code | 3 |" in table and "LAPS-SD vs LP-SJF" in table
+
+
+def test_predictors_cannot_read_the_answers_length(
+    items: list[Any], machine: ex.Machine, acceptance: AcceptanceModel, monkeypatch: Any
+) -> None:
+    import dataclasses
+
+    from shared.scheduling.laps import OracleLength
+    from shared.scheduling.lengths import LearnedLength
+
+    # every experiment request carries the same cap, whatever its answer's length
+    chosen = draw(pool(items, "mix"), 30, seed=4)
+    assert {r.max_tokens for r in sim_requests(chosen, burst(30))} == {MAX_TOKENS}
+    assert max(i.num_output_tokens for i in items) <= MAX_TOKENS
+    # one prompt, answers of 2, 40 and 300 tokens: the learned predictor must predict the same
+    # for all three (it reads the prompt, and max_tokens is no length); the oracle is told each
+    prompt = pool(items, "chat")[0]
+    same = [dataclasses.replace(prompt, num_output_tokens=n) for n in (2, 40, 300)]
+    seen: dict[str, dict[str, float]] = {"learned": {}, "oracle": {}}
+    for cls, name in ((LearnedLength, "learned"), (OracleLength, "oracle")):
+        original = cls.predict
+
+        def spy(self: Any, request: Any, _o: Any = original, _n: str = name) -> float:
+            value = _o(self, request)
+            seen[_n][request.request_id] = value
+            return value
+
+        monkeypatch.setattr(cls, "predict", spy)
+    for label in ("lp-sjf", "lp-sjf/oracle"):
+        records = ex.simulate(
+            same, burst(3), machine, acceptance, ex.BY_LABEL[label],
+            batch_size=1, laps=LapsSettings(), draft="draft-s",
+        )  # fmt: skip
+        assert [r.num_output_tokens for r in records] == [2, 40, 300]
+    learned = [seen["learned"][f"sim-{i}"] for i in range(3)]
+    assert learned[0] == learned[1] == learned[2] > 2
+    assert [seen["oracle"][f"sim-{i}"] for i in range(3)] == [2, 40, 300]

@@ -135,3 +135,31 @@ def test_the_command_writes_results_tables_and_plots(tmp_path: Path) -> None:
     for name in (f"rates-{stem}", f"urgent-{stem}"):
         assert (tmp_path / f"{name}.md").read_text().startswith("###")
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+def test_adaserve_replays_unpruned_beams(gpu: Machine, acceptance: AcceptanceModel) -> None:
+    """The beam recording holds w = 4 nodes at each of d = 8 layers (nothing cut by path
+    probability), so a shallower beam of width 4 shaped from it has 4 nodes at each of its
+    layers (and one of depth 1, w nodes); the default recording, pruned at path probability
+    0.2, cannot give AdaServe that."""
+    from bench.sim.acceptance import beam_method
+    from bench.slo.__main__ import BEAM_RECORDING
+    from shared.engine.methods import DraftMethod
+
+    beams = AcceptanceModel.load(BEAM_RECORDING)
+    assert beams.method == beam_method(8, 4) and beams.method.min_path_prob == 0.0
+    [session, *_] = [s for s in beams.sessions if s.kind == "chat" and s.draft == "draft-s"]
+    shallow = DraftMethod("beam", depth=3, width=4, min_path_prob=0.0)
+    narrow = DraftMethod("beam", depth=1, width=2, min_path_prob=0.0)
+    full = [i for i, step in enumerate(session.steps) if len(step.parents) == 32]
+    assert len(full) >= 0.8 * len(session.steps)
+    for i in full:
+        assert beams.drafted(session, i, 8, beams.method)[1] == (4,) * 8
+        assert beams.drafted(session, i, 3, shallow)[1] == (4, 4, 4)
+        assert beams.drafted(session, i, 8, narrow)[1] == (2,)
+    pruned = [s for s in acceptance.sessions if s.kind == "chat" and s.draft == "draft-s"][0]
+    sizes = [acceptance.drafted(pruned, i, 8, shallow)[0].num_nodes for i in range(20)]
+    assert sum(sizes) < 20 * 13 / 2  # most pruned trees are smaller than the beam
+    setup = ex.Setup(gpu, acceptance, beam_acceptance=beams)
+    assert ex.acceptance_for(setup, "adaserve") is beams
+    assert ex.acceptance_for(setup, "goodput") is acceptance

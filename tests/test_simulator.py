@@ -233,3 +233,22 @@ def test_the_command_refuses_bad_input_in_one_line(
     argv = ["--trace", str(bad), "--out", str(tmp_path / "o"), "--profile", str(bad)]
     assert main(argv) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_a_request_ends_at_its_answers_length_not_at_its_cap() -> None:
+    # the request carries a cap of 64 (what a client sends) and its answer has 7 tokens: the
+    # steps commit 1 + 3 + 3, then the target's EOS ends it, which takes one more step here
+    [record] = simulate(
+        [SimRequest(0.0, num_prompt_tokens=4, num_output_tokens=7, kind="chat", max_tokens=64)]
+    )
+    assert record.num_output_tokens == 7 and record.finish_reason == "stop"
+    assert [n for _, n in record.chunks] == [1, 3, 3]
+    assert record.finish_s == pytest.approx(0.046)
+    # an answer cut at the cap ends by length, as before
+    [capped] = simulate([SimRequest(0.0, 4, 7, kind="chat", max_tokens=7)])
+    assert capped.num_output_tokens == 7 and capped.finish_reason == "length"
+    # EOS inside a step's committed tokens: 1 + 3, then 1 token and EOS
+    [short] = simulate([SimRequest(0.0, 4, 5, kind="chat", max_tokens=64)])
+    assert [n for _, n in short.chunks] == [1, 3, 1] and short.finish_reason == "stop"
+    with pytest.raises(ValueError, match="below the answer"):
+        SimRequest(0.0, 4, 7, max_tokens=6)

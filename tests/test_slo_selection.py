@@ -240,3 +240,42 @@ def test_greedy_output_unchanged_under_every_selector(tiny_target_dir, plain, na
         assert engine.stats.num_draft_tokens == 0
     else:
         assert engine.stats.mean_accepted_length > 2.0, engine.stats
+
+
+# ---- AdaServe as the paper states it ------------------------------------------------------------
+def test_adaserve_beam_keeps_w_nodes_at_every_layer_whatever_the_cut_off() -> None:
+    # a configured dynamic tree prunes paths under 0.2; the paper's beam does not
+    configured = DraftMethod("dynamic", min_path_prob=0.2)
+    beam = AdaServe(SloSettings(max_depth=8, max_width=4)).draft_method(configured, 4, 10)
+    assert beam == DraftMethod("beam", depth=3, width=2, min_path_prob=0.0)
+
+
+def test_adaserve_step_estimate_does_not_count_drafting_twice() -> None:
+    """The selector's clock is read after drafting, so A(r) = (l + t_verify) / t_TPOT - o.
+    Here l = 190 ms, a verification 10 ms, o = 4, t_TPOT = 50 ms: A = 0, the request is on
+    time. Counting its draft (100 ms a forward) again would put it at risk."""
+    from shared.scheduling.cost_model import (
+        CostModel,
+        CostProfile,
+        ForwardCurve,
+        ModelProfile,
+        ProfileKey,
+    )
+
+    def flat(ms: float, model: str) -> ModelProfile:
+        key = ProfileKey(model=model, fingerprint="f", device="cpu: t", dtype="float32", threads=1)
+        curve = ForwardCurve(tokens=[1, 1024], contexts=[0], ms_grid=[[ms], [ms]])
+        return ModelProfile(key=key, curve=curve)
+
+    cost = CostModel(CostProfile(target=flat(10.0, "t"), drafts={"d": flat(100.0, "d")}))
+    request = state("r", slo=50.0, emitted=5, first_s=10.0)
+    request.draft_model = "d"
+    selector = AdaServe(SloSettings(max_slo_nodes=16))
+    context = ctx({"r": request}, budget=4, now=10.19)
+    context = SelectionContext(**{**context.__dict__, "cost": cost})
+    selector.select({"r": chain([0.9])}, context)
+    assert selector.at_risk == set()
+    # 300 ms for the same tokens: A = (300 + 10) / 50 - 4 = 2.2, more than 1 + 0.9
+    late = SelectionContext(**{**context.__dict__, "now": 10.3})
+    selector.select({"r": chain([0.9])}, late)
+    assert selector.at_risk == {"r"}

@@ -9,11 +9,21 @@ drafts it. Goodput is the output tokens of all requests over the time the last o
 
 Choosers (`shared/scheduling/draft_choice.py`): `fixed` on each draft model alone, Spin's
 `greedy-length`, `eps-greedy` (0.2), `lbss`, `lbss` with fast switching
-(`scheduler.fast_switching`: the standby draft's KV kept in step on its own device) and the
-`oracle`. The oracle's best draft for a request is the one it decoded fastest with (tokens per
-second from its first token to its last) in the runs where every request used one draft: the
-best static choice per request that the simulator itself can see, under the same batch. It is
-not a bound on every schedule (a request's speed also depends on what the others draft with).
+(`scheduler.fast_switching`: the standby draft's KV kept in step on its own device), and two
+static assignments of a draft to each request, run with the `oracle` chooser:
+
+- *per-request best* (`per_request_best`): each request's draft is the one it decoded fastest
+  with (tokens per second from its first token to its last) in the runs where every request
+  used one draft. Not a bound: a step waits for the slowest drafter of its micro-batch, so a
+  request put on its own fastest draft can slow every request it shares steps with, and this
+  assignment can fall below the best fixed draft.
+- *oracle (batch-aware)* (`batch_aware_oracle`): each request's draft chosen with the steps it
+  shares priced in. Starting from the best of the fixed drafts and the per-request best, one
+  request at a time is moved to each other draft, and the move is kept when the whole run's
+  goodput rises, until a pass over every request changes nothing (or `passes` run out). It is
+  at least the best fixed draft and the per-request best by construction; it is the best static
+  assignment this search finds, a local optimum, not proven a bound on choosers that switch
+  drafts within a request.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ KINDS = ("chat", "code", "math")
 
 
 FAST = "lbss + fast switching"
+PER_REQUEST = "per-request best (not a bound)"
+ORACLE = "oracle (batch-aware)"
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ def chooser_runs(drafts: Sequence[str]) -> list[ChooserRun]:
     runs = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
     runs += [ChooserRun(name, name, every) for name in ("greedy-length", "eps-greedy", "lbss")]
     runs.append(ChooserRun(FAST, "lbss", every, fast_switching=True))
-    return [*runs, ChooserRun("oracle", "oracle", every)]
+    return [*runs, ChooserRun(PER_REQUEST, "oracle", every), ChooserRun(ORACLE, "oracle", every)]
 
 
 @dataclass(frozen=True)
@@ -130,9 +142,10 @@ def decode_rate(record: RequestRecord) -> float:
     return (record.num_output_tokens - 1) / span if span > 0 else float("inf")
 
 
-def oracle_choice(fixed: Mapping[str, Sequence[RequestRecord]]) -> dict[str, str]:
-    """Each request's best draft: the one it decoded fastest with, in the runs where every
-    request used that one draft (`fixed`: draft -> the run's records, in request order)."""
+def per_request_best(fixed: Mapping[str, Sequence[RequestRecord]]) -> dict[str, str]:
+    """Each request's fastest draft on its own: the one it decoded fastest with, in the runs
+    where every request used that one draft (`fixed`: draft -> the run's records, in request
+    order). Blind to the steps it shares: not a bound."""
     drafts = sorted(fixed)
     num_requests = len(fixed[drafts[0]])
     return {
@@ -141,14 +154,51 @@ def oracle_choice(fixed: Mapping[str, Sequence[RequestRecord]]) -> dict[str, str
     }
 
 
+def batch_aware_oracle(
+    setup: Setup,
+    requests: Sequence[SimRequest],
+    drafts: Sequence[str],
+    starts: Sequence[Mapping[str, str]],
+    *,
+    passes: int = 2,
+) -> tuple[dict[str, str], float]:
+    """Each request's draft chosen with the steps it shares priced in, and the run's goodput:
+    from the best of `starts` (assignments request id -> draft), coordinate ascent on the whole
+    run's goodput, one request's draft at a time, for at most `passes` passes over them."""
+    run = ChooserRun(ORACLE, "oracle", tuple(drafts))
+    seen: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def goodput_of(assignment: Mapping[str, str]) -> float:
+        key = tuple(sorted(assignment.items()))
+        if key not in seen:
+            seen[key] = goodput_tps(simulate(setup, requests, run, assignment))
+        return seen[key]
+
+    best = dict(max(starts, key=goodput_of))
+    best_goodput = goodput_of(best)
+    for _ in range(passes):
+        moved = False
+        for rid in sorted(best, key=lambda r: int(r.removeprefix("sim-"))):
+            for draft in drafts:
+                if draft == best[rid]:
+                    continue
+                trial = {**best, rid: draft}
+                if goodput_of(trial) > best_goodput:
+                    best, best_goodput, moved = trial, goodput_of(trial), True
+        if not moved:
+            break
+    return best, best_goodput
+
+
 @dataclass
 class KindResult:
     kind: str
     goodput: dict[str, float]  # chooser label -> tokens/s
     settled: dict[str, dict[str, int]]  # lbss: draft model -> requests that drafted most on it
-    oracle: dict[str, int]  # draft model -> requests it is best for
+    oracle: dict[str, int]  # draft model -> requests the batch-aware oracle put on it
     # lbss runs: switches "warm" / "cold" and the tokens the new drafter had to append at them
     switches: dict[str, dict[str, int]] = field(default_factory=dict)
+    per_request_best: dict[str, int] = field(default_factory=dict)  # draft -> requests, the same
 
 
 def most_used(record: RequestRecord) -> str | None:
@@ -162,6 +212,7 @@ def fig11(
     drafts: Sequence[str],
     *,
     copies: int = 1,
+    oracle_passes: int = 2,
     say: Callable[[str], None] = print,
 ) -> list[KindResult]:
     results = []
@@ -173,12 +224,20 @@ def fig11(
         settled: dict[str, dict[str, int]] = {}
         switches: dict[str, dict[str, int]] = {}
         fixed: dict[str, list[RequestRecord]] = {}
+        each: dict[str, str] = {}
         best: dict[str, str] = {}
         for run in chooser_runs(drafts):
-            if run.chooser == "oracle":
-                best = oracle_choice(fixed)
+            if run.label == ORACLE:
+                everyone = [{f"sim-{i}": d for i in range(len(requests))} for d in drafts]
+                best, goodput[run.label] = batch_aware_oracle(
+                    setup, requests, drafts, [*everyone, each], passes=oracle_passes
+                )
+                say(f"{kind}: {run.label} {goodput[run.label]:.1f} tok/s")
+                continue
+            if run.label == PER_REQUEST:
+                each = per_request_best(fixed)
             counted: Counter[str] = Counter()
-            records = simulate(setup, requests, run, best, switches=counted)
+            records = simulate(setup, requests, run, each, switches=counted)
             if run.chooser == "fixed":
                 fixed[run.drafts[0]] = records
             goodput[run.label] = goodput_tps(records)
@@ -188,19 +247,21 @@ def fig11(
                 switches[run.label] = dict(counted)
             say(f"{kind}: {run.label} {goodput[run.label]:.1f} tok/s")
         oracle = {d: list(best.values()).count(d) for d in drafts}
-        results.append(KindResult(kind, goodput, settled, oracle, switches))
+        per_request = {d: list(each.values()).count(d) for d in drafts}
+        results.append(KindResult(kind, goodput, settled, oracle, switches, per_request))
     return results
 
 
 def ratios(result: KindResult, drafts: Sequence[str]) -> dict[str, float]:
-    """LBSS against the best fixed draft, eps-greedy and the oracle."""
+    """LBSS against the best fixed draft, eps-greedy and the batch-aware oracle."""
     g = result.goodput
     best_fixed = max(g[f"fixed {d}"] for d in drafts)
     return {
         "lbss / best fixed": g["lbss"] / best_fixed,
         "lbss / eps-greedy": g["lbss"] / g["eps-greedy"],
-        "lbss / oracle": g["lbss"] / g["oracle"],
-        "oracle / best fixed": g["oracle"] / best_fixed,
+        "lbss / oracle": g["lbss"] / g[ORACLE],
+        "oracle / best fixed": g[ORACLE] / best_fixed,
+        "per-request best / best fixed": g[PER_REQUEST] / best_fixed,
         "fast / lbss": g[FAST] / g["lbss"],
     }
 

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.scheduling.workloads import Labelled, draw, pool
+from bench.scheduling.workloads import MAX_TOKENS, Labelled, draw, pool
 from shared.engine.sampling import SamplingParams
 from shared.scheduling.laps import LAPSSD, OracleLength, remaining_tokens
 from shared.scheduling.lengths import LearnedLength
@@ -72,8 +72,11 @@ def serve(
             acceptance = policy.acceptance(request)
             if acceptance is not None:
                 estimate = policy.estimated_ms(request, acceptance, ctx)
-                # Eq. 6 is proportional to the remaining length: the learned one's estimate
-                scale = remaining_tokens(request, learned) / remaining_tokens(
+                # Eq. 6 is proportional to the remaining length: the learned one's estimate,
+                # its prediction capped at the generic cap, not at this request's max_tokens
+                # (its true length here)
+                total = min(max(learned.predict_tokens(request.prompt), 1.0), float(MAX_TOKENS))
+                scale = max(total - len(request.output), 1.0) / remaining_tokens(
                     request, OracleLength()
                 )
                 seen[rid] = (estimate, estimate * scale, request.attained_service_ms)

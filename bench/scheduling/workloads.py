@@ -4,9 +4,12 @@ The length predictor's build (`python -m distill.lengths build`) answers evaluat
 every kind with the target, greedily, and commits them as labelled data: the user message, the
 length of the target's answer, and what the predictor predicted for it. Those prompts are never
 trained on, so they are the experiments' requests too: a simulated request carries the prompt's
-token ids (the learned predictor reads them) and runs for the true answer length; a replayed one
-sends the message with `max_tokens` set to that length and `ignore_eos`, so the oracle predictor
-(`max_tokens`) knows it exactly and the output is the target's own answer.
+token ids (the learned predictor reads them) and the same `max_tokens` as every other one (the
+cap the answers were generated under, `MAX_TOKENS`), and ends where the target's answer ended
+(EOS, or that cap); only the `oracle` predictor is told its length. A replayed one sends the
+message with `max_tokens` set to the answer's length and `ignore_eos` (so that the output is the
+target's own answer, whatever the serving precision), which a predictor clipping at `max_tokens`
+can read: the real replays are not a test of a length predictor.
 
 Workloads, by the kind of prompt: `chat` (ShareGPT), `code` (HumanEval), `long` (GSM8K answered
 step by step: the longest answers of the three) and `mix` (all of them).
@@ -26,6 +29,9 @@ from bench.sim.simulator import SimRequest
 from shared.model.model_set import REPO_ROOT
 
 HELDOUT = REPO_ROOT / "models" / "length-predictor" / "heldout-SmolLM2-135M-Instruct.jsonl"
+# The cap the labelled answers were generated under (`distill.lengths build --max-new-tokens`):
+# the `max_tokens` every simulated request carries, whatever its answer's length
+MAX_TOKENS = 512
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "chat": ("chat",),
     "code": ("code",),
@@ -89,7 +95,10 @@ def draw(items: Sequence[Labelled], n: int, seed: int) -> list[Labelled]:
     return out
 
 
-def sim_requests(items: Sequence[Labelled], arrivals: Sequence[float]) -> list[SimRequest]:
+def sim_requests(
+    items: Sequence[Labelled], arrivals: Sequence[float], max_tokens: int = MAX_TOKENS
+) -> list[SimRequest]:
+    """Requests that all carry `max_tokens` and end at their answers' lengths."""
     return [
         SimRequest(
             arrival_s=at,
@@ -98,6 +107,7 @@ def sim_requests(items: Sequence[Labelled], arrivals: Sequence[float]) -> list[S
             kind=item.kind,
             prompt_tokens=item.prompt_ids,
             session_key=item.index,
+            max_tokens=max_tokens,
         )
         for item, at in zip(items, arrivals, strict=True)
     ]

@@ -323,7 +323,9 @@ def shape_tree(tree: TokenTree, method: DraftMethod, max_depth: int) -> TokenTre
 
     Nodes the recording lacks had a path probability under its `min_path_prob`: a beam with
     the same cut-off would not have drafted them either; the filler nodes of a static tree
-    stand for them."""
+    stand for them. From a recording of unpruned beams of width W (`--beam`), a beam of width W
+    and any depth up to the recording's is exact, and so is one of depth 1; a narrower, deeper
+    one can come out short (its best children may have ranked below the recording's W)."""
     if method.kind not in ("beam", "static"):
         return tree
     lp = tree.path_logprob()
@@ -381,10 +383,15 @@ def recorded_step(tree: TokenTree, accepted_tokens: Sequence[int]) -> RecordedSt
 
 
 def record(
-    kinds: Sequence[str], drafts: Sequence[str], per_kind: int, max_tokens: int
+    kinds: Sequence[str],
+    drafts: Sequence[str],
+    per_kind: int,
+    max_tokens: int,
+    method: DraftMethod | None = None,
 ) -> AcceptanceModel:
     """Decode `per_kind` evaluation prompts of each kind with each draft, greedily, every drafted
-    tree verified whole, and keep every step."""
+    tree verified whole, and keep every step; the drafts grow trees by `method` (None: the
+    default method)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -399,6 +406,7 @@ def record(
     from shared.model.model_set import all_draft_dirs, target_dir
     from shared.model.runner import ModelRunner
 
+    method = method or DEFAULT_METHOD
     tdir = target_dir()
     tokenizer = AutoTokenizer.from_pretrained(tdir)
     target = ModelRunner(load_model(tdir), kv_memory_bytes=64 << 20)
@@ -426,7 +434,7 @@ def record(
             engines[draft] = SpecEngine(
                 verifier,
                 Drafter(runner, name=draft),
-                DEFAULT_METHOD,
+                method,
                 config,
                 target.cfg.eos_token_ids,
                 observer=observe,
@@ -440,9 +448,15 @@ def record(
         )
     notes = (
         f"recorded {time.strftime('%Y-%m-%d')}: {per_kind} evaluation prompts per kind, greedy, "
-        f"max {max_tokens} tokens, every drafted tree verified whole"
+        f"max {max_tokens} tokens, every drafted tree verified whole, {method.kind} trees"
     )
-    return AcceptanceModel(tdir.name, DEFAULT_METHOD, sessions, notes)
+    return AcceptanceModel(tdir.name, method, sessions, notes)
+
+
+def beam_method(depth: int, width: int) -> DraftMethod:
+    """AdaServe's candidate beam as the paper states it: `width` nodes at every one of `depth`
+    layers, whatever their path probability (no `min_path_prob` cut-off)."""
+    return DraftMethod("beam", depth=depth, width=width, min_path_prob=0.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -461,10 +475,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--per-kind", type=int, default=8, help="prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--beam", type=int, nargs=2, metavar=("DEPTH", "WIDTH"),
+        help="record unpruned beams of this depth and width (AdaServe's candidates) instead of "
+        "the default method's trees",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.per_kind < 1 or args.max_tokens < 2:
         parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
-    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens)
+    method = None if args.beam is None else beam_method(*args.beam)
+    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens, method)
     model.save(args.out)
     for (kind, draft), length in model.mean_accepted_length().items():
         print(f"{kind:6s} {draft:8s} mean accepted length {length:.2f} (whole trees)")

@@ -9,6 +9,9 @@ verification, `observe`. What it replaces is the work:
   of the request's kind (`bench.sim.acceptance`), cut at the depth the core planned; a request
   follows one recorded prompt under every draft, so a changed draft continues the same text;
 - verification accepts what the target accepted of that tree, restricted to the selected subtree;
+- a request ends at its recorded length: by an end-of-sequence token where that is short of the
+  `max_tokens` it carries (as the target ends an answer), else at `max_tokens`; so the scheduler
+  and its length predictors see only the cap a client would send, never the answer's length;
 - time comes from the cost profile: drafting a micro-batch costs `CostModel.draft_tree_ms` per
   draft model, verifying it `CostModel.verify_ms` over every prompt-chunk and tree node, plus a
   per-step overhead (scheduling, messaging, contention, which no forward measures): a fixed
@@ -50,6 +53,7 @@ from shared.settings import LapsSettings, LbssSettings, SloSettings
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
+EOS_TOKEN = 3  # ends a request at its recorded length
 
 
 def step_overhead_ms(fixed_ms: float, per_request_ms: float, num_decoding: int) -> float:
@@ -91,7 +95,7 @@ class SimConfig:
 class SimRequest:
     arrival_s: float
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # the answer's length: where it ends
     kind: str | None = None
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
@@ -99,6 +103,15 @@ class SimRequest:
     # the prompt's token ids where known (a length predictor reads them); else placeholders
     prompt_tokens: tuple[int, ...] | None = None
     session_key: int | None = None  # which recorded prompt of its kind it follows; None: index
+    # the cap the request carries, as a client's max_tokens (at least num_output_tokens); None:
+    # num_output_tokens, which tells the scheduler the length (only where nothing predicts it)
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < self.num_output_tokens:
+            raise ValueError(
+                f"max_tokens {self.max_tokens} is below the answer of {self.num_output_tokens}"
+            )
 
 
 @dataclass(order=True)
@@ -122,11 +135,15 @@ class Simulator:
         self.config = config
         self.cost = cost
         self.acceptance = acceptance
+        # request -> its answer's length: where the simulator ends it, and what only the
+        # `oracle` length predictor is given
+        self._lengths: dict[str, int] = {}
         method = config.method or acceptance.method
         self.core = SchedulerCore(
             CoreConfig(
                 vocab_size=config.vocab_size,
                 max_context=config.max_context,
+                eos_token_ids=(EOS_TOKEN,),
                 token_budget=config.token_budget,
                 max_running=config.max_running,
                 micro_batches=config.micro_batches,
@@ -137,7 +154,9 @@ class Simulator:
                 planner=config.planner,  # type: ignore[arg-type]
                 fast_switching=config.fast_switching,
             ),
-            policy=make_policy(config.policy, config.length_predictor, config.laps),
+            policy=make_policy(
+                config.policy, config.length_predictor, config.laps, self._lengths
+            ),
             chooser=make_chooser(
                 config.draft_chooser, list(config.drafts), config.lbss, config.oracle
             ),
@@ -190,7 +209,9 @@ class Simulator:
 
     def _add(self, index: int, request: SimRequest) -> None:
         rid = f"sim-{index}"
-        params = SamplingParams(max_tokens=request.num_output_tokens, ignore_eos=True)
+        cap = request.num_output_tokens if request.max_tokens is None else request.max_tokens
+        params = SamplingParams(max_tokens=cap)
+        self._lengths[rid] = request.num_output_tokens
         prompt = request.prompt_tokens or (PROMPT_TOKEN,) * request.num_prompt_tokens
         state = RequestState(
             rid,
@@ -321,9 +342,17 @@ class Simulator:
             if tree.num_nodes > 1 and rid in sessions:
                 session, step = sessions[rid]
                 accepted = self.acceptance.num_accepted(session, step, tree)
-            tokens = (BONUS_TOKEN,) * (accepted + 1)  # only their number matters here
-            results[rid] = StepResult(rid, request.step, tokens, accepted)
+            tokens = self._committed(request, accepted + 1)  # only their number matters
+            results[rid] = StepResult(rid, request.step, tokens, min(accepted, len(tokens) - 1))
         return results
+
+    def _committed(self, request: RequestState, count: int) -> tuple[int, ...]:
+        """`count` tokens the target commits, ending with EOS where they reach the recorded
+        length before the request's cap (EOS is the target's token too: it takes one of them)."""
+        left = self._lengths[request.request_id] - len(request.output)
+        if left >= count or left >= request.tokens_left:
+            return (BONUS_TOKEN,) * count
+        return (BONUS_TOKEN,) * max(0, left) + (EOS_TOKEN,)
 
     def _outputs(self, outputs: Sequence[StepOutput], now: float) -> None:
         for out in outputs:

@@ -27,6 +27,7 @@ from shared.model.model_set import REPO_ROOT
 OUT = REPO_ROOT / "docs" / "results" / "slo"
 PROFILES = REPO_ROOT / "profiles"
 TARGET = "SmolLM2-135M-Instruct"
+BEAM_RECORDING = PROFILES / f"acceptance-{TARGET}-beam.json.gz"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -62,6 +63,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )  # fmt: skip
         p.add_argument("--requests", type=int, default=120, help="requests per trace")
         p.add_argument("--draws", type=int, default=3, help="random draws of the trace")
+        p.add_argument(
+            "--beam-recording", type=Path, default=BEAM_RECORDING,
+            help="adaserve's candidates: a recording of unpruned beams (bench.sim.acceptance "
+            "--beam 8 4)",
+        )  # fmt: skip
 
     p = sub.add_parser("rates", help="AdaServe Fig. 4-5: attainment and goodput per rate")
     simulated(p)
@@ -143,10 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(args, "real", result)
         reports.write_markdown(args.out / "real.md", reports.real_markdown(result))
         return 0
+    beams = AcceptanceModel.load(args.beam_recording)
     for machine in machines(args):
         setup = experiments.Setup(
             machine, acceptance, batch_size=args.batch_size, draft=args.draft, slo=slo,
-            requests=args.requests, draws=args.draws,
+            requests=args.requests, draws=args.draws, beam_acceptance=beams,
         )  # fmt: skip
         kind = machine_kind(machine)
         if args.experiment == "rates":

@@ -51,6 +51,17 @@ class Setup:
     slo: SloSettings = field(default_factory=SloSettings)
     requests: int = 120
     draws: int = 3
+    # AdaServe's candidates replayed from unpruned beams (`python -m bench.sim.acceptance
+    # --beam 8 4`): the default recording holds only the nodes a dynamic tree kept over its
+    # min_path_prob, so a beam shaped from it has about 1.4 nodes. None: that recording.
+    beam_acceptance: AcceptanceModel | None = None
+
+
+def acceptance_for(setup: Setup, selector: str) -> AcceptanceModel:
+    """The recording a selector's candidates replay: AdaServe's beams from the beam recording."""
+    if selector == "adaserve" and setup.beam_acceptance is not None:
+        return setup.beam_acceptance
+    return setup.acceptance
 
 
 def baseline_latency_ms(machine: Machine) -> float:
@@ -74,7 +85,8 @@ def simulate_selector(
         step_overhead_ms=setup.machine.step_overhead_ms,
         request_overhead_ms=setup.machine.request_overhead_ms,
     )
-    records = Simulator(config, setup.machine.cost, setup.acceptance).run(sim_requests(requests))
+    acceptance = acceptance_for(setup, selector)
+    records = Simulator(config, setup.machine.cost, acceptance).run(sim_requests(requests))
     failed = [r for r in records if not r.is_completed]
     if failed:
         raise RuntimeError(

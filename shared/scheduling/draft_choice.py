@@ -14,8 +14,8 @@ the request's goodput on that model. Choosers:
   none of its own);
 - `lbss`: Spin's learning-based selection (`shared/scheduling/lbss.py`): epochs of chunked random
   exploration and exploitation by max-weight matching under per-model capacities;
-- `oracle`: each request's best model known in advance (experiments only: the simulator knows it
-  from the recorded acceptance).
+- `oracle`: each request's model assigned in advance (experiments only: the simulator works it
+  out from runs on the recorded acceptance).
 """
 
 from __future__ import annotations
@@ -277,8 +277,9 @@ class EpsilonGreedy:
 
 
 class Oracle:
-    """Each request's best model, known in advance (an upper bound for experiments); a request
-    it does not know gets the first live model."""
+    """Each request's model, assigned in advance by an experiment (`bench.drafters`: the
+    per-request best of fixed-draft runs, which is no bound since a step waits for its slowest
+    drafter, or the batch-aware search); a request it does not know gets the first live model."""
 
     name = "oracle"
     learns = False

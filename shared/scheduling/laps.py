@@ -37,7 +37,7 @@ request alone; in a batch every request's time scales alike, which leaves the ra
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,13 +62,18 @@ class LengthPredictor(Protocol):
 
 
 class OracleLength:
-    """The request's `max_tokens`: its true length where requests run to it (`ignore_eos`, as in
-    replays and the simulator), an upper bound otherwise. For upper-bound experiments only."""
+    """The request's true length where the experiment gives it (`true_lengths`: the simulator
+    knows every answer's length), else its `max_tokens` (a replay that sends each request's
+    length as `max_tokens` with `ignore_eos`). For upper-bound experiments only."""
 
     name = "oracle"
 
+    def __init__(self, true_lengths: Mapping[str, int] | None = None) -> None:
+        self.true_lengths = true_lengths if true_lengths is not None else {}
+
     def predict(self, request: RequestState) -> float:
-        return float(request.params.max_tokens)
+        known = self.true_lengths.get(request.request_id)
+        return float(request.params.max_tokens if known is None else known)
 
     def forget(self, request_id: str) -> None:
         pass

@@ -9,7 +9,7 @@ lengths, the clock, the cost model).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,11 +73,15 @@ NEEDS_LENGTHS = ("lp-sjf", "laps-sd")
 
 
 def make_policy(
-    name: str, predictor: str | None = None, laps: LapsSettings | None = None
+    name: str,
+    predictor: str | None = None,
+    laps: LapsSettings | None = None,
+    true_lengths: Mapping[str, int] | None = None,
 ) -> SchedulingPolicy:
     """The policy called `name`; LP-SJF and LAPS-SD use the length predictor named (None: the
-    learned one)."""
-    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS
+    learned one). `true_lengths` (request id -> its answer's length, filled as requests come)
+    is for the `oracle` predictor of an experiment that knows them; no other predictor sees it."""
+    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, OracleLength
 
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; known: {list(POLICIES)}")
@@ -89,9 +93,9 @@ def make_policy(
     if predictor not in PREDICTORS:
         raise ValueError(
             f"unknown output-length predictor {predictor!r} (known: {sorted(PREDICTORS)}; "
-            "the oracle is for experiments where requests run to max_tokens)"
+            "the oracle is for experiments that know each request's length)"
         )
-    lengths = PREDICTORS[predictor]()
+    lengths = OracleLength(true_lengths) if predictor == "oracle" else PREDICTORS[predictor]()
     if name == "lp-sjf":
         return LPSJF(lengths)
     return LAPSSD(lengths) if laps is None else LAPSSD(lengths, laps)

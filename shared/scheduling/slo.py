@@ -13,9 +13,12 @@ A request with a TPOT objective t_TPOT needs, for its TPOT to stay within it aft
     A(r) = (l + t_spec) / t_TPOT - o
 
 tokens committed now, where l is the time since its first token, o the tokens it has emitted
-since then and t_spec this step's expected duration (drafting and verifying, from the cost model).
+since then and t_spec what is left of this step: selection runs once the trees are drafted (the
+clock it is given is after drafting, which l therefore includes), so t_spec is the verification
+of a full budget, from the cost model.
 
-- `adaserve`: candidates by a beam of depth d and width w sized by the load (Eq. 8-9); then
+- `adaserve`: candidates by a beam of depth d and width w sized by the load (Eq. 8-9), w nodes
+  at every layer whatever their path probability (the paper's beam: no `min_path_prob`); then
   SLO-customized selection (requests in order of urgency, each grows by its best nodes until
   sum f reaches min(A(r), d + 1), at most n_max nodes each); then throughput-optimized selection
   (the best remaining nodes of all requests until B is spent, or, with `slo.throughput_phase =
@@ -87,34 +90,14 @@ def step_budget(
 
 
 def estimated_step_ms(
-    trees: Mapping[str, TokenTree],
-    requests: Mapping[str, RequestState],
-    cost: CostModel | None,
-    budget: int,
-    prefill_tokens: int,
-    context: int,
+    cost: CostModel | None, budget: int, prefill_tokens: int, context: int, num_trees: int
 ) -> float | None:
-    """t_spec: drafting the candidate trees (per draft model, layer by layer) and verifying a
-    full budget, from the cost model (None without one)."""
+    """t_spec: what is left of the step once its trees are drafted, verifying a full budget,
+    from the cost model (None without one). Drafting is not in it: the selectors' clock is read
+    after drafting, so the time since the first token already holds it."""
     if cost is None:
         return None
-    verify = cost.verify_ms(budget + prefill_tokens, context, len(trees) or None)
-    layers: dict[str, list[int]] = {}  # draft model -> nodes at depth 1, 2, ...
-    roots: dict[str, int] = {}
-    for rid, tree in trees.items():
-        model = requests[rid].draft_model
-        if model is None or tree.num_nodes == 1 or not cost.has_draft(model):
-            continue
-        roots[model] = roots.get(model, 0) + 1
-        counts = layers.setdefault(model, [])
-        for depth in tree.depths()[1:]:
-            counts.extend([0] * (int(depth) - len(counts)))
-            counts[int(depth) - 1] += 1
-    draft = sum(
-        cost.draft_tree_ms(model, roots[model], counts, context, roots[model])
-        for model, counts in layers.items()
-    )
-    return verify + draft
+    return cost.verify_ms(budget + prefill_tokens, context, num_trees or None)
 
 
 # ---- path probabilities and growth -----------------------------------------------------------
@@ -232,7 +215,9 @@ class AdaServe(SelectorDrafting):
         if configured is None:
             return None
         depth, width = beam_shape(budget, num_requests, self.slo.max_depth, self.slo.max_width)
-        return DraftMethod("beam", depth=depth, width=width, min_path_prob=configured.min_path_prob)
+        # the paper's beam keeps w nodes at every layer: the configured method's path-probability
+        # cut-off (for dynamic trees) does not apply
+        return DraftMethod("beam", depth=depth, width=width, min_path_prob=0.0)
 
     def method_bound(self, configured: DraftMethod | None) -> DraftMethod | None:
         if configured is None:
@@ -242,9 +227,7 @@ class AdaServe(SelectorDrafting):
     def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
         budget = step_budget(ctx.budget, ctx.prefill_tokens, len(trees), ctx.cost)
         grown = _grow_all(trees, ctx.max_depth, ctx.calibration)
-        step_ms = estimated_step_ms(
-            trees, ctx.requests, ctx.cost, budget, ctx.prefill_tokens, ctx.context
-        )
+        step_ms = estimated_step_ms(ctx.cost, budget, ctx.prefill_tokens, ctx.context, len(trees))
         left = budget - len(trees)
         self.at_risk = set()
         for rid, target in self._by_urgency(grown, ctx, step_ms):
@@ -315,9 +298,7 @@ class ThesisSlo(SelectorDrafting):
     def select(self, trees: Mapping[str, TokenTree], ctx: SelectionContext) -> dict[str, TokenTree]:
         budget = step_budget(ctx.budget, ctx.prefill_tokens, len(trees), ctx.cost)
         grown = _grow_all(trees, ctx.max_depth, ctx.calibration)
-        step_ms = estimated_step_ms(
-            trees, ctx.requests, ctx.cost, budget, ctx.prefill_tokens, ctx.context
-        )
+        step_ms = estimated_step_ms(ctx.cost, budget, ctx.prefill_tokens, ctx.context, len(trees))
         targets: dict[str, float] = {}
         for rid, g in grown.items():
             target = acceptance_target(ctx.requests[rid], ctx.now, step_ms)
