@@ -15,8 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -36,6 +39,7 @@ from shared.engine.verifier import Verifier
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
+from shared.model.gguf import gguf_tensor_name
 from shared.model.runner import ForwardItem, ModelRunner
 from tests.helpers import requires_int8
 
@@ -286,3 +290,157 @@ def test_rotary_buffers_of_old_checkpoints_are_ignored_and_lm_head_must_match_a_
     edit_tensors(path, add_other_head)
     with pytest.raises(UnsupportedModelError, match="tie_word_embeddings"):
         load_model(path)
+
+
+# ---- GGUF files ----------------------------------------------------------------------------------
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's layout of a llama q or k projection: each head's rotary halves interleaved."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    arch: str,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_fields: Callable[[GGUFWriter], None] | None = None,
+) -> Path:
+    """A GGUF file as llama.cpp's converter writes one: its metadata keys and tensor names, a
+    byte-level BPE tokenizer, 2-D weights in `qtype` and the rest in F32."""
+    c = model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    tokens = ["<s>", "</s>", "ab"] + [chr(i) for i in range(33, 33 + c.vocab_size - 3)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    if arch == "qwen3":  # its head size need not be hidden / heads
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+    if extra_fields is not None:
+        extra_fields(writer)
+    state = model.state_dict()
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for name, tensor in state.items():
+        data = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            data = llama_cpp_permute(data, heads)
+        if data.ndim == 2 and qtype != GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_tensor_name(name), quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), data)
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GGUF_VARIANTS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "llama": (LlamaConfig, {}),
+    "qwen2": (Qwen2Config, {"tie_word_embeddings": True, "use_sliding_window": False}),
+    "qwen3": (Qwen3Config, {"head_dim": 32}),
+}
+
+
+def random_model(config_cls: type[PretrainedConfig], options: dict[str, Any]) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_config(config_cls(**{**BASE, **options}))
+    randomize(model, seed=0)
+    return model.eval()
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_VARIANTS))
+def test_f32_gguf_loads_as_the_model_it_was_written_from(tmp_path, cache_home, arch):
+    model = random_model(*GGUF_VARIANTS[arch])
+    gguf_file = write_gguf(tmp_path / f"tiny-{arch}.gguf", model, arch)
+    tokens = PROMPTS[1] * 3
+    runner = ModelRunner(load_model(gguf_file), block_size=4, kv_memory_bytes=1 << 20)
+    runner.add_request("a")
+    [ours] = runner.forward([ForwardItem.chain("a", tokens, logits="all")])
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    [converted] = (cache_home / "augury" / "models" / "gguf").iterdir()
+    assert converted.name.startswith(f"tiny-{arch}-")
+
+
+def test_quantized_gguf_decodes_like_transformers_and_drafts_for_itself(tmp_path, cache_home):
+    """Q8_0 and Q5_0 weights, as transformers dequantizes them; converted once, again when
+    the file changes."""
+    model = random_model(*GGUF_VARIANTS["qwen2"])
+    for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0):
+        gguf_file = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", model, "qwen2", qtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=gguf_file.name, dtype=torch.float32
+        ).eval()
+        config = GenerationConfig(
+            max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        with torch.no_grad():
+            expected = [
+                hf.generate(torch.tensor([p]), generation_config=config)[0, len(p) :].tolist()
+                for p in PROMPTS
+            ]
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        assert [r.output for r in make_engine(gguf_file, None).generate(PROMPTS, params)] == (
+            expected
+        )
+        engine = make_engine(gguf_file, DraftMethod("chain", k=3))
+        assert [r.output for r in engine.generate(PROMPTS, params)] == expected
+        assert engine.stats.mean_accepted_length > 3.5
+    converted = sorted((cache_home / "augury" / "models" / "gguf").iterdir())
+    assert len(converted) == 2
+    write_gguf(tmp_path / "tiny-Q5_0.gguf", random_model(LlamaConfig, {}), "llama")
+    load_model(tmp_path / "tiny-Q5_0.gguf")  # a changed file converts again
+    assert len(list((cache_home / "augury" / "models" / "gguf").iterdir())) == 3
+
+
+def partial_rotary(writer: GGUFWriter) -> None:
+    writer.add_key_length(16)
+    writer.add_rope_dimension_count(8)
+
+
+def test_gguf_files_we_would_convert_wrongly_are_refused_by_name(tmp_path, cache_home):
+    model = random_model(LlamaConfig, {})
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("gemma", {}, "general.architecture 'gemma'"),
+        ("llama", {"extra_tensors": {"rope_freqs.weight": np.ones(8, np.float32)}}, "rope_freqs"),
+        (
+            "llama",
+            {"extra_fields": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)},
+            "rope.scaling.type",
+        ),
+        ("llama", {"extra_fields": lambda w: w.add_key_length(32)}, "key_length"),
+        ("llama", {"extra_fields": partial_rotary}, "rope.dimension_count 8"),
+    ]
+    for i, (arch, options, named) in enumerate(cases):
+        gguf_file = write_gguf(tmp_path / f"bad{i}.gguf", model, arch, **options)
+        with pytest.raises(UnsupportedModelError, match=named):
+            load_model(gguf_file)
