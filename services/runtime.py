@@ -44,16 +44,21 @@ class ModelPaths:
 
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
-    """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts,
-    `draft-e` first (`served_draft_dirs`)."""
-    from shared.model.model_set import served_draft_dirs, target_dir
+    """The configured checkpoints (GGUF files converted once); unset: the model set's
+    (`models.model_set`): SmolLM2-135M-Instruct and the committed drafts, `draft-e` first
+    (`served_draft_dirs`), by default."""
+    from shared.model.loader import checkpoint_dir
+    from shared.model.model_set import SMOLLM2, model_set_drafts, model_set_target
 
-    target = settings.models.target_dir or target_dir()
+    model_set = settings.models.model_set
+    target = checkpoint_dir(settings.models.target_dir or model_set_target(model_set))
     if settings.models.drafts:
-        return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts})
+        return ModelPaths(target, {d.name: checkpoint_dir(d.dir) for d in settings.models.drafts})
     try:
-        drafts = served_draft_dirs()
+        drafts = model_set_drafts(model_set, served=True)
     except FileNotFoundError:
+        if model_set != SMOLLM2:
+            raise
         drafts = {}  # no draft checkpoints yet: plain decoding
     return ModelPaths(target, drafts)
 

@@ -22,6 +22,8 @@ from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
+from shared.model.loader import checkpoint_dir
+from shared.model.model_set import MODEL_SETS, SMOLLM2
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 
@@ -49,9 +51,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
     gen.add_argument(
-        "--draft", default=DEFAULT_GENERATE_DRAFT, help="a draft of the model set, or a dir"
+        "--model-set",
+        choices=MODEL_SETS,
+        default=SMOLLM2,
+        help="the target and drafts to use by default (qwen2.5-coder: install it first with "
+        "scripts/install-qwen-coder.sh)",
+    )
+    gen.add_argument(
+        "--target", help="target checkpoint dir or .gguf file (default: the model set's target)"
+    )
+    gen.add_argument(
+        "--draft",
+        help="a draft of the model set, a checkpoint dir or a .gguf file (default: the model "
+        f"set's default draft; {DEFAULT_GENERATE_DRAFT} for {SMOLLM2})",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
@@ -91,18 +104,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
+    """Checkpoint directories of the target and the draft (GGUF files converted once)."""
+    from shared.model.model_set import ALL_DRAFT_NAMES, model_set_drafts, model_set_target
 
-    target = args.target or str(target_dir())
+    target = str(checkpoint_dir(args.target or model_set_target(args.model_set)))
     if args.no_spec:
         return target, None
-    if args.draft in ALL_DRAFT_NAMES:
-        found = all_draft_dirs().get(args.draft)
+    if args.draft is None:
+        if args.model_set != SMOLLM2:
+            return target, str(next(iter(model_set_drafts(args.model_set, served=True).values())))
+        args.draft = DEFAULT_GENERATE_DRAFT
+    if args.draft in ALL_DRAFT_NAMES or (
+        args.model_set != SMOLLM2 and args.draft in model_set_drafts(args.model_set)
+    ):
+        found = model_set_drafts(args.model_set).get(args.draft)
+        if found is None and args.model_set != SMOLLM2:
+            raise SystemExit(f"draft {args.draft!r} is not in model set {args.model_set!r}")
         if found is None:
             rebuild = "rebuild it with `python -m distill build`"
             raise SystemExit(f"draft {args.draft!r} is missing; {rebuild}")
         return target, str(found)
-    return target, args.draft
+    return target, str(checkpoint_dir(args.draft))
 
 
 def generate(args: argparse.Namespace) -> int:

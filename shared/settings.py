@@ -92,8 +92,17 @@ class DraftModelSettings(_Group):
     dir: Path
 
 
+# The model sets `shared.model.model_set` knows (`MODEL_SETS` there).
+ModelSetName = Literal["smollm2", "qwen2.5-coder"]
+
+
 class ModelsSettings(_Group):
-    target_dir: Path | None = None  # None: SmolLM2-135M-Instruct, converted on first use
+    # Where target_dir / drafts are unset: this set's target / drafts (qwen2.5-coder: installed
+    # by scripts/install-qwen-coder.sh, never downloaded by the services)
+    model_set: ModelSetName = "smollm2"
+    # None: the model set's target (SmolLM2-135M-Instruct, converted on first use); a directory
+    # or a .gguf file (converted once)
+    target_dir: Path | None = None
     drafts: tuple[DraftModelSettings, ...] = ()
 
     @field_validator("drafts")
