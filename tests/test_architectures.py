@@ -36,7 +36,7 @@ from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
-from shared.errors import UnsupportedModelError
+from shared.errors import ContextLengthError, UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
 from shared.model.gguf import gguf_tensor_name
@@ -243,7 +243,7 @@ def test_sliding_window_in_use_caps_the_context_to_the_window(tmp_path):
     )
     [req] = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10))
     assert req.output == hf_generate(path, PROMPTS[0], 10)
-    with pytest.raises(Exception, match="context"):
+    with pytest.raises(ContextLengthError, match="context"):
         engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16))
 
 
