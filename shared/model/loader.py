@@ -8,7 +8,9 @@ one the checkpoint holds and the model would not use, is refused by name.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -44,16 +46,41 @@ def read_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(config_file.read_text()))
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = f.get_tensor(name)
-    return tensors
+class _Tensors:
+    """A checkpoint's tensors by name, each read from its file when taken: loading needs the
+    model's memory plus one tensor, not twice the model's."""
+
+    def __init__(self, path: Path) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self._handles: dict[str, Any] = {}
+        self._stored: dict[str, torch.Tensor] = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                self._handles[name] = handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._stored or name in self._handles
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._stored, *self._handles])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._stored:
+            return self._stored[name]
+        return self._handles[name].get_tensor(name)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._handles.pop(name, None)
+        self._stored[name] = tensor
+
+    def pop(self, name: str) -> torch.Tensor:
+        tensor = self[name]
+        self._stored.pop(name, None)
+        self._handles.pop(name, None)
+        return tensor
 
 
 def read_target_embedding(
@@ -106,7 +133,7 @@ def load_model(
     path = checkpoint_dir(path)
     target_path = None if target_path is None else checkpoint_dir(target_path)
     cfg = read_config(path)
-    w = _read_tensors(path)
+    w = _Tensors(path)
     if cfg.shares_target_embedding:
         w[EMBED_KEY] = read_target_embedding(path, target_path)
     if cfg.shares_target_head:
