@@ -126,3 +126,16 @@ def test_services_resolve_the_model_set(cache_home, monkeypatch, tmp_path):
     torch.testing.assert_close(
         load_model(paths.target).lm_head.weight, load_model(gguf_file).lm_head.weight
     )
+
+
+def test_cli_takes_gguf_files_as_target_and_draft(tmp_path, cache_home):
+    from shared.cli import parse_args, resolve_models
+
+    gguf_file = write_gguf(
+        tmp_path / "t.gguf", random_model(Qwen2Config, {"use_sliding_window": False}), "qwen2"
+    )
+    args = parse_args(["generate", "--target", str(gguf_file), "--draft", str(gguf_file)])
+    target, draft = resolve_models(args)
+    assert target == draft and (Path(target) / "tokenizer.json").is_file()
+    plain = parse_args(["generate", "--target", str(gguf_file), "--no-spec"])
+    assert resolve_models(plain) == (target, None)
