@@ -74,19 +74,26 @@ def max_context(settings: EngineSettings, config: ModelConfig) -> int:
 
 
 def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = None) -> Any:
-    """A ModelRunner for the checkpoint with the engine's dtype, device and KV budget.
+    """A ModelRunner for the checkpoint with the engine's dtype (the target: `target_dtype`
+    where set), device and KV budget.
 
     `target`: the target checkpoint, given for a draft (it may share the target's input
     embedding; its linear layers run int8 weights where `settings.draft_weights` says so)."""
     import torch
 
     from shared.model import load_model
+    from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
 
+    dtype = getattr(torch, settings.dtype)
+    if target is None and settings.target_dtype is not None:
+        dtype = check_target_dtype(
+            settings.target_dtype, settings.device, setting="AUGURY_ENGINE__TARGET_DTYPE"
+        )
     model = load_model(
         path,
-        dtype=getattr(torch, settings.dtype),
+        dtype=dtype,
         device=settings.device,
         target_path=target,
         int8=target is not None and uses_int8(settings.draft_weights, settings.device),

@@ -24,6 +24,7 @@ from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.loader import checkpoint_dir
 from shared.model.model_set import MODEL_SETS, SMOLLM2
+from shared.model.precision import check_target_dtype
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 
@@ -67,6 +68,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"set's default draft; {DEFAULT_GENERATE_DRAFT} for {SMOLLM2})",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16); speculation "
+        "gives the greedy output of plain decoding at this precision",
+    )
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
     gen.add_argument("--k", type=int, default=M.k, help="chain length")
     gen.add_argument("--expansion", type=int, nargs="+", default=list(M.expansion))
@@ -134,7 +142,11 @@ def generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    target = load_model(target_path)
+    try:
+        target_dtype = check_target_dtype(args.dtype, "cpu", setting="--dtype")
+    except ValueError as err:
+        raise SystemExit(f"augury: error: {err}") from err
+    target = load_model(target_path, dtype=target_dtype)
     drafter = (
         Drafter(
             ModelRunner(

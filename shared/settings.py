@@ -123,6 +123,9 @@ DraftWeights = Literal["auto", "native", "int8"]
 
 class EngineSettings(_Group):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # The target's own dtype (None: `dtype`); bfloat16 on a CPU needs AMX or AVX-512 BF16
+    # (shared/model/precision.py). Drafts keep `dtype` (and `draft_weights`).
+    target_dtype: Literal["float32", "bfloat16"] | None = None
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     kv_memory_bytes: PositiveInt = 1 << 30
     block_size: PositiveInt = 16
