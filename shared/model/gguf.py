@@ -76,9 +76,11 @@ def _field(reader: Any, key: str) -> Any:
     return part.tolist()[0] if len(part) else None
 
 
-def check_gguf(path: Path) -> tuple[list[str], int]:
-    """Refuse what the conversion would not carry over faithfully; the file's tensor names and
-    head size."""
+def check_gguf(path: Path) -> tuple[list[str], int, int | None]:
+    """Refuse what the conversion would not carry over faithfully; the file's tensor names, its
+    head size, and the head size transformers' GGUF reader assumes (rope.dimension_count for
+    llama and mistral, else embedding_length / head_count; None for qwen3, its config class's
+    default)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -127,7 +129,11 @@ def check_gguf(path: Path) -> tuple[list[str], int]:
         raise UnsupportedModelError(
             f"{path}: {arch}.attention.sliding_window {window} is not supported in GGUF files"
         )
-    return names, head_dim
+    # qwen3: the config class's default head size (None: always set it)
+    assumed = {"llama": rotary or width // heads, "mistral": rotary or width // heads}.get(
+        arch, width // heads if arch == "qwen2" else None
+    )
+    return names, head_dim, assumed
 
 
 def gguf_head_dim(reader: Any, arch: str) -> int:
@@ -178,17 +184,19 @@ def convert(path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=4, desc=f"converting {path.name} (once)", unit="step")
-    names, head_dim = check_gguf(path)
+    names, head_dim, default_head_dim = check_gguf(path)
     gguf_names = set(names)
     steps.update()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     steps.update()
     # transformers' GGUF reader takes the head size from rope.dimension_count (llama, mistral)
     # or not at all (qwen2, qwen3: the config class's default); the file's own overrides it
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.head_dim = head_dim
+    kwargs: dict[str, Any] = {}
+    if head_dim != default_head_dim:  # (reading the config parses the file's metadata again)
+        kwargs["config"] = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        kwargs["config"].head_dim = head_dim
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=torch.float32, **kwargs
     )
     steps.update()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
