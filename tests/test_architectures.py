@@ -40,6 +40,7 @@ from shared.errors import ContextLengthError, UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
 from shared.model.gguf import gguf_tensor_name
+from shared.model.gguf_header import GgufArray, read_gguf_header
 from shared.model.runner import ForwardItem, ModelRunner
 from tests.helpers import requires_int8
 
@@ -444,3 +445,17 @@ def test_gguf_files_we_would_convert_wrongly_are_refused_by_name(tmp_path, cache
         gguf_file = write_gguf(tmp_path / f"bad{i}.gguf", model, arch, **options)
         with pytest.raises(UnsupportedModelError, match=named):
             load_model(gguf_file)
+
+
+def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path):
+    model = random_model(*GGUF_VARIANTS["qwen3"])
+    path = write_gguf(tmp_path / "h.gguf", model, "qwen3", GGMLQuantizationType.Q8_0)
+    ours, theirs = read_gguf_header(path), gguf.GGUFReader(str(path))
+    assert [(t.name, t.dims, t.ggml_type) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)) for t in theirs.tensors
+    ]
+    header_fields = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    assert set(ours.fields) == set(theirs.fields) - header_fields
+    assert ours.fields["qwen3.attention.key_length"] == 32
+    assert ours.fields["general.architecture"] == "qwen3"
+    assert ours.fields["tokenizer.ggml.tokens"] == GgufArray(8, VOCAB)

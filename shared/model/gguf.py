@@ -27,6 +27,7 @@ from typing import Any
 from tqdm import tqdm
 
 from shared.errors import UnsupportedModelError
+from shared.model.gguf_header import GgufArray, GgufHeader, read_gguf_header
 from shared.model.smollm2 import default_cache_dir
 
 # GGUF `general.architecture` values we convert; others are refused.
@@ -63,17 +64,10 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _field(reader: Any, key: str) -> Any:
-    """A scalar or string metadata value, or None."""
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    part = field.parts[field.data[0]]
-    if field.types and field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0] if len(part) else None
+def _field(header: GgufHeader, key: str) -> Any:
+    """A scalar or string metadata value, or None (arrays are not read)."""
+    value = header.fields.get(key)
+    return None if isinstance(value, GgufArray) else value
 
 
 def check_gguf(path: Path) -> tuple[list[str], int, int | None]:
@@ -81,50 +75,48 @@ def check_gguf(path: Path) -> tuple[list[str], int, int | None]:
     head size, and the head size transformers' GGUF reader assumes (rope.dimension_count for
     llama and mistral, else embedding_length / head_count; None for qwen3, its config class's
     default)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+    header = read_gguf_header(path)
+    arch = _field(header, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: general.architecture {arch!r} is not supported; "
             f"supported: {list(GGUF_ARCHITECTURES)}"
         )
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = _field(header, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise UnsupportedModelError(
             f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported in GGUF files "
             "(convert the Hugging Face checkpoint, whose rope_scaling we read)"
         )
-    names = [t.name for t in reader.tensors]
+    names = [t.name for t in header.tensors]
     if "rope_freqs.weight" in names:
         raise UnsupportedModelError(
             f"{path}: tensor 'rope_freqs.weight' (llama.cpp's Llama-3 rope scaling) is not "
             "supported in GGUF files (convert the Hugging Face checkpoint instead)"
         )
-    heads = _field(reader, f"{arch}.attention.head_count")
-    width = _field(reader, f"{arch}.embedding_length")
-    head_dim = gguf_head_dim(reader, arch)
-    value_length = _field(reader, f"{arch}.attention.value_length")
+    heads = _field(header, f"{arch}.attention.head_count")
+    width = _field(header, f"{arch}.embedding_length")
+    head_dim = gguf_head_dim(header, arch)
+    value_length = _field(header, f"{arch}.attention.value_length")
     if value_length is not None and value_length != head_dim:
         raise UnsupportedModelError(
             f"{path}: {arch}.attention.value_length {value_length} differs from the key length "
             f"{head_dim}"
         )
-    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    rotary = _field(header, f"{arch}.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
         raise UnsupportedModelError(
             f"{path}: {arch}.rope.dimension_count {rotary} differs from the head size {head_dim} "
             "(partial rotary embeddings are not supported)"
         )
-    q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)
-    if q is not None and heads and int(q.shape[1]) != heads * head_dim:
+    q = next((t for t in header.tensors if t.name == "blk.0.attn_q.weight"), None)
+    if q is not None and heads and q.dims[-1] != heads * head_dim:
         raise UnsupportedModelError(
-            f"{path}: blk.0.attn_q.weight has {int(q.shape[1])} rows, not head_count {heads} x "
+            f"{path}: blk.0.attn_q.weight has {q.dims[-1]} rows, not head_count {heads} x "
             f"head size {head_dim} (from attention.key_length, or embedding_length {width} / "
             "head_count)"
         )
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = _field(header, f"{arch}.attention.sliding_window")
     if window:
         raise UnsupportedModelError(
             f"{path}: {arch}.attention.sliding_window {window} is not supported in GGUF files"
@@ -136,15 +128,15 @@ def check_gguf(path: Path) -> tuple[list[str], int, int | None]:
     return names, head_dim, assumed
 
 
-def gguf_head_dim(reader: Any, arch: str) -> int:
+def gguf_head_dim(header: GgufHeader, arch: str) -> int:
     """The head size llama.cpp records: attention.key_length, else rope.dimension_count, else
     embedding_length / head_count."""
     for key in ("attention.key_length", "rope.dimension_count"):
-        value = _field(reader, f"{arch}.{key}")
+        value = _field(header, f"{arch}.{key}")
         if value is not None:
             return int(value)
-    width = _field(reader, f"{arch}.embedding_length")
-    return int(width // _field(reader, f"{arch}.attention.head_count"))
+    width = _field(header, f"{arch}.embedding_length")
+    return int(width // _field(header, f"{arch}.attention.head_count"))
 
 
 def file_key(path: Path) -> str:
