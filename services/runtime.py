@@ -44,16 +44,21 @@ class ModelPaths:
 
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
-    """The configured checkpoints; unset: SmolLM2-135M-Instruct and the committed drafts,
-    `draft-e` first (`served_draft_dirs`)."""
-    from shared.model.model_set import served_draft_dirs, target_dir
+    """The configured checkpoints (GGUF files converted once); unset: the model set's
+    (`models.model_set`): SmolLM2-135M-Instruct and the committed drafts, `draft-e` first
+    (`served_draft_dirs`), by default."""
+    from shared.model.loader import checkpoint_dir
+    from shared.model.model_set import SMOLLM2, model_set_drafts, model_set_target
 
-    target = settings.models.target_dir or target_dir()
+    model_set = settings.models.model_set
+    target = checkpoint_dir(settings.models.target_dir or model_set_target(model_set))
     if settings.models.drafts:
-        return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts})
+        return ModelPaths(target, {d.name: checkpoint_dir(d.dir) for d in settings.models.drafts})
     try:
-        drafts = served_draft_dirs()
+        drafts = model_set_drafts(model_set, served=True)
     except FileNotFoundError:
+        if model_set != SMOLLM2:
+            raise
         drafts = {}  # no draft checkpoints yet: plain decoding
     return ModelPaths(target, drafts)
 
@@ -69,19 +74,26 @@ def max_context(settings: EngineSettings, config: ModelConfig) -> int:
 
 
 def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = None) -> Any:
-    """A ModelRunner for the checkpoint with the engine's dtype, device and KV budget.
+    """A ModelRunner for the checkpoint with the engine's dtype (the target: `target_dtype`
+    where set), device and KV budget.
 
     `target`: the target checkpoint, given for a draft (it may share the target's input
     embedding; its linear layers run int8 weights where `settings.draft_weights` says so)."""
     import torch
 
     from shared.model import load_model
+    from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
 
+    dtype = getattr(torch, settings.dtype)
+    if target is None and settings.target_dtype is not None:
+        dtype = check_target_dtype(
+            settings.target_dtype, settings.device, setting="AUGURY_ENGINE__TARGET_DTYPE"
+        )
     model = load_model(
         path,
-        dtype=getattr(torch, settings.dtype),
+        dtype=dtype,
         device=settings.device,
         target_path=target,
         int8=target is not None and uses_int8(settings.draft_weights, settings.device),

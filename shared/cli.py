@@ -23,6 +23,9 @@ from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
+from shared.model.loader import checkpoint_dir
+from shared.model.model_set import MODEL_SETS, SMOLLM2
+from shared.model.precision import check_target_dtype
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 
@@ -50,11 +53,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
     gen.add_argument(
-        "--draft", default=DEFAULT_GENERATE_DRAFT, help="a draft of the model set, or a dir"
+        "--model-set",
+        choices=MODEL_SETS,
+        default=SMOLLM2,
+        help="the target and drafts to use by default (qwen2.5-coder: install it first with "
+        "scripts/install-qwen-coder.sh)",
+    )
+    gen.add_argument(
+        "--target", help="target checkpoint dir or .gguf file (default: the model set's target)"
+    )
+    gen.add_argument(
+        "--draft",
+        help="a draft of the model set, a checkpoint dir or a .gguf file (default: the model "
+        f"set's default draft; {DEFAULT_GENERATE_DRAFT} for {SMOLLM2})",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16); speculation "
+        "gives the greedy output of plain decoding at this precision",
+    )
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
     gen.add_argument("--k", type=int, default=M.k, help="chain length")
     gen.add_argument("--expansion", type=int, nargs="+", default=list(M.expansion))
@@ -108,18 +129,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
+    """Checkpoint directories of the target and the draft (GGUF files converted once)."""
+    from shared.model.model_set import ALL_DRAFT_NAMES, model_set_drafts, model_set_target
 
-    target = args.target or str(target_dir())
+    target = str(checkpoint_dir(args.target or model_set_target(args.model_set)))
     if args.no_spec:
         return target, None
-    if args.draft in ALL_DRAFT_NAMES:
-        found = all_draft_dirs().get(args.draft)
+    if args.draft is None:
+        if args.model_set != SMOLLM2:
+            return target, str(next(iter(model_set_drafts(args.model_set, served=True).values())))
+        args.draft = DEFAULT_GENERATE_DRAFT
+    if args.draft in ALL_DRAFT_NAMES or (
+        args.model_set != SMOLLM2 and args.draft in model_set_drafts(args.model_set)
+    ):
+        found = model_set_drafts(args.model_set).get(args.draft)
+        if found is None and args.model_set != SMOLLM2:
+            raise SystemExit(f"draft {args.draft!r} is not in model set {args.model_set!r}")
         if found is None:
             rebuild = "rebuild it with `python -m distill build`"
             raise SystemExit(f"draft {args.draft!r} is missing; {rebuild}")
         return target, str(found)
-    return target, args.draft
+    return target, str(checkpoint_dir(args.draft))
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -129,6 +159,12 @@ def generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
+    try:
+        target_dtype = check_target_dtype(args.dtype, "cpu", setting="--dtype")
+    except ValueError as err:
+        raise SystemExit(f"augury: error: {err}") from err
+    if args.tp > 1 and target_dtype != torch.float32:
+        raise SystemExit("augury: error: --tp runs the target in float32 only")
     drafter = (
         Drafter(
             ModelRunner(
@@ -150,7 +186,7 @@ def generate(args: argparse.Namespace) -> int:
         group = start_local_group(target_path, args.tp, threads=args.threads)
         verifier = Verifier(group.runner)  # type: ignore[arg-type]
     else:
-        verifier = Verifier(ModelRunner(load_model(target_path)))
+        verifier = Verifier(ModelRunner(load_model(target_path, dtype=target_dtype)))
     try:
         return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)
     finally:

@@ -92,8 +92,17 @@ class DraftModelSettings(_Group):
     dir: Path
 
 
+# The model sets `shared.model.model_set` knows (`MODEL_SETS` there).
+ModelSetName = Literal["smollm2", "qwen2.5-coder"]
+
+
 class ModelsSettings(_Group):
-    target_dir: Path | None = None  # None: SmolLM2-135M-Instruct, converted on first use
+    # Where target_dir / drafts are unset: this set's target / drafts (qwen2.5-coder: installed
+    # by scripts/install-qwen-coder.sh, never downloaded by the services)
+    model_set: ModelSetName = "smollm2"
+    # None: the model set's target (SmolLM2-135M-Instruct, converted on first use); a directory
+    # or a .gguf file (converted once)
+    target_dir: Path | None = None
     drafts: tuple[DraftModelSettings, ...] = ()
 
     @field_validator("drafts")
@@ -114,6 +123,9 @@ DraftWeights = Literal["auto", "native", "int8"]
 
 class EngineSettings(_Group):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # The target's own dtype (None: `dtype`); bfloat16 on a CPU needs AMX or AVX-512 BF16
+    # (shared/model/precision.py). Drafts keep `dtype` (and `draft_weights`).
+    target_dtype: Literal["float32", "bfloat16"] | None = None
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     kv_memory_bytes: PositiveInt = 1 << 30
     block_size: PositiveInt = 16

@@ -16,11 +16,10 @@ from shared.wire.streams import GATEWAY
 
 
 def target_dir(settings: AugurySettings) -> Path:
-    if settings.models.target_dir is not None:
-        return settings.models.target_dir
-    from shared.model.smollm2 import ensure_smollm2
+    from shared.model.loader import checkpoint_dir
+    from shared.model.model_set import model_set_target
 
-    return ensure_smollm2()
+    return checkpoint_dir(settings.models.target_dir or model_set_target(settings.models.model_set))
 
 
 async def serve(settings: AugurySettings, url: str) -> None:

@@ -24,6 +24,7 @@ from shared.model.linear import (
     measure,
 )
 from shared.model.quantized import HEAD_OUTLIER_CHANNELS, int8_available, quantized_linear
+from shared.model.rope import RopeScaling, inverse_frequencies
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
@@ -39,13 +40,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin tables for all positions, computed once (HF's rotate-half convention)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        device: torch.device,
+        scaling: RopeScaling | None = None,
+    ):
+        inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device)  # [P, D]
-        self.sin = emb.sin().to(device)
+        self.cos = (emb.cos() * attention_factor).to(device)  # [P, D]
+        self.sin = (emb.sin() * attention_factor).to(device)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -73,9 +81,17 @@ class DecoderLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.has_qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.has_o_bias)
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.has_mlp_bias
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.has_mlp_bias)
+        # Qwen3: RMSNorm weights over each q and k head, applied before RoPE
+        self.q_norm: nn.Parameter | None = None
+        self.k_norm: nn.Parameter | None = None
+        if cfg.has_qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
 
 
 class LlamaModel(nn.Module):
@@ -110,7 +126,7 @@ class LlamaModel(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         cfg = self.cfg
         self.rope = RotaryEmbedding(
-            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device, cfg.rope_scaling
         )
 
     # ---- kernel choice per layer shape and token count (see shared/model/linear.py) -----------
@@ -247,11 +263,17 @@ class LlamaModel(nn.Module):
             qkv = qkv_proj(h)
             qk_size = layer.q_size + layer.kv_size
             # q and k lie side by side in qkv: one rotation covers both heads
-            qk = self.rope.apply(
-                qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                cos,
-                sin,
-            )
+            qk = qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+                qk = torch.cat(
+                    [
+                        rms_norm(q, layer.q_norm, cfg.rms_norm_eps),
+                        rms_norm(k, layer.k_norm, cfg.rms_norm_eps),
+                    ],
+                    dim=1,
+                )
+            qk = self.rope.apply(qk, cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache[i].flatten(0, 1)[slots] = k

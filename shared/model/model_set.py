@@ -1,4 +1,6 @@
-"""The default model set: SmolLM2-135M-Instruct as target, distilled drafts in the repo.
+"""The default model set: SmolLM2-135M-Instruct as target, distilled drafts in the repo; and the
+other sets by name (`model_set_target`, `model_set_drafts`: `qwen2.5-coder`, installed on demand
+by `scripts/install-qwen-coder.sh`, see `shared/model/qwen_coder.py`).
 
 The independent drafts (`models/drafts/draft-{s,m,l}`) are LLaMA-architecture checkpoints
 distilled from the target; `draft-e` is a feature-level draft that reads the target's features
@@ -73,3 +75,35 @@ def all_draft_dirs(root: Path = DRAFTS_DIR) -> dict[str, Path]:
 
 def default_model_set() -> ModelSet:
     return ModelSet(target=target_dir(), drafts=draft_dirs())
+
+
+# ---- model sets by name (`--model-set`, `AUGURY_MODELS__MODEL_SET`) ----------------------------
+SMOLLM2 = "smollm2"
+MODEL_SETS = (SMOLLM2, "qwen2.5-coder")
+
+
+def _check_set(name: str) -> None:
+    if name not in MODEL_SETS:
+        raise ValueError(f"model set must be one of {list(MODEL_SETS)}, not {name!r}")
+
+
+def model_set_target(name: str = SMOLLM2) -> Path:
+    """The target checkpoint of a model set (SmolLM2's converted once on first use;
+    qwen2.5-coder's after `scripts/install-qwen-coder.sh`)."""
+    _check_set(name)
+    if name == SMOLLM2:
+        return target_dir()
+    from shared.model import qwen_coder
+
+    return qwen_coder.checkpoint_dir(qwen_coder.TARGET)
+
+
+def model_set_drafts(name: str = SMOLLM2, *, served: bool = False) -> dict[str, Path]:
+    """A model set's drafts present, by name, the default draft first when `served` (what
+    the services serve; SmolLM2's raise when a served draft is missing)."""
+    _check_set(name)
+    if name == SMOLLM2:
+        return served_draft_dirs() if served else all_draft_dirs()
+    from shared.model import qwen_coder
+
+    return {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}

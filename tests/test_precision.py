@@ -1,0 +1,80 @@
+"""A bf16 target (CPUs with AMX or AVX-512 BF16): speculation gives plain decoding's greedy output
+at that precision; the setting reaches the target only, and is refused where the CPU lacks
+native bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from services.runtime import load_runner
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model, precision
+from shared.model.runner import ModelRunner
+from shared.settings import EngineSettings
+from tests.test_architectures import PROMPTS, save_checkpoint
+
+requires_bf16_cpu = pytest.mark.skipif(
+    not precision.cpu_bf16_flags(), reason="this CPU has neither AMX nor AVX-512 BF16"
+)
+
+
+def engine(target: Path, draft: Path | None, method: DraftMethod | None) -> SpecEngine:
+    model = load_model(target, dtype=torch.bfloat16)
+    verifier = Verifier(ModelRunner(model, block_size=4, kv_memory_bytes=2 << 20))
+    drafter = None
+    if draft is not None:  # the draft in fp32: its numbers only decide what is proposed
+        drafter = Drafter(ModelRunner(load_model(draft), block_size=4, kv_memory_bytes=2 << 20))
+    return SpecEngine(verifier, drafter, method, EngineConfig(planner="fixed"))
+
+
+@requires_bf16_cpu
+@pytest.mark.parametrize(
+    ("config_cls", "options"),
+    [(LlamaConfig, {"attention_bias": True}), (Qwen3Config, {"tie_word_embeddings": True})],
+)
+def test_bf16_target_speculation_equals_bf16_plain_decoding(tmp_path, config_cls, options):
+    path = save_checkpoint(tmp_path / "m", config_cls, options)
+    params = SamplingParams(max_tokens=24)
+    plain = [r.output for r in engine(path, None, None).generate(PROMPTS, params)]
+    for method in (
+        DraftMethod("chain", k=3),
+        DraftMethod("dynamic", budget=12, max_size=8, max_depth=4, max_width=3),
+    ):
+        spec = engine(path, path, method)
+        assert [r.output for r in spec.generate(PROMPTS, params)] == plain, method.kind
+        assert spec.stats.mean_accepted_length > 2.0, method.kind  # an fp32 copy still agrees
+
+
+def test_target_dtype_setting_reaches_the_target_only(tmp_path):
+    if not precision.cpu_bf16_flags():
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
+    path = save_checkpoint(tmp_path / "m", LlamaConfig, {})
+    settings = EngineSettings(target_dtype="bfloat16", draft_weights="native")
+    assert load_runner(path, settings).model.embed_tokens.weight.dtype == torch.bfloat16
+    draft = load_runner(path, settings, target=path)
+    assert draft.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_bf16_is_refused_on_a_cpu_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: [])
+    with pytest.raises(ValueError, match="AUGURY_ENGINE__TARGET_DTYPE bfloat16 needs a CPU"):
+        precision.check_target_dtype("bfloat16", "cpu", setting="AUGURY_ENGINE__TARGET_DTYPE")
+    assert precision.check_target_dtype("float32", "cpu", setting="x") == torch.float32
+    assert precision.check_target_dtype("bfloat16", "cuda", setting="x") == torch.bfloat16
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile\n")
+    assert precision.cpu_bf16_flags(cpuinfo) == ["avx512_bf16"]
+    cpuinfo.write_text("flags\t\t: fpu sse avx2\n")
+    assert precision.cpu_bf16_flags(cpuinfo) == []
+    assert precision.cpu_bf16_flags(tmp_path / "missing") == []
