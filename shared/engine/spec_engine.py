@@ -31,6 +31,7 @@ from shared.scheduling.core import (
     StepOutput,
     StepResult,
     draft_request,
+    request_history,
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
@@ -224,6 +225,7 @@ class SpecEngine:
         self._release()  # drafts left behind by preemption or a change of draft model
         drafted, partners = self._draft(batch)
         trees = self.core.select_trees(batch, drafted, self.clock(), partners)
+        eos = self.core.config.eos_token_ids
         entries = [
             VerifyRequest(
                 r.request_id,
@@ -235,6 +237,7 @@ class SpecEngine:
                 chunk_start=r.num_prefilled,
                 chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
                 want_features=self.core.wants_features(r),
+                history=request_history(r, eos),
             )
             for r, chunk in batch.prefill
         ]
@@ -247,13 +250,19 @@ class SpecEngine:
                 r.tokens_left,
                 tree=trees[r.request_id],
                 want_features=self.core.wants_features(r),
+                history=request_history(r, eos),
             )
             for r in batch.decode
         ]
         verified = self.verifier.step(entries) if entries else []
         return {
             v.request_id: StepResult(
-                v.request_id, v.step, v.new_tokens, len(v.accepted), features=v.features
+                v.request_id,
+                v.step,
+                v.new_tokens,
+                len(v.accepted),
+                features=v.features,
+                logprobs=v.logprobs,
             )
             for v in verified
         }
@@ -269,7 +278,9 @@ class SpecEngine:
             drafter = self.drafters[plan.model]
             if plan.base_len == 0 and drafter.runner.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(draft_request(request, plan))
+            groups.setdefault((plan.model, plan.method), []).append(
+                draft_request(request, plan, self.core.config.eos_token_ids)
+            )
         trees: dict[str, TokenTree] = {}
         partners: dict[str, TokenTree] = {}
         for (model, method), requests in groups.items():
