@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
+from services.gateway.logprobs import choice_logprobs
 from services.gateway.metrics import GatewayMetrics, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
@@ -325,6 +326,16 @@ class Gateway:
             return None
         return "length" if progress.finish is FinishReason.LENGTH else "stop"
 
+    def _logprobs(
+        self, gen: GenerationRequest, progress: Progress, start: int, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The choice's logprobs of the tokens from `start` on (None unless asked for)."""
+        if gen.sampling.logprobs is None:
+            return None
+        tokens = progress.token_ids[start:]
+        logprobs = progress.logprobs.tail(start)
+        return choice_logprobs(gen.chat, self.tokenizer, tokens, logprobs, text_offset)
+
     async def _collect(
         self,
         request: web.Request,
@@ -339,14 +350,21 @@ class Gateway:
         except ConnectionResetError:
             return web.Response(status=CLIENT_CLOSED)
         finish = self._finish_reason(progress)
+        logprobs = self._logprobs(gen, progress, 0)
         if gen.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": progress.text},
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": progress.text, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "text": progress.text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         return web.json_response(
             {
                 "id": request_id,
@@ -386,11 +404,19 @@ class Gateway:
                 event["usage"] = self._usage(gen, progress)
             return {**event, **extra}
 
+        logprobs_sent = [0, 0]  # tokens whose logprobs were sent, and their text's length
+
         def choice(text: str, finish: str | None) -> dict[str, Any]:
+            start, offset = logprobs_sent
+            logprobs = self._logprobs(gen, progress, start, offset)
+            if logprobs is not None:
+                texts = logprobs["tokens"] if not gen.chat else logprobs["content"]
+                logprobs_sent[0] = len(progress.token_ids)
+                logprobs_sent[1] += sum(len(t if not gen.chat else t["token"]) for t in texts)
             if gen.chat:
                 delta = {"content": text} if text else {}
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         try:
             if gen.chat:

@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.engine.sampling import SamplingParams, refuse_unsupported
+from shared.engine.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
 from shared.wire.requests import MAX_DRAFT_NAME_LEN
@@ -148,8 +148,70 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("stop strings are not supported; use stop_token_ids", "stop")
 
 
+# ---- logits processors and logprobs (the engine's shared/engine/processors.py) ------------------
+
+
+def _processors_and_logprobs(
+    body: Mapping[str, Any], chat: bool, vocab_size: int
+) -> dict[str, Any]:
+    """SamplingParams' processor and logprobs options from the body, checked here where a 400
+    must name the field as the client spelled it (the engine checks the ranges again).
+
+    Chat asks for logprobs with `logprobs: true` and `top_logprobs: N`; completions with
+    `logprobs: N` (0: the emitted tokens' own)."""
+    options: dict[str, Any] = {
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "min_p": _number(body, "min_p", 0.0),
+        "min_tokens": _integer(body, "min_tokens", 0) or 0,
+        "logit_bias": _logit_bias(body.get("logit_bias"), vocab_size),
+    }
+    if chat:
+        top = _integer(body, "top_logprobs", None)
+        wanted = _flag(body, "logprobs", False)
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        options["logprobs"] = (top or 0) if wanted else None
+    else:
+        number = _integer(body, "logprobs", None)
+        if number is not None and not 0 <= number <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        options["logprobs"] = number
+    return options
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON string keys) to biases in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must map token ids to biases", "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise bad_request(
+                f"logit_bias keys are token ids in [0, {vocab_size}), got {key[:32]!r}",
+                "logit_bias",
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise bad_request("logit_bias values must be numbers", "logit_bias")
+        if not -MAX_BIAS <= amount <= MAX_BIAS:  # NaN fails too
+            raise bad_request(
+                f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias"
+            )
+        bias[int(key)] = float(amount)
+    return bias
+
+
 def _sampling(
-    body: Mapping[str, Any], max_tokens_field: str, vocab_size: int, max_stop_token_ids: int
+    body: Mapping[str, Any],
+    max_tokens_field: str,
+    vocab_size: int,
+    max_stop_token_ids: int,
+    chat: bool = False,
 ) -> SamplingParams:
     max_tokens = _integer(body, max_tokens_field, None)
     if max_tokens is None:
@@ -171,6 +233,7 @@ def _sampling(
             max_tokens=max_tokens,
             stop_token_ids=_token_ids(stop_ids, "stop_token_ids", vocab_size),
             ignore_eos=_flag(body, "ignore_eos", False),
+            **_processors_and_logprobs(body, chat, vocab_size),
         )
     except InvalidRequestError as error:
         param = error.param if error.param != "max_tokens" else max_tokens_field
@@ -249,7 +312,7 @@ def parse_generation(
         )
     _refuse_unsupported(body)
     max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
-    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids)
+    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, chat)
     conversation = _conversation(body, max_messages) if chat else None
     prompt_ids = (
         _chat_prompt(conversation, tokenizer)

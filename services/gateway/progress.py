@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.body import APIError, Tokenizer
 from services.gateway.metrics import GatewayMetrics
+from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.scheduling.slo_classes import CUSTOM_CLASS
 from shared.wire import FinishReason, RequestError, Tokens
 
@@ -38,6 +39,7 @@ class Progress:
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
+    logprobs: TokenLogprobs = EMPTY  # of token_ids, when the request asked for them
 
     @property
     def slo_met(self) -> bool | None:
@@ -153,6 +155,8 @@ async def follow(
         _count(message, len(fresh), progress, metrics)
         _note_objective(message, progress)
         progress.token_ids.extend(fresh)
+        if message.logprobs is not None:
+            progress.logprobs += message.logprobs.tail(have - message.offset)
         progress.finish = message.finish
         if message.finish is FinishReason.ABORT:
             raise APIError(500, "the request was aborted", kind="server_error", code="aborted")
