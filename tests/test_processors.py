@@ -426,3 +426,23 @@ def test_gumbel_noise_depends_on_seed_and_position_only():
     assert np.array_equal(a[:20], gumbel_noise(7, 3, 20))
     assert not np.array_equal(a, gumbel_noise(7, 4, 50))
     assert not np.array_equal(a, gumbel_noise(8, 3, 50))
+
+
+# ---- augury generate -------------------------------------------------------------------------
+
+
+@pytest.mark.smollm2
+def test_cli_takes_the_processor_logprobs_and_seed_options(capsys):
+    from shared.cli import main
+
+    argv = ["generate", "Name a color.", "--max-tokens", "10", "--threads", "1"]
+    argv += ["--temperature", "0.8", "--seed", "3", "--presence-penalty", "0.5"]
+    argv += ["--logit-bias", "13=-100", "--min-p", "0.05", "--logprobs", "2"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "token logprobs" in first
+    assert main([*argv, "--no-spec"]) == 0  # a seed reproduces without speculation
+    second = capsys.readouterr().out
+    assert first.split("\n\n")[0] == second.split("\n\n")[0]  # the same generated text
+    assert main(["generate", "Hi", "--logit-bias", "13=999", "--no-spec"]) == 2
+    assert "logit_bias" in capsys.readouterr().err
