@@ -169,6 +169,13 @@ def test_out_of_range_processors_name_the_field(options, param):
     assert error.value.param == param
 
 
+def test_the_engine_refuses_a_bias_outside_the_vocabulary(tiny_target_dir):
+    engine = engine_for(tiny_target_dir)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request([1, 2], SamplingParams(logit_bias={96: 1.0}))
+    assert error.value.param == "logit_bias"
+
+
 def test_top_k_minus_one_means_off():
     assert SamplingParams(top_k=-1).top_k == 0
 

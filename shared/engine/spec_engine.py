@@ -163,6 +163,11 @@ class SpecEngine:
         `tpot_slo_ms` wins over it."""
         self.core.check(prompt, params.max_tokens)
         runner = self.verifier.runner
+        vocab = runner.cfg.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias holds token ids outside [0, {vocab})", param="logit_bias"
+            )
         capacity = tree_capacity(self.core.config.method)
         need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
         if need > runner.cache.num_blocks:
