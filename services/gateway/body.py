@@ -170,7 +170,7 @@ def _processors_and_logprobs(
     if chat:
         top = _integer(body, "top_logprobs", None)
         wanted = _flag(body, "logprobs", False)
-        if top is not None and not wanted:
+        if top and not wanted:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
