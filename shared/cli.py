@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument(
         "--logprobs", type=int, help="print each token's log-probability and N alternatives"
     )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string (repeat for several): the output ends before it",
+    )
+    gen.add_argument(
+        "--include-stop-str", action="store_true", help="keep the stop string in the output"
+    )
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     gen.add_argument(
@@ -154,6 +163,7 @@ def generate(args: argparse.Namespace) -> int:
         EngineConfig(planner=args.planner),
         eos_token_ids=target.cfg.eos_token_ids,
         cost=cost if args.planner == "goodput" else None,
+        tokenizer=tokenizer,
     )
     if args.raw:
         prompt = tokenizer.encode(args.prompt)
@@ -179,18 +189,23 @@ def generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     output: list[int] = []
-    printed = ""
+    printed = 0
     start = time.perf_counter()
     first_token_at = None
-    request_id = engine.add_request(prompt, params)
-    for tokens in _new_tokens(engine, request_id):
-        first_token_at = first_token_at or time.perf_counter()
-        output.extend(tokens)
-        text = tokenizer.decode(output, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed) :])
-            sys.stdout.flush()
-            printed = text
+    rid = engine.add_request(
+        prompt, params, stop=args.stop, include_stop_str_in_output=args.include_stop_str
+    )
+    text = engine.texts[rid]  # detokenized by the engine, cut at a stop string
+    while engine.requests[rid].finish_reason is None:
+        for out in engine.step():
+            if out.request_id == rid and out.new_tokens:
+                first_token_at = first_token_at or time.perf_counter()
+                output.extend(out.new_tokens)
+        sys.stdout.write(text.text[printed:])
+        sys.stdout.flush()
+        printed = len(text.text)
+    request = engine.requests.pop(rid)
+    engine.texts.pop(rid)
     elapsed = time.perf_counter() - start
     stats = engine.stats
     print("\n")
@@ -205,7 +220,6 @@ def generate(args: argparse.Namespace) -> int:
         print(f"time to first token   {1000 * (first_token_at - start):.0f} ms")
         if rest and decode_s > 0:
             print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
-    request = engine.requests.pop(request_id)
     if request.logprobs is not None:
         _print_logprobs(tokenizer, output, request.logprobs)
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")
@@ -218,14 +232,6 @@ def generate(args: argparse.Namespace) -> int:
             rates = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_position)
             print(f"accepted by position  {rates}")
     return 0
-
-
-def _new_tokens(engine: SpecEngine, request_id: str) -> Iterator[list[int]]:
-    """Each step's new tokens of the request, as they are committed."""
-    while engine.requests[request_id].finish_reason is None:
-        for out in engine.step():
-            if out.request_id == request_id and out.new_tokens:
-                yield out.new_tokens
 
 
 def _logit_bias(pairs: Sequence[str]) -> dict[int, float]:
