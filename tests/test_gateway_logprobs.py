@@ -114,6 +114,13 @@ async def test_logprobs_and_processors_through_the_openai_client(server: Embedde
                 tokens += chunk.choices[0].logprobs.tokens
                 offsets += chunk.choices[0].logprobs.text_offset
         assert tokens == logprobs.tokens and offsets == logprobs.text_offset
+        # a stop string ends the output at the token that completed it: logprobs end there too
+        stop = logprobs.tokens[4].strip() or logprobs.tokens[4]
+        stopped = await client.completions.create(**completion, logprobs=1, stop=[stop])
+        cut = stopped.choices[0].logprobs
+        assert stopped.choices[0].finish_reason == "stop"
+        assert len(cut.tokens) == stopped.usage.completion_tokens <= 5
+        assert cut.tokens == logprobs.tokens[: len(cut.tokens)]
 
         # a seeded sample: the same text with speculation on, again, and off
         seeded = {**chat, "temperature": 0.8, "seed": 7, "max_completion_tokens": 16}
