@@ -2,6 +2,8 @@
 
     python -m bench.bench_speculation --per-kind 4 --max-tokens 128
     python -m bench.bench_speculation --services --concurrency 1 16 --per-kind 4
+    python -m bench.bench_speculation --temperature 0.8 --seed 1 --presence-penalty 0.5 \
+        --frequency-penalty 0.3 --repetition-penalty 1.1 --logprobs 5   # processors, logprobs
 
 Engine mode: one target (its kernel plan and cost profile loaded as the CLI loads them) serves
 both configurations; for every prompt, plain and speculative decoding run one after the other,
@@ -110,10 +112,24 @@ def run_one(
     return request.output, time.perf_counter() - started
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The options every measured request carries (greedy by default). With a seed, sampled
+    speculation is Gumbel-coupled and its output equals plain decoding's token for token."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logprobs=args.logprobs,
+    )
+
+
 def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
     plain, spec = build_engines(args.draft, args.threads, args.draft_weights)
     prompts = prompts_by_kind(args.per_kind)
-    params = SamplingParams(max_tokens=args.max_tokens)
+    params = sampling_params(args)
     for engine in (plain, spec):  # warm-up
         run_one(engine, prompts["chat"][0][:16], SamplingParams(max_tokens=8))
     results = {kind: KindResult() for kind in KINDS}
@@ -162,7 +178,7 @@ def report(results: dict[str, KindResult], args: argparse.Namespace) -> str:
         f"draft {args.draft} (weights {args.draft_weights}), "
         f"method {DEFAULT_METHOD.kind} (goodput planner), "
         f"{torch.get_num_threads()} threads, {args.per_kind} prompts per kind, "
-        f"max {args.max_tokens} tokens",
+        f"max {args.max_tokens} tokens, {sampling_params(args)}",
         "",
         "| kind | plain tok/s | speculative tok/s | ratio | worst prompt | acc.len | =plain |",
         "|---|---|---|---|---|---|---|",
@@ -273,6 +289,12 @@ def main() -> None:
         "as the default chooser does; the services' default: draft-e draft-s draft-m draft-l); "
         "default: --draft alone",
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="engine mode: 0 is greedy")
+    ap.add_argument("--seed", type=int, help="engine mode: seeded (coupled) sampling")
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--logprobs", type=int, help="engine mode: ask for N top logprobs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)

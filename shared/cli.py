@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shared.engine.drafting import Drafter
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.methods import DraftMethod
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
@@ -92,7 +93,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--seed", type=int, help="reproducible sampling (Gumbel-coupled)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens")
+    gen.add_argument(
+        "--logit-bias", nargs="+", default=[], metavar="ID=BIAS", help="e.g. 198=-100 13=2.5"
+    )
+    gen.add_argument(
+        "--logprobs", type=int, help="print each token's log-probability and N alternatives"
+    )
     gen.add_argument(
         "--stop",
         action="append",
@@ -232,6 +244,13 @@ def _generate(
         top_k=args.top_k,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        logit_bias=_logit_bias(args.logit_bias),
+        logprobs=args.logprobs,
     )
     output: list[int] = []
     printed = 0
@@ -249,7 +268,7 @@ def _generate(
         sys.stdout.write(text.text[printed:])
         sys.stdout.flush()
         printed = len(text.text)
-    engine.requests.pop(rid)
+    request = engine.requests.pop(rid)
     engine.texts.pop(rid)
     elapsed = time.perf_counter() - start
     stats = engine.stats
@@ -265,6 +284,8 @@ def _generate(
         print(f"time to first token   {1000 * (first_token_at - start):.0f} ms")
         if rest and decode_s > 0:
             print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
+    if request.logprobs is not None:
+        _print_logprobs(tokenizer, output, request.logprobs)
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")
     if drafter is not None:
         print(f"draft                 {draft_path} ({args.method})")
@@ -275,6 +296,28 @@ def _generate(
             rates = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_position)
             print(f"accepted by position  {rates}")
     return 0
+
+
+def _logit_bias(pairs: Sequence[str]) -> dict[int, float]:
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise SystemExit(f"--logit-bias takes ID=BIAS pairs, got {pair!r}") from None
+    return bias
+
+
+def _print_logprobs(tokenizer: Any, output: Sequence[int], logprobs: TokenLogprobs) -> None:
+    print("token logprobs (the target's raw log-probabilities):")
+    for token, logprob, alternatives, values in zip(
+        output, logprobs.logprobs, logprobs.top_ids, logprobs.top_logprobs, strict=False
+    ):
+        top = ", ".join(
+            f"{tokenizer.decode([a])!r} {v:.3f}" for a, v in zip(alternatives, values, strict=True)
+        )
+        print(f"  {tokenizer.decode([token])!r:>16} {logprob:8.3f}   {top}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

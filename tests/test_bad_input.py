@@ -70,11 +70,9 @@ def test_out_of_range_sampling_options(options, param):
     assert e.value.param == param
 
 
-@pytest.mark.parametrize(
-    "option", ["presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "n", "best_of"]
-)
+@pytest.mark.parametrize("option", ["n", "best_of"])
 def test_unsupported_options_are_refused_not_ignored(option):
-    value = {"n": 2, "best_of": 2, "logit_bias": {"5": 1.0}, "logprobs": 3}.get(option, 0.5)
+    value = {"n": 2, "best_of": 2}.get(option, 0.5)
     with pytest.raises(UnsupportedOptionError, match=option) as e:
         sampling_params_from_options(**{option: value})
     assert e.value.param == option

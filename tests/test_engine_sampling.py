@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from shared.engine import spec_engine
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
@@ -51,12 +52,22 @@ SAMPLED_METHODS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLED_METHODS))
-def test_sampled_outputs_follow_target(small_vocab_dirs, name):
-    target_dir, draft_dir = small_vocab_dirs
-    params = [
-        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+def sampled_params(coupled: bool, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
+    """Seeded requests sample through Gumbel noise (coupled); unseeded ones by multi-step
+    speculative sampling, here with engine seeds drawn from a fixed counter."""
+    counter = itertools.count(10_000)
+    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
+    return [
+        SamplingParams(temperature=0.9, seed=s if coupled else None, max_tokens=OUT_LEN)
+        for s in range(NUM_REQUESTS)
     ]
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["multi-step", "coupled"])
+@pytest.mark.parametrize("name", sorted(SAMPLED_METHODS))
+def test_sampled_outputs_follow_target(small_vocab_dirs, name, coupled, monkeypatch):
+    target_dir, draft_dir = small_vocab_dirs
+    params = sampled_params(coupled, monkeypatch)
     engine = make_engine(target_dir, draft_dir, SAMPLED_METHODS[name], max_running=NUM_REQUESTS)
     reqs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     outcomes = [tuple(r.output) for r in reqs]
@@ -78,7 +89,10 @@ def test_seed_reproduces_output_whatever_the_batch(tiny_target_dir, tiny_draft_d
     assert differs[0].output != alone[0].output
 
 
-def test_sampled_outputs_with_merged_trees_follow_target(small_vocab_dirs, tmp_path_factory):
+@pytest.mark.parametrize("coupled", [False, True], ids=["multi-step", "coupled"])
+def test_sampled_outputs_with_merged_trees_follow_target(
+    small_vocab_dirs, tmp_path_factory, coupled, monkeypatch
+):
     """Two different drafters speculate every request in the same step (the standby's tree
     merged with the current drafter's, each sampled node verified against its own drafter's
     proposal): still the target's distribution."""
@@ -115,9 +129,7 @@ def test_sampled_outputs_with_merged_trees_follow_target(small_vocab_dirs, tmp_p
         return select(batch, drafted, now, partners)
 
     engine.core.select_trees = count
-    params = [
-        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
-    ]
+    params = sampled_params(coupled, monkeypatch)
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert merged_steps > NUM_REQUESTS // 2
     assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR

@@ -285,9 +285,29 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),
         # options other servers honour are refused, never silently ignored (one list)
-        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-        ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        # processors and logprobs out of range (shared/engine/processors.py implements them)
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": 3},
+            400,
+            "logprobs",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},

@@ -20,6 +20,7 @@ from typing import Any
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import Bus, Heartbeater
+from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -70,6 +71,7 @@ class Outcome:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # of `tokens`, when asked for
 
     @property
     def done(self) -> bool:
@@ -126,6 +128,8 @@ class Client:
                     outcome.drafts += message.drafts
                     outcome.draft_tokens += message.draft_tokens
                     outcome.accepted_tokens += message.accepted_tokens
+                    if message.logprobs is not None:
+                        outcome.logprobs = (outcome.logprobs or EMPTY) + message.logprobs
                 messages.append(message)
         return messages
 

@@ -32,6 +32,7 @@ from services.gateway.choices import (
     make_choices,
     merged,
 )
+from services.gateway.logprobs import choice_logprobs
 from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
@@ -397,6 +398,16 @@ class Gateway:
             return None
         return "length" if progress.finish is FinishReason.LENGTH else "stop"
 
+    def _logprobs(
+        self, gen: GenerationRequest, progress: Progress, start: int, text_offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The choice's logprobs of the tokens from `start` on (None unless asked for)."""
+        if gen.sampling.logprobs is None:
+            return None
+        tokens = progress.token_ids[start:]
+        logprobs = progress.logprobs.tail(start)
+        return choice_logprobs(gen.chat, self.tokenizer, tokens, logprobs, text_offset)
+
     async def _collect(
         self,
         request: web.Request,
@@ -415,17 +426,19 @@ class Gateway:
         for choice, text in zip(choices, texts, strict=True):
             progress = choice.progress
             finish = self._finish_reason(progress)
+            logprobs = self._logprobs(gen, progress, 0)
             if gen.chat:
                 answer: dict[str, Any] = {
                     "index": choice.index,
                     "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
                     "finish_reason": finish,
                 }
             else:
                 answer = {
                     "index": choice.index,
                     "text": text,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish,
                 }
             answer["stop_reason"] = progress.stop_reason
@@ -471,13 +484,37 @@ class Gateway:
                 event["usage"] = self._usage(gen, choices)
             return {**event, **extra}
 
+        # per choice: tokens whose logprobs were sent, and the length of their texts
+        logprobs_sent: dict[int, tuple[int, int]] = {}
+
+        def choice_logprobs_now(choice: Choice) -> dict[str, Any] | None:
+            """The logprobs of the tokens the choice added since its last chunk."""
+            start, offset = logprobs_sent.get(choice.index, (0, 0))
+            logprobs = self._logprobs(gen, choice.progress, start, offset)
+            if logprobs is not None:
+                texts = logprobs["content"] if gen.chat else logprobs["tokens"]
+                offset += sum(len(t["token"] if gen.chat else t) for t in texts)
+                logprobs_sent[choice.index] = (len(choice.progress.token_ids), offset)
+            return logprobs
+
         def choice_event(delta: ChoiceDelta) -> dict[str, Any]:
             index, text, finish = delta.choice.index, delta.text, delta.finish_reason
+            logprobs = choice_logprobs_now(delta.choice)
             if gen.chat:
                 content = {"content": text} if text else {}
-                event = {"index": index, "delta": content, "finish_reason": finish}
+                event = {
+                    "index": index,
+                    "delta": content,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
             else:
-                event = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+                event = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
             if finish:
                 event["stop_reason"] = delta.choice.progress.stop_reason
             return event

@@ -34,7 +34,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.engine.sampling import SamplingParams, refuse_unsupported
+from shared.engine.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
 from shared.wire.requests import MAX_DRAFT_NAME_LEN
@@ -51,8 +51,8 @@ AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate
 # and echo (completions).
 GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo"})
 # vLLM's extension fields that Augury does not implement, with the values that mean "off": any
-# other value is refused by name, never ignored. (`min_tokens` and `prompt_logprobs` are the
-# sampling engine's to build; they leave this list when they are.)
+# other value is refused by name, never ignored. (`prompt_logprobs` is the sampling engine's to
+# build; it leaves this list when it is. `min_tokens` is built: shared/engine/processors.py.)
 VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -61,7 +61,6 @@ VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "structured_outputs": (None,),
-    "min_tokens": (None, 0),
     "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
@@ -194,12 +193,71 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request(str(error), error.param) from None
 
 
+# ---- logits processors and logprobs (the engine's shared/engine/processors.py) ------------------
+
+
+def _processors_and_logprobs(
+    body: Mapping[str, Any], chat: bool, vocab_size: int
+) -> dict[str, Any]:
+    """SamplingParams' processor and logprobs options from the body, checked here where a 400
+    must name the field as the client spelled it (the engine checks the ranges again).
+
+    Chat asks for logprobs with `logprobs: true` and `top_logprobs: N`; completions with
+    `logprobs: N` (0: the emitted tokens' own)."""
+    options: dict[str, Any] = {
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "min_p": _number(body, "min_p", 0.0),
+        "min_tokens": _integer(body, "min_tokens", 0) or 0,
+        "logit_bias": _logit_bias(body.get("logit_bias"), vocab_size),
+    }
+    if chat:
+        top = _integer(body, "top_logprobs", None)
+        wanted = _flag(body, "logprobs", False)
+        if top and not wanted:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        options["logprobs"] = (top or 0) if wanted else None
+    else:
+        number = _integer(body, "logprobs", None)
+        if number is not None and not 0 <= number <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        options["logprobs"] = number
+    return options
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON string keys) to biases in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must map token ids to biases", "logit_bias")
+    bias = {}
+    for key, amount in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise bad_request(
+                f"logit_bias keys are token ids in [0, {vocab_size}), got {key[:32]!r}",
+                "logit_bias",
+            )
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise bad_request("logit_bias values must be numbers", "logit_bias")
+        if not -MAX_BIAS <= amount <= MAX_BIAS:  # NaN fails too
+            raise bad_request(
+                f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias"
+            )
+        bias[int(key)] = float(amount)
+    return bias
+
+
 def _sampling(
     body: Mapping[str, Any],
     max_tokens_field: str,
     vocab_size: int,
     max_stop_token_ids: int,
     max_tokens: int,
+    chat: bool = False,
 ) -> SamplingParams:
     stop_ids = body.get("stop_token_ids") or []
     if isinstance(stop_ids, list) and len(stop_ids) > max_stop_token_ids:
@@ -216,6 +274,7 @@ def _sampling(
             max_tokens=max_tokens,
             stop_token_ids=_token_ids(stop_ids, "stop_token_ids", vocab_size),
             ignore_eos=_flag(body, "ignore_eos", False),
+            **_processors_and_logprobs(body, chat, vocab_size),
         )
     except InvalidRequestError as error:
         param = error.param if error.param != "max_tokens" else max_tokens_field
@@ -311,7 +370,9 @@ def parse_generation(
     max_tokens = _max_tokens(
         body, max_tokens_field, len(prompt_ids), max_context, default_max_tokens, chat=chat
     )
-    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens)
+    sampling = _sampling(
+        body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat
+    )
     if len(prompt_ids) + sampling.max_tokens > max_context:
         raise APIError(
             400,

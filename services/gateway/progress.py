@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.body import APIError
 from services.gateway.metrics import GatewayMetrics
+from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.scheduling.slo_classes import CUSTOM_CLASS
 from shared.text.stop_strings import OutputText
 from shared.wire import FinishReason, RequestError, Tokens
@@ -40,6 +41,7 @@ class Progress:
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
+    logprobs: TokenLogprobs = EMPTY  # of token_ids, when the request asked for them
 
     @property
     def slo_met(self) -> bool | None:
@@ -151,6 +153,8 @@ async def follow(
         _count(message, len(fresh), progress, metrics)
         _note_objective(message, progress)
         progress.token_ids.extend(fresh)
+        if message.logprobs is not None:
+            progress.logprobs += message.logprobs.tail(have - message.offset).head(len(fresh))
         progress.finish = message.finish
         if step.stop is not None:
             progress.finish, progress.stop_reason = FinishReason.STOP, step.stop

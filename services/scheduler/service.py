@@ -56,6 +56,7 @@ from shared.scheduling.core import (
     StepResult,
     draft_request,
     mean_context,
+    request_history,
 )
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
@@ -460,7 +461,13 @@ class SchedulerService:
             result = await self._verify(job)
             results = {
                 e.request_id: StepResult(
-                    e.request_id, e.step, e.new_tokens, len(e.accepted), e.error, e.features
+                    e.request_id,
+                    e.step,
+                    e.new_tokens,
+                    len(e.accepted),
+                    e.error,
+                    e.features,
+                    e.logprobs,
                 )
                 for e in result.entries
             }
@@ -510,7 +517,9 @@ class SchedulerService:
         jobs: dict[tuple[str, str], list[DraftRequest]] = {}
         for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]
-            jobs.setdefault((plan.model, plan.replica), []).append(draft_request(request, plan))
+            jobs.setdefault((plan.model, plan.replica), []).append(
+                draft_request(request, plan, self.core.config.eos_token_ids)
+            )
         if not jobs:
             return {}, {}, 0.0
         waits = {replica: self._candidates.expect((batch.id, replica)) for _, replica in jobs}
@@ -571,6 +580,7 @@ class SchedulerService:
                 tree=trees[r.request_id],
                 context_len=r.num_tokens - 1,
                 want_features=self.core.wants_features(r),
+                history=request_history(r, self.core.config.eos_token_ids),
             )
             for r in batch.decode
         ]
@@ -587,6 +597,7 @@ class SchedulerService:
                     chunk_start=start,
                     chunk_is_last=start + chunk == len(r.prefill_tokens),
                     want_features=self.core.wants_features(r),
+                    history=request_history(r, self.core.config.eos_token_ids),
                 )
             )
         return tuple(entries)
@@ -634,6 +645,7 @@ class SchedulerService:
                     accepted_tokens=out.num_accepted,
                     draft_model=out.draft_model or "",
                     **_slo_statistics(out, (requests or {}).get(out.request_id)),
+                    logprobs=out.logprobs,
                 )
                 messages.append((reply_to, tokens))
         return messages

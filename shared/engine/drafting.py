@@ -15,6 +15,10 @@ cache holds one entry per committed token after the first, so it can only root a
 target has computed the feature before the root. Tree nodes read their parent's *predicted*
 feature, the draft's own output at the parent.
 
+Every frontier row's logits go through the request's logits processors with the counts of that
+node's own path (`shared.engine.processors`), as the target's do when verifying; a seeded request
+scores them with its Gumbel noise (`coupled_scores`) and drafts as greedy does on the scores.
+
 Four ways to pick children, all batched: a chain of k; SpecInfer's static expansion <k1..km>;
 AdaServe's beam of depth d and width w (§4.3 step 1); and the CMU thesis's throughput-optimal
 dynamic tree under a token budget with size, depth and width limits across the batch (§3.1).
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from shared.engine.methods import DraftMethod
+from shared.engine.processors import coupled_scores, process_logits
 from shared.engine.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
 from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree
 from shared.model.runner import ForwardItem, ModelRunner
@@ -65,6 +70,14 @@ class _Growing:
         self.depth.append(self.depth[parent] + 1)
         return len(self.tokens) - 1
 
+    def path(self, node: int) -> list[int]:
+        """The node's draft tokens after the root."""
+        tokens = []
+        while node > 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
     @property
     def num_draft_tokens(self) -> int:
         return len(self.tokens) - 1 - len(self.pruned)
@@ -93,6 +106,7 @@ class Drafter:
         self.name = name
         self.output_ids = runner.model.output_token_ids  # [num_out] full-vocab ids
         self.is_feature_level = bool(runner.cfg.feature_size)
+        self.column_of = _column_of(self.output_ids)  # [V] full id -> column; None: the same
 
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
@@ -165,7 +179,7 @@ class Drafter:
             if not root:
                 tree.frontier = []  # nothing to grow from: the root alone
                 continue
-            tree.frontier_logits = root[0]
+            self._take_logits(tree, root[0])
             if self.is_feature_level:
                 tree.feature_of[0] = root[1][0]
         for layer in range(1, method.num_layers + 1):
@@ -204,19 +218,36 @@ class Drafter:
                 item.feature_rows = "all"
             items.append(item)
         for t, out in zip(trees, self.runner.forward_full(items), strict=True):
-            t.frontier_logits = out.logits
+            self._take_logits(t, out.logits)
             if self.is_feature_level:
                 t.feature_of.update(zip(t.frontier, out.features, strict=True))
 
+    def _take_logits(self, t: _Growing, logits: torch.Tensor) -> None:
+        """Hold the frontier's [len(frontier), num_out] logits, processed per node's path (a
+        seeded request's: its Gumbel-perturbed scores)."""
+        params = t.req.sampling
+        if params.has_processors:
+            paths = [t.path(node) for node in t.frontier]
+            logits = process_logits(logits, params, t.req.history, paths, self.column_of)
+        if params.is_coupled:
+            if t.req.history is None:
+                raise ValueError(f"request {t.req.request_id}: a seeded draft needs its history")
+            positions = [t.req.history.output_len + t.depth[node] for node in t.frontier]
+            logits = coupled_scores(logits, params, positions, self.output_ids)
+        t.frontier_logits = logits
+
     # ---- child selection -----------------------------------------------------------------------
     def _log_q(self, t: _Growing) -> torch.Tensor:
-        """[len(frontier), num_out] log-probabilities used as acceptance estimates."""
+        """[len(frontier), num_out] log-probabilities used as acceptance estimates (a seeded
+        request's: of its perturbed scores, whose argmax is the token it proposes)."""
         assert t.frontier_logits is not None
-        temperature = t.req.sampling.temperature or 1.0
+        params = t.req.sampling
+        temperature = 1.0 if params.is_coupled else params.temperature or 1.0
         return torch.log_softmax(t.frontier_logits.double() / temperature, dim=-1)
 
     def _is_sampled(self, t: _Growing, method: DraftMethod) -> bool:
-        return not t.req.sampling.is_greedy and method.kind in ("chain", "static")
+        params = t.req.sampling
+        return not params.is_greedy and not params.is_coupled and method.kind in ("chain", "static")
 
     def _grow_layer(self, t: _Growing, method: DraftMethod, layer: int) -> list[int]:
         """Chain, static expansion and beam: every kept node of the last layer gets children."""
@@ -326,6 +357,20 @@ class Drafter:
             added[id(t)].append(t.add(node, tok, lq))
             used += 1
         return added
+
+
+def _column_of(output_ids: torch.Tensor) -> torch.Tensor | None:
+    """[V] long: each full-vocabulary id's output column, -1 where the head has none (None when
+    the head is the whole vocabulary in order)."""
+    num_out = len(output_ids)
+    positions = torch.arange(num_out, device=output_ids.device)
+    if bool(torch.equal(output_ids, positions)):
+        return None
+    column_of = torch.full(
+        (int(output_ids.max()) + 1,), -1, dtype=torch.long, device=output_ids.device
+    )
+    column_of[output_ids.long()] = positions
+    return column_of
 
 
 def _lowest_leaf(trees: list[_Growing], indices: Sequence[int]) -> tuple[int, int] | None:

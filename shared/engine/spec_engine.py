@@ -33,6 +33,7 @@ from shared.scheduling.core import (
     StepOutput,
     StepResult,
     draft_request,
+    request_history,
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
@@ -176,6 +177,11 @@ class SpecEngine:
         self.core.check(prompt, params.max_tokens)
         text = self._output_text(stop, include_stop_str_in_output)
         runner = self.verifier.runner
+        vocab = runner.cfg.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias holds token ids outside [0, {vocab})", param="logit_bias"
+            )
         capacity = tree_capacity(self.core.config.method)
         need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
         if need > runner.cache.num_blocks:
@@ -260,11 +266,17 @@ class SpecEngine:
             return output
         request = self.requests[output.request_id]
         del request.output[output.offset + step.num_tokens :]
+        if request.logprobs is not None:
+            request.logprobs = request.logprobs.head(len(request.output))
         if request.finish_reason is None:
             self.core.cancel(request.request_id)  # frees its KV with the next release
         request.finish_reason = "stop"
+        logprobs = output.logprobs.head(step.num_tokens) if output.logprobs is not None else None
         return dataclasses.replace(
-            output, new_tokens=output.new_tokens[: step.num_tokens], finish_reason="stop"
+            output,
+            new_tokens=output.new_tokens[: step.num_tokens],
+            finish_reason="stop",
+            logprobs=logprobs,
         )
 
     def _run(self, batch: MicroBatch) -> dict[str, StepResult]:
@@ -276,6 +288,7 @@ class SpecEngine:
         self._release()  # drafts left behind by preemption or a change of draft model
         drafted, partners = self._draft(batch)
         trees = self.core.select_trees(batch, drafted, self.clock(), partners)
+        eos = self.core.config.eos_token_ids
         entries = [
             VerifyRequest(
                 r.request_id,
@@ -287,6 +300,7 @@ class SpecEngine:
                 chunk_start=r.num_prefilled,
                 chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
                 want_features=self.core.wants_features(r),
+                history=request_history(r, eos),
             )
             for r, chunk in batch.prefill
         ]
@@ -299,13 +313,19 @@ class SpecEngine:
                 r.tokens_left,
                 tree=trees[r.request_id],
                 want_features=self.core.wants_features(r),
+                history=request_history(r, eos),
             )
             for r in batch.decode
         ]
         verified = self.verifier.step(entries) if entries else []
         return {
             v.request_id: StepResult(
-                v.request_id, v.step, v.new_tokens, len(v.accepted), features=v.features
+                v.request_id,
+                v.step,
+                v.new_tokens,
+                len(v.accepted),
+                features=v.features,
+                logprobs=v.logprobs,
             )
             for v in verified
         }
@@ -321,7 +341,9 @@ class SpecEngine:
             drafter = self.drafters[plan.model]
             if plan.base_len == 0 and drafter.runner.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(draft_request(request, plan))
+            groups.setdefault((plan.model, plan.method), []).append(
+                draft_request(request, plan, self.core.config.eos_token_ids)
+            )
         trees: dict[str, TokenTree] = {}
         partners: dict[str, TokenTree] = {}
         for (model, method), requests in groups.items():

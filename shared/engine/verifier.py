@@ -14,8 +14,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from shared.engine.logprobs import token_logprobs
+from shared.engine.processors import coupled_scores, process_logits, tree_paths
 from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
-from shared.engine.verification import verify
+from shared.engine.verification import Verdict, verify, verify_greedy
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.wire.steps import VerifiedRequest, VerifyRequest
 from shared.wire.values import FinishReason
@@ -66,18 +68,22 @@ class Verifier:
         commits: dict[str, Sequence[int]] = {}
         results = []
         for e, out in zip(entries, outputs, strict=True):
-            rng = step_rng(e.seed, e.step, VERIFY_STREAM)
             if e.tree is None:
                 kept: Sequence[int] = range(len(e.chunk))
-                tokens = []
+                tokens, rows = [], []
                 if e.chunk_is_last:
-                    probs = processed_probs(out.logits, e.sampling)[0]
-                    tokens = [sample(probs, rng.random())]
+                    tokens, rows = [self._first_token(e, out.logits)], [0]
                 result = verified(e, tokens, 0)
             else:
-                verdict = verify(e.tree, out.logits, e.sampling, rng)
+                verdict = self._accept(e, out.logits)
                 kept = verdict.kv_path
+                rows = verdict.kv_path
                 result = verified(e, verdict.emitted, len(verdict.accepted_tokens))
+            if e.sampling.logprobs is not None and result.new_tokens:
+                emitted = result.new_tokens
+                raw = out.logits[list(rows[: len(emitted)])]  # the rows that predicted them
+                lps = token_logprobs(raw, emitted, e.sampling.logprobs)
+                result = replace(result, logprobs=lps)
             commits[e.request_id] = kept
             if e.want_features:  # the committed positions' features, for a feature-level draft
                 rows = out.features[list(kept)].to(torch.float16).cpu().numpy()
@@ -85,3 +91,26 @@ class Verifier:
             results.append(result)
         self.runner.commit(commits)
         return results
+
+    def _first_token(self, e: VerifyRequest, logits: torch.Tensor) -> int:
+        """The token after a prompt's last chunk, from its [1, V] logits."""
+        logits = process_logits(logits, e.sampling, e.history, [[]])
+        if e.sampling.is_coupled:
+            assert e.history is not None
+            return int(coupled_scores(logits, e.sampling, [e.history.output_len])[0].argmax())
+        rng = step_rng(e.seed, e.step, VERIFY_STREAM)
+        return sample(processed_probs(logits, e.sampling)[0], rng.random())
+
+    def _accept(self, e: VerifyRequest, logits: torch.Tensor) -> Verdict:
+        """Verify a tree on its [num_nodes, V] logits, each node's row processed with its own
+        path; a seeded request verifies its Gumbel-perturbed scores as greedy does."""
+        assert e.tree is not None
+        paths = tree_paths(e.tree.parents, e.tree.tokens) if e.sampling.has_processors else []
+        if e.sampling.has_processors:
+            logits = process_logits(logits, e.sampling, e.history, paths)
+        if e.sampling.is_coupled:
+            assert e.history is not None
+            depths = e.tree.depths().tolist()
+            positions = [e.history.output_len + d for d in depths]
+            return verify_greedy(e.tree, coupled_scores(logits, e.sampling, positions))
+        return verify(e.tree, logits, e.sampling, step_rng(e.seed, e.step, VERIFY_STREAM))

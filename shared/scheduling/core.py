@@ -29,8 +29,9 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.engine.methods import DraftMethod, tree_capacity
-from shared.engine.sampling import SEED_BITS
+from shared.engine.sampling import SEED_BITS, TokenHistory, token_history
 from shared.engine.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
@@ -186,6 +187,7 @@ class StepResult:
     error: str | None = None  # "kind: detail"
     # the target's features at the positions it committed (asked with `wants_features`)
     features: np.ndarray | None = None
+    logprobs: TokenLogprobs | None = None  # of `tokens` (asked with SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ class StepOutput:
     draft_model: str | None = None  # the draft verified in this step, if any
     error: str | None = None
     error_type: str | None = None  # OpenAI error type for the client
+    logprobs: TokenLogprobs | None = None  # of new_tokens (asked with SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,14 @@ class Release:
     draft: tuple[str, str] | None = None  # (model, replica)
 
 
-def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
+def request_history(request: RequestState, eos_token_ids: Sequence[int]) -> TokenHistory | None:
+    """What the request's processors and seeded noise read this step (None: nothing)."""
+    return token_history(request.params, request.prompt, request.output, eos_token_ids)
+
+
+def draft_request(
+    request: RequestState, plan: DraftPlan, eos_token_ids: Sequence[int] = ()
+) -> DraftRequest:
     """The drafter's job for one request (in process, or on the wire)."""
     return DraftRequest(
         request_id=request.request_id,
@@ -224,6 +234,7 @@ def draft_request(request: RequestState, plan: DraftPlan) -> DraftRequest:
         max_nodes=plan.max_nodes,
         max_depth=plan.max_depth,
         features=plan.features,
+        history=request_history(request, eos_token_ids),
     )
 
 
@@ -995,6 +1006,10 @@ class SchedulerCore:
                 self.stats.record(drafted, result.num_accepted, depth)
                 self._step_shape.observe(1 + drafted, depth)
             new = append_tokens(request, result.tokens, self.config.eos_token_ids)
+            logprobs = None
+            if result.logprobs is not None:  # the appended tokens are a prefix of the result's
+                logprobs = result.logprobs.head(len(new))
+                request.logprobs = (request.logprobs or EMPTY) + logprobs
             if new:
                 request.first_token_time = request.first_token_time or now
                 request.last_token_time = now
@@ -1009,6 +1024,7 @@ class SchedulerCore:
                         drafted,
                         result.num_accepted if drafted else 0,
                         request.draft_model if drafted else None,
+                        logprobs=logprobs,
                     )
                 )
             if request.is_finished:

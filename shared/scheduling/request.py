@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 
@@ -94,6 +95,8 @@ class RequestState:
     speculate: bool = True  # False: plain decoding for this request
     method: DraftMethod | None = None  # this request's drafting method; None: the core's default
     output: list[int] = field(default_factory=list)
+    # the target's log-probabilities of `output` (asked with SamplingParams.logprobs)
+    logprobs: TokenLogprobs | None = None
     prefill_tokens: list[int] = field(default_factory=list)  # what the target must prefill
     num_prefilled: int = 0
     num_seen_by_drafter: int = 0  # committed tokens the request's drafter holds

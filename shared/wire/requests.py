@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.values import (
     FinishReason,
     finish_payload,
+    optional_logprobs_payload,
     read_finish,
+    read_optional_logprobs,
     read_sampling,
     sampling_payload,
 )
@@ -127,7 +130,9 @@ class Tokens(WireMessage):
     already seen (redelivery) and detects gaps. The statistics count this step only
     (vLLM's counters): drafts is 1 when the step verified a draft, else 0. The message that
     finishes a request also carries its SLO class, its resolved TPOT objective and its measured
-    TPOT (scheduler clock), each written only when known.
+    TPOT (scheduler clock), each written only when known. `logprobs` (asked with
+    SamplingParams.logprobs; written only when set) holds the target's log-probabilities of
+    `token_ids`, one entry each.
     """
 
     TYPE: ClassVar[str] = "tokens"
@@ -143,11 +148,14 @@ class Tokens(WireMessage):
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
+    logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
         if self.step < 0 or self.offset < 0:
             raise ValueError("step and offset are >= 0")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("logprobs need one entry per token")
         check_slo_class(self.slo_class)
         if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
             raise ValueError("tpot_slo_ms must be positive")
@@ -169,7 +177,7 @@ class Tokens(WireMessage):
             slo_class=self.slo_class,
             tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
-        )
+        ) | optional_logprobs_payload(self.logprobs)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -187,6 +195,7 @@ class Tokens(WireMessage):
             slo_class=fields.optional_text("slo_class", max_len=MAX_SLO_CLASS_LEN),
             tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
             tpot_ms=fields.optional_number("tpot_ms"),
+            logprobs=read_optional_logprobs(fields),
         )
 
 

@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from shared.engine.sampling import SamplingParams
+from shared.engine.logprobs import TokenLogprobs
+from shared.engine.sampling import SamplingParams, TokenHistory
 from shared.engine.tree import TokenTree
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints, pack_matrix_f16
@@ -23,9 +24,13 @@ from shared.wire.values import (
     FinishReason,
     finish_payload,
     method_payload,
+    optional_history_payload,
+    optional_logprobs_payload,
     optional_tree_payload,
     read_finish,
     read_method,
+    read_optional_history,
+    read_optional_logprobs,
     read_optional_tree,
     read_sampling,
     sampling_payload,
@@ -95,6 +100,8 @@ class DraftRequest:
     max_nodes: int = 0
     max_depth: int = 0
     features: np.ndarray | None = field(default=None, hash=False)
+    # what the request's processors and seeded noise read (written only when set)
+    history: TokenHistory | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -129,6 +136,7 @@ class DraftRequest:
             }
             | {name: int(v) for name, v in self._limits().items() if v}
             | _features_payload(self.features)
+            | optional_history_payload(self.history)
         )
 
     def _limits(self) -> dict[str, int]:
@@ -148,6 +156,7 @@ class DraftRequest:
             max_nodes=fields.integer("max_nodes", 0, minimum=0),
             max_depth=fields.integer("max_depth", 0, minimum=0),
             features=fields.optional_f16_matrix("features"),
+            history=read_optional_history(fields),
         )
 
 
@@ -274,6 +283,8 @@ class VerifyRequest:
     tree: TokenTree | None = None
     context_len: int | None = None
     want_features: bool = False
+    # what the request's processors and seeded noise read (written only when set)
+    history: TokenHistory | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -299,6 +310,7 @@ class VerifyRequest:
             }
             | ({} if self.context_len is None else {"context_len": int(self.context_len)})
             | ({"want_features": True} if self.want_features else {})
+            | optional_history_payload(self.history)
         )
 
     @classmethod
@@ -316,6 +328,7 @@ class VerifyRequest:
             tree=read_optional_tree(fields, "tree"),
             context_len=fields.optional_integer("context_len"),
             want_features=fields.flag("want_features", False),
+            history=read_optional_history(fields),
         )
 
 
@@ -365,10 +378,15 @@ class VerifiedRequest:
     finish: FinishReason | None = None
     error: str | None = None
     features: np.ndarray | None = field(default=None, hash=False)
+    # the target's log-probabilities of new_tokens (asked with SamplingParams.logprobs; written
+    # only when set)
+    logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
         _check_features(self.features)
+        if self.logprobs is not None and len(self.logprobs) != len(self.new_tokens):
+            raise ValueError("logprobs need one entry per new token")
 
     def __eq__(self, other: object) -> bool:
         return _same_entry(self, other)
@@ -385,7 +403,7 @@ class VerifiedRequest:
             "bonus": None if self.bonus is None else int(self.bonus),
             "finish": finish_payload(self.finish),
             "error": self.error,
-        } | _features_payload(self.features)
+        } | _features_payload(self.features) | optional_logprobs_payload(self.logprobs)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -401,6 +419,7 @@ class VerifiedRequest:
             finish=read_finish(fields, "finish"),
             error=fields.optional_text("error", max_len=MAX_REASON_LEN),
             features=fields.optional_f16_matrix("features"),
+            logprobs=read_optional_logprobs(fields),
         )
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenHistory
 from shared.engine.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
 
@@ -47,10 +48,36 @@ def sampling_payload(params: SamplingParams) -> dict[str, Any]:
         "max_tokens": int(params.max_tokens),
         "stop_token_ids": pack_ints(params.stop_token_ids),
         "ignore_eos": bool(params.ignore_eos),
-    }
+    } | _processor_payload(params)
+
+
+def _processor_payload(params: SamplingParams) -> dict[str, Any]:
+    """The processors and logprobs, each written only when set: a request without them
+    encodes byte for byte as before."""
+    payload: dict[str, Any] = {}
+    for name, neutral in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_p", 0.0),
+    ):
+        if getattr(params, name) != neutral:
+            payload[name] = float(getattr(params, name))
+    if params.min_tokens:
+        payload["min_tokens"] = int(params.min_tokens)
+    if params.logit_bias:
+        payload["logit_bias_ids"] = pack_ints([t for t, _ in params.logit_bias])
+        payload["logit_bias_values"] = pack_floats([b for _, b in params.logit_bias])
+    if params.logprobs is not None:
+        payload["logprobs"] = int(params.logprobs)
+    return payload
 
 
 def read_sampling(fields: PayloadReader) -> SamplingParams:
+    bias_ids = fields.tokens("logit_bias_ids", ())
+    bias_values = fields.float_array("logit_bias_values") if bias_ids else np.zeros(0)
+    if len(bias_ids) != len(bias_values):
+        fields.fail("logit_bias_values", "one bias per id of logit_bias_ids")
     return fields.build(
         SamplingParams,
         temperature=fields.number("temperature"),
@@ -60,6 +87,79 @@ def read_sampling(fields: PayloadReader) -> SamplingParams:
         max_tokens=fields.integer("max_tokens"),
         stop_token_ids=fields.tokens("stop_token_ids"),
         ignore_eos=fields.flag("ignore_eos"),
+        presence_penalty=fields.number("presence_penalty", 0.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0),
+        min_p=fields.number("min_p", 0.0),
+        min_tokens=fields.integer("min_tokens", 0, minimum=0),
+        logit_bias=tuple(zip(bias_ids, bias_values.tolist(), strict=True)),
+        logprobs=fields.optional_integer("logprobs"),
+    )
+
+
+# ---- token histories and logprobs --------------------------------------------------------------
+
+
+def optional_history_payload(history: TokenHistory | None) -> dict[str, Any]:
+    """{"history": ...} for a request whose sampling reads its tokens; {} otherwise."""
+    if history is None:
+        return {}
+    return {
+        "history": {
+            "output_len": int(history.output_len),
+            "output": pack_ints(history.output),
+            "prompt": pack_ints(history.prompt),
+            "end_ids": pack_ints(history.end_ids),
+        }
+    }
+
+
+def read_optional_history(fields: PayloadReader) -> TokenHistory | None:
+    sub = fields.optional_sub("history")
+    if sub is None:
+        return None
+    return sub.build(
+        TokenHistory,
+        output_len=sub.integer("output_len", minimum=0),
+        output=sub.tokens("output", ()),
+        prompt=sub.tokens("prompt", ()),
+        end_ids=sub.tokens("end_ids", ()),
+    )
+
+
+def optional_logprobs_payload(logprobs: TokenLogprobs | None) -> dict[str, Any]:
+    """{"logprobs": ...} when set: values as float64 bytes, top lists flattened row by row."""
+    if logprobs is None:
+        return {}
+    width = len(logprobs.top_ids[0]) if len(logprobs) else 0
+    return {
+        "logprobs": {
+            "values": pack_floats(logprobs.logprobs),
+            "top_width": width,
+            "top_ids": pack_ints([t for row in logprobs.top_ids for t in row]),
+            "top_values": pack_floats([v for row in logprobs.top_logprobs for v in row]),
+        }
+    }
+
+
+def read_optional_logprobs(fields: PayloadReader) -> TokenLogprobs | None:
+    sub = fields.optional_sub("logprobs")
+    if sub is None:
+        return None
+    values = sub.float_array("values").tolist()
+    width = sub.integer("top_width", minimum=0)
+    if width > MAX_LOGPROBS:
+        sub.fail("top_width", f"at most {MAX_LOGPROBS}")
+    ids = sub.int_array("top_ids").tolist()
+    top = sub.float_array("top_values").tolist()
+    if len(ids) != len(values) * width or len(top) != len(ids):
+        sub.fail("top_ids", f"{len(values)} rows of {width} alternatives expected")
+    rows = range(0, len(ids), width) if width else [0] * len(values)
+    return sub.build(
+        TokenLogprobs,
+        tuple(values),
+        tuple(tuple(ids[r : r + width]) for r in rows),
+        tuple(tuple(top[r : r + width]) for r in rows),
     )
 
 

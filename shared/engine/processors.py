@@ -1,0 +1,149 @@
+"""Logits processors on every node of a draft tree, and the seeded (Gumbel-coupled) scores.
+
+A tree node's next-token logits depend on the tokens before it: the request's committed output
+and the node's own path of draft tokens. Each row of a logits matrix here is one node (or one
+frontier node of a growing draft tree), and `paths[row]` holds that node's draft tokens after the
+committed output (the root, already committed, excluded). The same function processes the
+target's rows when verifying and the draft's rows when drafting, so greedy speculation equals
+plain greedy decoding with the same processors and sampled speculation samples the target's
+processed distribution.
+
+vLLM's semantics and order: min_tokens masks EOS and stop ids while the row's output position
+is below `min_tokens`; logit_bias is added; repetition_penalty divides positive (multiplies
+negative) logits of tokens seen in the prompt or output; frequency_penalty subtracts
+count x penalty and presence_penalty subtracts the penalty once, both over output tokens.
+
+Drafts may have a reduced output head: `column_of[full id]` is the logits column of each token
+(-1 where the head has none); None means columns are token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from shared.engine.sampling import SamplingParams, TokenHistory, gumbel_noise, processed_probs
+
+
+def tree_paths(parents: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:
+    """Each node's draft tokens after the root (parents in topological order, node 0 the root)."""
+    paths: list[list[int]] = [[]]
+    for node in range(1, len(parents)):
+        paths.append([*paths[int(parents[node])], int(tokens[node])])
+    return paths
+
+
+def _columns(
+    ids: torch.Tensor, column_of: torch.Tensor | None, num_cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[k] full ids -> ([k] columns, [k] bool: the id has a column)."""
+    if column_of is None:
+        keep = ids < num_cols
+        return ids.clamp_max(num_cols - 1), keep
+    inside = ids < len(column_of)
+    cols = column_of[ids.clamp_max(len(column_of) - 1)]
+    keep = inside & (cols >= 0)
+    return cols.clamp_min(0), keep
+
+
+def path_counts(
+    history: TokenHistory,
+    paths: Sequence[Sequence[int]],
+    num_cols: int,
+    column_of: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[N, C] float32: how often each column's token occurs in the output plus row's path."""
+    output = torch.tensor(history.output, dtype=torch.long, device=device)
+    cols, keep = _columns(output, column_of, num_cols)
+    base = torch.bincount(cols[keep], minlength=num_cols).float()  # [C]
+    counts = base.expand(len(paths), num_cols).clone()  # [N, C]
+    rows = [row for row, path in enumerate(paths) for _ in path]
+    if rows:
+        flat = [token for path in paths for token in path]
+        path_ids = torch.tensor(flat, dtype=torch.long, device=device)
+        pcols, pkeep = _columns(path_ids, column_of, num_cols)
+        row_idx = torch.tensor(rows, dtype=torch.long, device=device)[pkeep]
+        counts.index_put_(
+            (row_idx, pcols[pkeep]), torch.ones_like(row_idx, dtype=torch.float32), accumulate=True
+        )
+    return counts
+
+
+def process_logits(
+    logits: torch.Tensor,  # [N, C] one row per node
+    params: SamplingParams,
+    history: TokenHistory | None,
+    paths: Sequence[Sequence[int]],  # [N] each row's draft tokens after the committed output
+    column_of: torch.Tensor | None = None,  # [V] long: full id -> column, -1 where none
+) -> torch.Tensor:
+    """[N, C] float32 logits after min_tokens, logit_bias and the penalties (the input itself
+    when the request has no processor)."""
+    if not params.has_processors:
+        return logits
+    if len(paths) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows but {len(paths)} paths")
+    if history is None and (params.needs_counts or params.min_tokens):
+        raise ValueError("this request's processors need its token history")
+    num_rows, num_cols = logits.shape
+    device = logits.device
+    x = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        cols, keep = _columns(ids, column_of, num_cols)
+        x[:, cols[keep]] += bias[keep]
+    if params.needs_counts:
+        assert history is not None
+        counts = path_counts(history, paths, num_cols, column_of, device)  # [N, C]
+        seen = counts > 0  # [N, C]
+        if params.repetition_penalty != 1.0:
+            in_prompt = torch.zeros(num_cols, dtype=torch.bool, device=device)  # [C]
+            prompt = torch.tensor(history.prompt, dtype=torch.long, device=device)
+            pcols, pkeep = _columns(prompt, column_of, num_cols)
+            in_prompt[pcols[pkeep]] = True
+            penalty = params.repetition_penalty
+            repeated = seen | in_prompt[None, :]
+            x = torch.where(repeated, torch.where(x > 0, x / penalty, x * penalty), x)
+        if params.frequency_penalty:
+            x -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            x -= params.presence_penalty * seen.float()
+    if params.min_tokens and history is not None and history.end_ids:
+        blocked = [
+            row
+            for row, path in enumerate(paths)
+            if history.output_len + len(path) < params.min_tokens
+        ]
+        ids = torch.tensor(history.end_ids, dtype=torch.long, device=device)
+        cols, keep = _columns(ids, column_of, num_cols)
+        if blocked and bool(keep.any()):
+            rows = torch.tensor(blocked, dtype=torch.long, device=device)
+            x[rows[:, None], cols[keep][None, :]] = float("-inf")
+    return x
+
+
+def coupled_scores(
+    logits: torch.Tensor,  # [N, C] processed logits, one row per node
+    params: SamplingParams,
+    positions: Sequence[int],  # [N] the output position each row's next token takes
+    column_ids: torch.Tensor | None = None,  # [C] long: each column's full id; None: the column
+) -> torch.Tensor:
+    """[N, C] float64: log of the processed distribution plus the request's Gumbel noise of each
+    row's output position. Its argmax is a sample of that distribution (Gumbel-max); rows of one
+    position share the noise, so a draft scoring its rows this way proposes the token the target
+    will pick wherever the two distributions agree."""
+    assert params.seed is not None
+    scores = torch.log(processed_probs(logits, params))  # -inf where a filter dropped the token
+    num_cols = logits.shape[1]
+    size = num_cols if column_ids is None else int(column_ids.max()) + 1
+    noise: dict[int, np.ndarray] = {}
+    rows = []
+    for position in positions:
+        if position not in noise:
+            full = gumbel_noise(params.seed, position, size)
+            noise[position] = full if column_ids is None else full[column_ids.cpu().numpy()]
+        rows.append(noise[position])
+    return scores + torch.from_numpy(np.stack(rows)).to(scores.device)
