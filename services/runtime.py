@@ -41,6 +41,12 @@ class ModelThread:
 class ModelPaths:
     target: Path
     drafts: dict[str, Path] = field(default_factory=dict)
+    model_free: tuple[str, ...] = ()  # drafts that load no model (`ngram`, `suffix`)
+
+    @property
+    def draft_names(self) -> list[str]:
+        """Every draft the cell serves, model drafts first."""
+        return [*self.drafts, *self.model_free]
 
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
@@ -49,13 +55,14 @@ def resolve_models(settings: AugurySettings) -> ModelPaths:
     from shared.model.model_set import served_draft_dirs, target_dir
 
     target = settings.models.target_dir or target_dir()
+    model_free = tuple(settings.models.model_free)
     if settings.models.drafts:
-        return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts})
+        return ModelPaths(target, {d.name: d.dir for d in settings.models.drafts}, model_free)
     try:
         drafts = served_draft_dirs()
     except FileNotFoundError:
         drafts = {}  # no draft checkpoints yet: plain decoding
-    return ModelPaths(target, drafts)
+    return ModelPaths(target, drafts, model_free)
 
 
 def read_model_config(path: Path) -> ModelConfig:

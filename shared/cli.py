@@ -1,6 +1,8 @@
 """`augury generate`: stream one completion with speculative decoding, then its statistics.
 
 augury generate "Explain how a hash table works." --draft draft-l --method chain
+augury generate "Fix the bug: ..." --draft ngram          # a model-free draft alone
+augury generate "Fix the bug: ..." --model-free suffix    # merged with the model draft's trees
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
@@ -51,7 +54,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", help="target checkpoint dir (default: SmolLM2-135M-Instruct)")
     gen.add_argument(
-        "--draft", default=DEFAULT_GENERATE_DRAFT, help="a draft of the model set, or a dir"
+        "--draft",
+        default=DEFAULT_GENERATE_DRAFT,
+        help="a draft of the model set (ngram and suffix load no model), or a dir",
+    )
+    gen.add_argument(
+        "--model-free",
+        choices=MODEL_FREE_KINDS,
+        help="also draft with this model-free draft, its tree merged with the model draft's",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
@@ -96,6 +106,8 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
     target = args.target or str(target_dir())
     if args.no_spec:
         return target, None
+    if args.draft in MODEL_FREE_KINDS:
+        return target, args.draft
     if args.draft in ALL_DRAFT_NAMES:
         found = all_draft_dirs().get(args.draft)
         if found is None:
@@ -113,8 +125,11 @@ def generate(args: argparse.Namespace) -> int:
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target = load_model(target_path)
-    drafter = (
-        Drafter(
+    drafter: Drafter | ModelFreeDrafter | None = None
+    if draft_path in MODEL_FREE_KINDS:
+        drafter = ModelFreeDrafter(draft_path)
+    elif draft_path:
+        drafter = Drafter(
             ModelRunner(
                 load_model(
                     draft_path,
@@ -124,19 +139,19 @@ def generate(args: argparse.Namespace) -> int:
             ),
             name=Path(draft_path).name,
         )
-        if draft_path
-        else None
-    )
+    drafters = {drafter.name: drafter} if drafter is not None else {}
+    if args.model_free and drafter is not None and args.model_free != drafter.name:
+        drafters[args.model_free] = ModelFreeDrafter(args.model_free)
     verifier = Verifier(ModelRunner(target))
     # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
     cost = load_or_measure(
         verifier.runner,
-        {drafter.name: drafter.runner} if drafter is not None else {},
+        {drafter.name: drafter.runner} if isinstance(drafter, Drafter) else {},
         target_name=Path(target_path).name,
     )
     engine = SpecEngine(
         verifier,
-        drafter,
+        drafters,
         build_method(args) if drafter else None,
         EngineConfig(planner=args.planner),
         eos_token_ids=target.cfg.eos_token_ids,
@@ -186,7 +201,8 @@ def generate(args: argparse.Namespace) -> int:
             print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")
     if drafter is not None:
-        print(f"draft                 {draft_path} ({args.method})")
+        extra = f", merged with {args.model_free}" if len(drafters) > 1 else ""
+        print(f"draft                 {draft_path} ({args.method}{extra})")
         print(f"draft tokens          {stats.num_draft_tokens}, accepted {stats.num_accepted}")
         print(f"acceptance rate       {stats.acceptance_rate:.1%}")
         print(f"mean accepted length  {stats.mean_accepted_length:.2f} tokens per target forward")

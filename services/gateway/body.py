@@ -4,14 +4,16 @@ Besides OpenAI's fields we take vLLM's `top_k`, `ignore_eos`, `stop_token_ids` a
 (lower runs sooner), and our own extension object:
 
     "augury": {"slo_class": "standard", "tpot_slo_ms": 50, "draft_model": "tiny",
-               "speculate": true}
+               "speculate": true, "app": "code-review"}
 
 `slo_class` names one of `scheduler.slo.classes`: its time-per-output-token objective is that
 class's multiple of the machine's baseline latency (shared/scheduling/slo_classes.py).
 `tpot_slo_ms` gives the objective in ms and wins over the class's (the class still names the
 request's class in metrics); with neither, `scheduler.slo.default_class` applies (none: best
 effort). `draft_model` picks one configured draft model (none: the scheduler chooses), and
-`speculate: false` turns speculation off for the request.
+`speculate: false` turns speculation off for the request. `app` names the request's application
+(1 to 128 characters): a model-free `suffix` draft shares its cache of recent sequences only
+among the requests that name the same one.
 
 The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
 speculation statistics, and `slo_class`, `tpot_slo_ms` (resolved), `tpot_ms` (measured by the
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 from shared.engine.sampling import SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
-from shared.wire.requests import MAX_DRAFT_NAME_LEN
+from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
 DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1
@@ -98,6 +100,7 @@ class GenerationRequest:
     messages: tuple[tuple[str, str], ...] | None = None
     prompt_text: str | None = None
     slo_class: str | None = None  # one of scheduler.slo.classes
+    app: str = ""  # application key: model-free drafts share a cache within one
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -288,6 +291,11 @@ def parse_generation(
             f"augury.draft_model must be 1 to {MAX_DRAFT_NAME_LEN} characters",
             "augury.draft_model",
         )
+    app = extension.get("app")
+    if app is not None and (not isinstance(app, str) or not 0 < len(app) <= MAX_APP_LEN):
+        raise bad_request(
+            f"augury.app must be a string of 1 to {MAX_APP_LEN} characters", "augury.app"
+        )
     priority = _integer(body, "priority", 0) or 0
     if abs(priority) > MAX_PRIORITY:
         raise bad_request("priority is out of range", "priority")
@@ -305,6 +313,7 @@ def parse_generation(
         messages=_turns(conversation),
         prompt_text=None if chat else _prompt_text(body.get("prompt")),
         slo_class=slo_class,
+        app=app or "",
     )
 
 

@@ -93,6 +93,7 @@ class RequestState:
     requested_draft: str | None = None  # a draft model the client asked for
     speculate: bool = True  # False: plain decoding for this request
     method: DraftMethod | None = None  # this request's drafting method; None: the core's default
+    app: str = ""  # application key (`augury.app`): model-free drafts share a cache within one
     output: list[int] = field(default_factory=list)
     prefill_tokens: list[int] = field(default_factory=list)  # what the target must prefill
     num_prefilled: int = 0
