@@ -46,6 +46,7 @@ def target_info(settings: AugurySettings, models: ModelPaths) -> TargetInfo:
         feature_drafts=frozenset(
             name for name, path in models.drafts.items() if read_model_config(path).feature_size
         ),
+        model_free_drafts=models.model_free,
     )
 
 

@@ -24,6 +24,7 @@ class TargetInfo:
     eos_token_ids: tuple[int, ...] = ()
     hidden_size: int = 0  # the width of the target's features
     feature_drafts: frozenset[str] = frozenset()  # draft models that read them
+    model_free_drafts: tuple[str, ...] = ()  # drafts that load no model (`models.model_free`)
 
 
 def method_from_settings(spec: SpeculationSettings) -> DraftMethod | None:
@@ -64,7 +65,7 @@ def build_core(
     first_batch_id: int = 1,
 ) -> SchedulerCore:
     config = settings.scheduler
-    model_free = tuple(m for m in settings.models.model_free if m in draft_models)
+    model_free = tuple(m for m in target.model_free_drafts if m in draft_models)
     has_models = len(model_free) < len(draft_models)
     return SchedulerCore(
         CoreConfig(
