@@ -6,7 +6,8 @@ are doing, so a slow server sees the load pile up as it would in production. Eac
 streamed `POST /v1/chat/completions` with vLLM's `continuous_usage_stats`, so every chunk says
 how many tokens have been generated so far and the record's `chunks` count tokens exactly;
 `ignore_eos` with `max_tokens` = the trace's output length makes the server generate that many.
-A trace's `tpot_slo_ms` and `slo_class` go as `augury.tpot_slo_ms` and `augury.slo_class`.
+A trace's `tpot_slo_ms`, `slo_class` and `app` go as `augury.tpot_slo_ms`, `augury.slo_class` and
+`augury.app`.
 A request that fails (an HTTP error, an `error` event mid-stream, a dropped connection, no
 answer within `request_timeout_s`) becomes a failed record; `replay` itself does not raise for
 one request's failure.
@@ -90,7 +91,11 @@ def request_body(request: TraceRequest, model: str) -> dict[str, Any]:
     if request.num_output_tokens is not None:
         body["max_tokens"] = request.num_output_tokens
         body["ignore_eos"] = True
-    objective = {"slo_class": request.slo_class, "tpot_slo_ms": request.tpot_slo_ms}
+    objective = {
+        "slo_class": request.slo_class,
+        "tpot_slo_ms": request.tpot_slo_ms,
+        "app": request.app,
+    }
     if any(value is not None for value in objective.values()):
         body["augury"] = {name: value for name, value in objective.items() if value is not None}
     return body
