@@ -83,18 +83,18 @@ class Models:
                 drafters[name] = self.model_draft(name)
         models = {n: d.runner for n, d in drafters.items() if isinstance(d, Drafter)}
         key = tuple(sorted(models))
-        if key not in self._costs:
+        if self.planner == "goodput" and key not in self._costs:
             self._costs[key] = load_or_measure(
                 self.verifier.runner, models, target_name=target_dir().name
             )
-        cost = self._costs[key]
+        cost = self._costs.get(key)
         engine = SpecEngine(
             self.verifier,
             drafters,
             DEFAULT_METHOD,
             EngineConfig(planner=self.planner, draft_chooser=chooser),
             eos_token_ids=self.target.cfg.eos_token_ids,
-            cost=cost if self.planner == "goodput" else None,
+            cost=cost,  # type: ignore[arg-type]
         )
         if chooser == "fixed":  # the model draft first, as written
             engine.core.chooser.preferred = list(names)  # type: ignore[attr-defined]
