@@ -206,3 +206,27 @@ def test_counterfactual_accepted_follows_the_committed_tokens():
     assert counterfactual_accepted(tree, [4]) == (0, True)
     assert counterfactual_accepted(tree, [5, 6]) == (2, False)  # 7 might still come
     assert counterfactual_accepted(tree, [5, 6, 7]) == (3, True)
+
+
+# ---- the counterfactual chooser ------------------------------------------------------------------
+
+
+def test_counterfactual_chooser_takes_the_copy_while_it_scores_at_least_the_model():
+    from shared.scheduling.draft_choice import DraftOutcome, make_chooser
+    from shared.scheduling.request import RequestState
+
+    chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])
+    request = RequestState("r", [1, 2], Params(), 0)
+    live = ["m", "ngram"]
+    assert chooser.assign([request], live, None) == {"r": "m"}  # nothing scored yet
+    chooser.observe(DraftOutcome("r", "m", 4, 1, 10.0, 10.0))  # 2 tokens in 10 ms
+    chooser.observe(DraftOutcome("r", "ngram", 8, 5, 10.0, 7.0, counterfactual=True))
+    assert chooser.assign([request], live, None) == {"r": "ngram"}
+    for _ in range(6):  # the copy runs out: its recent goodput falls below the model's
+        chooser.observe(DraftOutcome("r", "ngram", 0, 0, 10.0, 10.0))
+    assert chooser.assign([request], live, None) == {"r": "m"}
+    # a model outcome reaches LBSS; a model-free one does not
+    assert chooser.lbss.table.mean("r", "m") is not None
+    assert chooser.lbss.table.mean("r", "ngram") is None
+    chooser.forget("r")
+    assert not chooser.recent
