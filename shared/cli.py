@@ -81,6 +81,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string (repeat for several): the output ends before it",
+    )
+    gen.add_argument(
+        "--include-stop-str", action="store_true", help="keep the stop string in the output"
+    )
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     gen.add_argument(
@@ -156,6 +165,7 @@ def generate(args: argparse.Namespace) -> int:
         EngineConfig(planner=args.planner),
         eos_token_ids=target.cfg.eos_token_ids,
         cost=cost if args.planner == "goodput" else None,
+        tokenizer=tokenizer,
     )
     if args.raw:
         prompt = tokenizer.encode(args.prompt)
@@ -174,17 +184,23 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
     )
     output: list[int] = []
-    printed = ""
+    printed = 0
     start = time.perf_counter()
     first_token_at = None
-    for tokens in engine.stream(prompt, params):
-        first_token_at = first_token_at or time.perf_counter()
-        output.extend(tokens)
-        text = tokenizer.decode(output, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed) :])
-            sys.stdout.flush()
-            printed = text
+    rid = engine.add_request(
+        prompt, params, stop=args.stop, include_stop_str_in_output=args.include_stop_str
+    )
+    text = engine.texts[rid]  # detokenized by the engine, cut at a stop string
+    while engine.requests[rid].finish_reason is None:
+        for out in engine.step():
+            if out.request_id == rid and out.new_tokens:
+                first_token_at = first_token_at or time.perf_counter()
+                output.extend(out.new_tokens)
+        sys.stdout.write(text.text[printed:])
+        sys.stdout.flush()
+        printed = len(text.text)
+    engine.requests.pop(rid)
+    engine.texts.pop(rid)
     elapsed = time.perf_counter() - start
     stats = engine.stats
     print("\n")

@@ -292,6 +292,9 @@ class GatewaySettings(_Group):
     record_requests: bool = False
     record_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N on the recording stream
     record_prompts: bool = False  # also the prompt text or messages (off: lengths only)
+    # Without max_tokens a request may run to the end of the context; this lowers that default
+    default_max_tokens: PositiveInt | None = None
+    max_n: PositiveInt = 16  # completions one request may ask for (`n`)
 
     @property
     def accepted_api_keys(self) -> list[str]:

@@ -281,8 +281,8 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "x", "stop": ["\n"]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt"),
         # options other servers honour are refused, never silently ignored (one list)
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),

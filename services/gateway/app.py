@@ -25,6 +25,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
+from services.gateway.choices import (
+    Choice,
+    ChoiceDelta,
+    combined_statistics,
+    make_choices,
+    merged,
+)
 from services.gateway.metrics import GatewayMetrics, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
@@ -220,39 +227,80 @@ class Gateway:
         self.active += 1  # the slot is this request's from here on
         try:
             gen = await self._parse(request, chat=chat)
+            self._take_slots(gen.n - 1)  # n choices are n requests
         except BaseException:
             self.active -= 1
             raise
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        progress = Progress(started=started)
+        choices = make_choices(request_id, gen, self.tokenizer, started)
         outcome = Outcome()
-        queue = self.outputs.open(request_id)
+        for choice in choices:
+            choice.queue = self.outputs.open(choice.request_id)
         self.metrics.running.inc()
         try:
-            await self._submit(request_id, gen)
-            deltas = follow(
-                queue,
-                progress,
-                self.tokenizer,
-                self.metrics,
-                self.settings.gateway.output_idle_timeout_s,
-            )
+            for choice in choices:
+                await self._submit(choice.request_id, gen, choice.sampling)
+            deltas = merged([self._choice_deltas(gen, choice) for choice in choices])
             deltas = noting_failure(deltas, outcome)
             if gen.stream:
-                return await self._stream(request, request_id, gen, progress, deltas)
-            return await self._collect(request, request_id, gen, progress, deltas)
+                return await self._stream(request, request_id, gen, choices, deltas)
+            return await self._collect(request, request_id, gen, choices, deltas)
         except APIError:
             outcome.failed = True
             raise
         finally:
-            self.outputs.close(request_id)
-            self.active -= 1
+            self.active -= gen.n
             self.metrics.running.dec()
-            self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
-            if progress.finish is None:
-                await self._cancel(request_id)
-            else:
-                self._record_finished(gen, progress)
+            for choice in choices:
+                await self._close_choice(gen, choice, arrival_time, outcome)
+
+    def _take_slots(self, extra: int) -> None:
+        if extra and self.active + extra > self.settings.gateway.max_concurrent_requests:
+            raise APIError(
+                429,
+                f"n={extra + 1} completions would pass the concurrent request limit; retry later",
+                kind="rate_limit_error",
+                code="overloaded",
+            )
+        self.active += extra
+
+    async def _choice_deltas(
+        self, gen: GenerationRequest, choice: Choice
+    ) -> AsyncIterator[ChoiceDelta]:
+        """One choice's text as it comes (the prompt's first, with echo); a stop string cancels
+        its request in the scheduler at once, so that it stops taking compute."""
+        if gen.echo:
+            yield ChoiceDelta(choice, self._prompt_text(gen), None)
+        assert choice.queue is not None
+        progress = choice.progress
+        deltas = follow(
+            choice.queue,
+            progress,
+            choice.text,
+            self.metrics,
+            self.settings.gateway.output_idle_timeout_s,
+        )
+        async for delta in deltas:
+            if progress.stop_reason is not None and not choice.cancelled:
+                choice.cancelled = True
+                await self._cancel(choice.request_id)
+            yield ChoiceDelta(choice, delta, self._finish_reason(progress))
+
+    def _prompt_text(self, gen: GenerationRequest) -> str:
+        if gen.prompt_text is not None:
+            return gen.prompt_text
+        return self.tokenizer.decode(list(gen.prompt_ids), skip_special_tokens=True)
+
+    async def _close_choice(
+        self, gen: GenerationRequest, choice: Choice, arrival_time: float, outcome: Outcome
+    ) -> None:
+        progress = choice.progress
+        self.outputs.close(choice.request_id)
+        self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
+        if progress.finish is None:
+            await self._cancel(choice.request_id)
+        else:
+            self._record_finished(gen, progress, prompt=choice.index == 0)
 
     async def _parse(self, request: web.Request, *, chat: bool) -> GenerationRequest:
         try:
@@ -270,15 +318,19 @@ class Gateway:
             max_stop_token_ids=self.settings.gateway.max_stop_token_ids,
             max_messages=self.settings.gateway.max_messages,
             slo_classes=tuple(self.settings.scheduler.slo.classes),
+            default_max_tokens=self.settings.gateway.default_max_tokens,
+            max_n=self.settings.gateway.max_n,
         )
         # templating and tokenizing a long prompt must not stall every other stream
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
 
-    async def _submit(self, request_id: str, gen: GenerationRequest) -> None:
+    async def _submit(
+        self, request_id: str, gen: GenerationRequest, sampling: SamplingParams
+    ) -> None:
         submit = Submit(
             request_id=request_id,
             prompt=gen.prompt_ids,
-            sampling=gen.sampling,
+            sampling=sampling,
             reply_to=self.outputs.stream,
             arrival_time=time.time(),
             priority=gen.priority,
@@ -302,18 +354,22 @@ class Gateway:
         except (RedisError, OSError):
             log.warning("could not cancel %s", request_id)
 
-    def _record_finished(self, gen: GenerationRequest, progress: Progress) -> None:
+    def _record_finished(
+        self, gen: GenerationRequest, progress: Progress, *, prompt: bool = True
+    ) -> None:
         assert progress.finish is not None
         self.metrics.e2e_latency.observe(time.monotonic() - progress.started)
-        self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+        if prompt:  # n choices of one prompt count it once
+            self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
         count_slo(self.metrics, progress)
 
     # ---- responses -----------------------------------------------------------------------------
     @staticmethod
-    def _usage(gen: GenerationRequest, progress: Progress) -> dict[str, int]:
-        prompt, completion = len(gen.prompt_ids), len(progress.token_ids)
+    def _usage(gen: GenerationRequest, choices: list[Choice]) -> dict[str, int]:
+        prompt = len(gen.prompt_ids)
+        completion = sum(len(choice.progress.token_ids) for choice in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -331,32 +387,45 @@ class Gateway:
         request: web.Request,
         request_id: str,
         gen: GenerationRequest,
-        progress: Progress,
-        deltas: AsyncIterator[str],
+        choices: list[Choice],
+        deltas: AsyncIterator[ChoiceDelta],
     ) -> web.Response:
+        texts = [""] * len(choices)
         try:
-            async for _ in until_disconnected(request, deltas):
-                pass
+            async for delta in until_disconnected(request, deltas):
+                texts[delta.choice.index] += delta.text
         except ConnectionResetError:
             return web.Response(status=CLIENT_CLOSED)
-        finish = self._finish_reason(progress)
-        if gen.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": progress.text},
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": progress.text, "logprobs": None, "finish_reason": finish}
+        answers = []
+        for choice, text in zip(choices, texts, strict=True):
+            progress = choice.progress
+            finish = self._finish_reason(progress)
+            if gen.chat:
+                answer: dict[str, Any] = {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                }
+            else:
+                answer = {
+                    "index": choice.index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            answer["stop_reason"] = progress.stop_reason
+            if len(choices) > 1:
+                answer["augury"] = progress.statistics()
+            answers.append(answer)
         return web.json_response(
             {
                 "id": request_id,
                 "object": "chat.completion" if gen.chat else "text_completion",
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [choice],
-                "usage": self._usage(gen, progress),
-                "augury": progress.statistics(),
+                "choices": answers,
+                "usage": self._usage(gen, choices),
+                "augury": combined_statistics(choices),
             }
         )
 
@@ -365,8 +434,8 @@ class Gateway:
         request: web.Request,
         request_id: str,
         gen: GenerationRequest,
-        progress: Progress,
-        deltas: AsyncIterator[str],
+        choices: list[Choice],
+        deltas: AsyncIterator[ChoiceDelta],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -375,41 +444,46 @@ class Gateway:
         created = int(time.time())
         kind = "chat.completion.chunk" if gen.chat else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        def chunk(choices_now: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             event = {
                 "id": request_id,
                 "object": kind,
                 "created": created,
                 "model": self.model_name,
-                "choices": choices,
+                "choices": choices_now,
             }
             if gen.continuous_usage:
-                event["usage"] = self._usage(gen, progress)
+                event["usage"] = self._usage(gen, choices)
             return {**event, **extra}
 
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
+        def choice_event(delta: ChoiceDelta) -> dict[str, Any]:
+            index, text, finish = delta.choice.index, delta.text, delta.finish_reason
             if gen.chat:
-                delta = {"content": text} if text else {}
-                return {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                content = {"content": text} if text else {}
+                event = {"index": index, "delta": content, "finish_reason": finish}
+            else:
+                event = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            if finish:
+                event["stop_reason"] = delta.choice.progress.stop_reason
+            return event
 
         try:
             if gen.chat:
                 role = {"role": "assistant", "content": ""}
-                await send_event(
-                    response, chunk([{"index": 0, "delta": role, "finish_reason": None}])
-                )
-            sent_tokens = 0
+                for choice in choices:
+                    opening = {"index": choice.index, "delta": role, "finish_reason": None}
+                    await send_event(response, chunk([opening]))
             async for delta in deltas:
-                finish = self._finish_reason(progress)
-                extra = {"augury": progress.statistics()} if finish else {}
+                choice = delta.choice
+                progress = choice.progress
+                extra = {"augury": progress.statistics()} if delta.finish_reason else {}
                 # with continuous usage, tokens that made no text yet still get their chunk
-                counted = gen.continuous_usage and len(progress.token_ids) > sent_tokens
-                if delta or finish or counted:
-                    await send_event(response, chunk([choice(delta, finish)], **extra))
-                    sent_tokens = len(progress.token_ids)
+                counted = gen.continuous_usage and len(progress.token_ids) > choice.sent_tokens
+                if delta.text or delta.finish_reason or counted:
+                    await send_event(response, chunk([choice_event(delta)], **extra))
+                    choice.sent_tokens = len(progress.token_ids)
             if gen.include_usage:
-                await send_event(response, chunk([], usage=self._usage(gen, progress)))
+                await send_event(response, chunk([], usage=self._usage(gen, choices)))
         except APIError as error:
             with contextlib.suppress(ConnectionResetError):
                 await send_event(response, error.body())

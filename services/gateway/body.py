@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints: validation and tokenization.
 
-Besides OpenAI's fields we take vLLM's `top_k`, `ignore_eos`, `stop_token_ids` and `priority`
-(lower runs sooner), and our own extension object:
+Besides OpenAI's fields we take vLLM's `top_k` (-1 or 0: off), `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output` and `priority` (lower runs sooner), and our own extension object:
 
     "augury": {"slo_class": "standard", "tpot_slo_ms": 50, "draft_model": "tiny",
                "speculate": true, "app": "code-review"}
@@ -13,7 +13,13 @@ request's class in metrics); with neither, `scheduler.slo.default_class` applies
 effort). `draft_model` picks one configured draft model (none: the scheduler chooses), and
 `speculate: false` turns speculation off for the request. `app` names the request's application
 (1 to 128 characters): a model-free `suffix` draft shares its cache of recent sequences only
-among the requests that name the same one.
+among the requests that name the same one. Any other field in it is a 400.
+
+Without `max_tokens` (`max_completion_tokens`) a request may run to the end of the context, as in
+vLLM (`gateway.default_max_tokens` may lower that). `stop` strings (at most MAX_STOP_STRINGS)
+are matched on the detokenized text by the gateway (shared/text/stop_strings.py). `n` > 1 fans
+out into n requests (see choices.py); `echo` (completions) puts the prompt's text first.
+vLLM's extension fields that Augury does not implement are refused by name (VLLM_UNIMPLEMENTED).
 
 The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
 speculation statistics, and `slo_class`, `tpot_slo_ms` (resolved), `tpot_ms` (measured by the
@@ -35,11 +41,50 @@ from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
 from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
-DEFAULT_MAX_TOKENS = 16
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
 MAX_MESSAGES = 256  # default of gateway.max_messages
 SLO_CLASSES = tuple(SloSettings().classes)  # default of scheduler.slo.classes
+MAX_N = 16  # default of gateway.max_n
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_STRING_CHARS = 256
+AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate", "app"})
+# Options the engine's list refuses that the gateway serves itself: n (fan-out), best_of (= n)
+# and echo (completions).
+GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo"})
+# vLLM's extension fields that Augury does not implement, with the values that mean "off": any
+# other value is refused by name, never ignored. (`min_tokens` and `prompt_logprobs` are the
+# sampling engine's to build; they leave this list when they are.)
+VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "min_tokens": (None, 0),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None,),
+    "truncate_prompt_tokens": (None,),
+    "length_penalty": (None, 1.0),
+    "early_stopping": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+}
 
 
 class Tokenizer(Protocol):
@@ -101,6 +146,10 @@ class GenerationRequest:
     prompt_text: str | None = None
     slo_class: str | None = None  # one of scheduler.slo.classes
     app: str = ""  # application key: model-free drafts share a cache within one
+    stop: tuple[str, ...] = ()  # stop strings, matched by the gateway on the text
+    include_stop_str_in_output: bool = False
+    n: int = 1  # completions of the prompt, each its own request to the scheduler
+    echo: bool = False  # completions: the prompt's text before the output
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -141,24 +190,20 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if _integer(body, "n", 1) != 1:
-        raise bad_request("only n=1 is supported", "n")
     try:
-        refuse_unsupported(body)  # the engine's list: one list for both
+        # the engine's list (one list for both), less what the gateway serves itself
+        refuse_unsupported({k: v for k, v in body.items() if k not in GATEWAY_OPTIONS})
     except UnsupportedOptionError as error:
         raise bad_request(str(error), error.param) from None
-    if body.get("stop") not in (None, [], ""):
-        raise bad_request("stop strings are not supported; use stop_token_ids", "stop")
 
 
 def _sampling(
-    body: Mapping[str, Any], max_tokens_field: str, vocab_size: int, max_stop_token_ids: int
+    body: Mapping[str, Any],
+    max_tokens_field: str,
+    vocab_size: int,
+    max_stop_token_ids: int,
+    max_tokens: int,
 ) -> SamplingParams:
-    max_tokens = _integer(body, max_tokens_field, None)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None)
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
     stop_ids = body.get("stop_token_ids") or []
     if isinstance(stop_ids, list) and len(stop_ids) > max_stop_token_ids:
         raise bad_request(
@@ -169,7 +214,7 @@ def _sampling(
         return SamplingParams(
             temperature=_number(body, "temperature", 1.0),
             top_p=_number(body, "top_p", 1.0),
-            top_k=_integer(body, "top_k", 0) or 0,
+            top_k=_top_k(body),
             seed=_integer(body, "seed", None),
             max_tokens=max_tokens,
             stop_token_ids=_token_ids(stop_ids, "stop_token_ids", vocab_size),
@@ -237,6 +282,8 @@ def parse_generation(
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS,
     max_messages: int = MAX_MESSAGES,
     slo_classes: Collection[str] = SLO_CLASSES,
+    default_max_tokens: int | None = None,
+    max_n: int = MAX_N,
 ) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
@@ -251,8 +298,11 @@ def parse_generation(
             code="model_not_found",
         )
     _refuse_unsupported(body)
+    _refuse_vllm_extensions(body, chat)
+    n = _choices(body, max_n)
+    stop = _stop_strings(body)
+    echo = _echo(body, chat)
     max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
-    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids)
     conversation = _conversation(body, max_messages) if chat else None
     prompt_ids = (
         _chat_prompt(conversation, tokenizer)
@@ -261,6 +311,10 @@ def parse_generation(
     )
     if not prompt_ids:
         raise bad_request("the prompt is empty", "messages" if chat else "prompt")
+    max_tokens = _max_tokens(
+        body, max_tokens_field, len(prompt_ids), max_context, default_max_tokens, chat=chat
+    )
+    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens)
     if len(prompt_ids) + sampling.max_tokens > max_context:
         raise APIError(
             400,
@@ -275,6 +329,7 @@ def parse_generation(
     extension = body.get("augury") or {}
     if not isinstance(extension, dict):
         raise bad_request("augury must be an object", "augury")
+    _refuse_unknown_augury_fields(extension)
     slo = extension.get("tpot_slo_ms")
     if slo is not None and (
         isinstance(slo, bool)
@@ -314,6 +369,10 @@ def parse_generation(
         prompt_text=None if chat else _prompt_text(body.get("prompt")),
         slo_class=slo_class,
         app=app or "",
+        stop=stop,
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+        n=n,
+        echo=echo,
     )
 
 
@@ -344,3 +403,106 @@ def _prompt_text(prompt: Any) -> str | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
     return None
+
+
+# ---- what real clients send: stop strings, n, echo, defaults, vLLM's extensions ----------------
+def _refuse_vllm_extensions(body: Mapping[str, Any], chat: bool) -> None:
+    for name, neutral in VLLM_UNIMPLEMENTED.items():
+        if name in body and body[name] not in neutral:
+            raise bad_request(f"{name} is not supported by this server", name)
+    if chat and body.get("echo") not in (None, False):
+        raise bad_request("echo is for completions; chat completions do not echo", "echo")
+
+
+def _refuse_unknown_augury_fields(extension: Mapping[str, Any]) -> None:
+    unknown = sorted(str(name)[:64] for name in extension if name not in AUGURY_FIELDS)
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) in augury: {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(AUGURY_FIELDS))}",
+            f"augury.{unknown[0]}",
+        )
+
+
+def _top_k(body: Mapping[str, Any]) -> int:
+    """vLLM's top_k: -1 (and 0) mean no truncation."""
+    top_k = _integer(body, "top_k", 0) or 0
+    if top_k < -1:
+        raise bad_request(f"top_k must be positive, or -1 or 0 for off; got {top_k}", "top_k")
+    return 0 if top_k == -1 else top_k
+
+
+def _max_tokens(
+    body: Mapping[str, Any],
+    field: str,
+    prompt_len: int,
+    max_context: int,
+    default: int | None,
+    *,
+    chat: bool,
+) -> int:
+    """The request's max_tokens; without one, the rest of the context (as vLLM, for chat and
+    completions alike), lowered to `gateway.default_max_tokens` when that is set."""
+    max_tokens = _integer(body, field, None)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None)
+    if max_tokens is not None:
+        return max_tokens
+    rest = max_context - prompt_len
+    if rest < 1:
+        raise APIError(
+            400,
+            f"the prompt ({prompt_len} tokens) leaves no room in the context of {max_context} "
+            "tokens",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    return rest if default is None else min(rest, default)
+
+
+def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None or stop == "" or stop == []:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", "stop"
+        )
+    if not all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+        raise bad_request(
+            f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop"
+        )
+    return tuple(stops)
+
+
+def _choices(body: Mapping[str, Any], max_n: int) -> int:
+    """n, and best_of as far as it can be served without logprobs (best_of = n)."""
+    n = _integer(body, "n", 1)
+    assert n is not None
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be 1 to {max_n}, got {n}", "n")
+    best_of = _integer(body, "best_of", None)
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of is not None and best_of > n:
+        raise bad_request(
+            "best_of > n ranks candidates by their cumulative log-probability, which this "
+            "server does not compute yet; send best_of equal to n, or leave it out",
+            "best_of",
+        )
+    return n
+
+
+def _echo(body: Mapping[str, Any], chat: bool) -> bool:
+    echo = False if chat else _flag(body, "echo", False)
+    logprobs = body.get("logprobs")
+    if echo and logprobs is not None and logprobs is not False:  # 0 asks for them too
+        raise bad_request(
+            "echo with logprobs needs the prompt's log-probabilities (prompt_logprobs), which "
+            "this server does not compute yet",
+            "echo",
+        )
+    return echo

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.body import APIError, Tokenizer
+from services.gateway.body import APIError
 from services.gateway.metrics import GatewayMetrics
 from shared.scheduling.slo_classes import CUSTOM_CLASS
+from shared.text.stop_strings import OutputText
 from shared.wire import FinishReason, RequestError, Tokens
 
 # How the scheduler's error codes answer over HTTP.
@@ -28,6 +29,7 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish: FinishReason | None = None
+    stop_reason: str | None = None  # the stop string that ended the output, if one did
     first_token_at: float | None = None
     last_chunk_at: float | None = None
     drafts: int = 0
@@ -116,24 +118,18 @@ def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetr
         metrics.spec_accepted_per_pos.labels(position=str(position)).inc()
 
 
-def _new_text(progress: Progress, tokenizer: Tokenizer) -> str:
-    """Incremental detokenization; an incomplete UTF-8 sequence waits for the next tokens."""
-    text = tokenizer.decode(progress.token_ids, skip_special_tokens=True)
-    if text.endswith("\ufffd") and progress.finish is None:
-        return ""
-    delta = text[len(progress.text) :]
-    progress.text = text
-    return delta
-
-
 async def follow(
     queue: asyncio.Queue[Tokens | RequestError],
     progress: Progress,
-    tokenizer: Tokenizer,
+    text: OutputText,
     metrics: GatewayMetrics,
     idle_timeout_s: float,
 ) -> AsyncIterator[str]:
-    """Yield text deltas in order until the request finishes; drop repeats, refuse gaps."""
+    """Yield text deltas in order until the request finishes; drop repeats, refuse gaps.
+
+    A stop string ends the output at the token that completed it (`progress.stop_reason`,
+    finish STOP): the tokens after it, and their text, are never taken; the caller cancels
+    the scheduler's request."""
     while progress.finish is None:
         try:
             async with asyncio.timeout(idle_timeout_s):  # (3.11's wait_for can eat a cancel)
@@ -150,10 +146,16 @@ async def follow(
         if message.offset + len(message.token_ids) <= have and message.finish is None:
             continue  # a redelivered step
         fresh = list(message.token_ids[have - message.offset :])
+        step = text.push(fresh)
+        fresh = fresh[: step.num_tokens]
         _count(message, len(fresh), progress, metrics)
         _note_objective(message, progress)
         progress.token_ids.extend(fresh)
         progress.finish = message.finish
-        if message.finish is FinishReason.ABORT:
+        if step.stop is not None:
+            progress.finish, progress.stop_reason = FinishReason.STOP, step.stop
+        elif message.finish is FinishReason.ABORT:
             raise APIError(500, "the request was aborted", kind="server_error", code="aborted")
-        yield _new_text(progress, tokenizer)
+        delta = step.text + (text.finish() if progress.finish is not None else "")
+        progress.text = text.text
+        yield delta

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -42,6 +42,7 @@ from shared.wire.streams import recorded_stream
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 RECORD_VERSION = "1"
 MAX_PENDING = 1024
 WRITE_TIMEOUT_S = 5.0
@@ -56,7 +57,7 @@ class Outcome:
     failed: bool = False
 
 
-async def noting_failure(deltas: AsyncIterator[str], outcome: Outcome) -> AsyncIterator[str]:
+async def noting_failure(deltas: AsyncIterator[T], outcome: Outcome) -> AsyncIterator[T]:
     """Pass the deltas through; mark the outcome failed when they end in an APIError."""
     try:
         async for delta in deltas:

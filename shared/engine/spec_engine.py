@@ -9,10 +9,11 @@ lines: schedule, run, observe.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +44,7 @@ from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
+from shared.text.stop_strings import OutputText
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
@@ -105,8 +107,12 @@ class SpecEngine:
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         observer: StepObserver | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
+        """`tokenizer` (a transformers fast tokenizer): each request's output is also
+        detokenized as it is committed (`texts`), and requests may give stop strings."""
         self.verifier = verifier
+        self.tokenizer = tokenizer
         if isinstance(drafter, (Drafter, ModelFreeDrafter)):
             drafter = {drafter.name: drafter}
         self.drafters: dict[str, AnyDrafter] = dict(drafter or {})
@@ -146,6 +152,8 @@ class SpecEngine:
         self.core.set_drafters({name: ["local"] for name in self.drafters})
         self.kv = RunnerKV(verifier)
         self.requests: dict[str, RequestState] = {}  # every request given, until popped
+        # with a tokenizer: every request's text (cut at its stop string), until popped
+        self.texts: dict[str, OutputText] = {}
         self._swapped: dict[str, SwappedKV] = {}
         self._ids = 0
 
@@ -173,13 +181,18 @@ class SpecEngine:
         method: DraftMethod | None = None,
         slo_class: str | None = None,
         app: str = "",
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
     ) -> str:
         """Queue a request; bad input raises an `AuguryError` naming the limit.
 
         `slo_class` names one of `config.slo.classes`: the objective is its multiple of the
         baseline latency (`config.slo.baseline_latency_ms`, else the cost model's); an explicit
-        `tpot_slo_ms` wins over it."""
+        `tpot_slo_ms` wins over it. `stop` strings (the engine needs a tokenizer) end the
+        output at the token that completes one, finish reason "stop"; the text in `texts` ends
+        before the stop string, or after it with `include_stop_str_in_output`."""
         self.core.check(prompt, params.max_tokens)
+        text = self._output_text(stop, include_stop_str_in_output)
         runner = self.verifier.runner
         capacity = tree_capacity_with(self.core.config.method, self.core.config)
         need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
@@ -214,7 +227,24 @@ class SpecEngine:
         )
         self.core.add(request)
         self.requests[request_id] = request
+        if text is not None:
+            self.texts[request_id] = text
         return request_id
+
+    def _output_text(self, stop: Sequence[str], include: bool) -> OutputText | None:
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need the engine's tokenizer (SpecEngine(..., tokenizer=...))",
+                param="stop",
+            )
+        if self.tokenizer is None:
+            return None
+        try:
+            return OutputText(self.tokenizer, tuple(stop), include_stop_str_in_output=include)
+        except ValueError as error:
+            raise InvalidRequestError(str(error), param="stop") from None
 
     def abort(self, request_id: str) -> None:
         self.core.cancel(request_id)
@@ -232,8 +262,29 @@ class SpecEngine:
         if self.observer is not None:
             self.observer(batch, results)
         outputs = batch.failed + self.core.observe(batch, results, self.clock())
+        outputs = [self._detokenize(output) for output in outputs]
         self._release()
         return outputs
+
+    def _detokenize(self, output: StepOutput) -> StepOutput:
+        """Follow a request's text; a stop string ends it at the token that completed it (the
+        tokens after it, accepted in the same step, are dropped) and the core forgets it."""
+        text = self.texts.get(output.request_id)
+        if text is None:
+            return output
+        step = text.push(output.new_tokens)
+        if step.stop is None:
+            if output.finish_reason is not None:
+                text.finish()
+            return output
+        request = self.requests[output.request_id]
+        del request.output[output.offset + step.num_tokens :]
+        if request.finish_reason is None:
+            self.core.cancel(request.request_id)  # frees its KV with the next release
+        request.finish_reason = "stop"
+        return dataclasses.replace(
+            output, new_tokens=output.new_tokens[: step.num_tokens], finish_reason="stop"
+        )
 
     def _run(self, batch: MicroBatch) -> dict[str, StepResult]:
         runner = self.verifier.runner
@@ -324,11 +375,14 @@ class SpecEngine:
             self.step()
         return [self.requests.pop(i) for i in ids]
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[list[int]]:
+    def stream(
+        self, prompt: Sequence[int], params: SamplingParams, stop: Sequence[str] = ()
+    ) -> Iterator[list[int]]:
         """Yield each step's new tokens of one request as they are committed."""
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(prompt, params, stop=stop)
         while self.requests[rid].finish_reason is None:
             for out in self.step():
                 if out.request_id == rid and out.new_tokens:
                     yield out.new_tokens
         self.requests.pop(rid)
+        self.texts.pop(rid, None)

@@ -1,0 +1,1 @@
+"""Text from token ids as they arrive: incremental detokenization and stop strings."""
