@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from bench.load.arrivals import PROCESSES
-from bench.load.prompts import PromptBuilder, synthesize
+from bench.load.prompts import TRACE_KINDS, PromptBuilder, synthesize
 from bench.load.readers import CountTokens, read_trace, write_trace
 from bench.load.trace import TraceError, TraceRequest
 from shared.datasets import KINDS
@@ -92,6 +92,7 @@ def _synth(args: argparse.Namespace) -> int:
         slo_classes=args.slo,
         slo_assignment=args.slo_assign,
         seed=args.seed,
+        app_per_kind=args.app_per_kind,
     )
     if args.target is not None:
         requests = PromptBuilder(_tokenizer(args.target), seed=args.seed).fill(requests)
@@ -198,7 +199,15 @@ def _add_synth(commands: Any) -> None:
         type=_kinds,
         default=list(KINDS),
         metavar="K,K",
-        help=f"prompt kinds, taking turns (default: {','.join(KINDS)})",
+        help=f"prompt kinds, taking turns, of {','.join(TRACE_KINDS)} (default: "
+        f"{','.join(KINDS)}); code-edit, revision, passage-qa and agent are the copy-heavy "
+        "workloads of bench/workloads.py",
+    )
+    p.add_argument(
+        "--app-per-kind",
+        action="store_true",
+        help="each request names its kind as its application (augury.app), so a suffix draft "
+        "shares its cache within a kind",
     )
     _add_lengths(p, "input", "prompt tokens under the chat template (text built with --target)")
     _add_lengths(p, "output", "output tokens (default: the dataset's reference answer length)")
@@ -307,9 +316,11 @@ def _positive_int(text: str) -> int:
 
 def _kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in TRACE_KINDS]
     if not kinds or unknown:
-        raise argparse.ArgumentTypeError(f"kinds are a comma list of {','.join(KINDS)}: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"kinds are a comma list of {','.join(TRACE_KINDS)}: {text!r}"
+        )
     return kinds
 
 

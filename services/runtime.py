@@ -41,6 +41,12 @@ class ModelThread:
 class ModelPaths:
     target: Path
     drafts: dict[str, Path] = field(default_factory=dict)
+    model_free: tuple[str, ...] = ()  # drafts that load no model (`ngram`, `suffix`)
+
+    @property
+    def draft_names(self) -> list[str]:
+        """Every draft the cell serves, model drafts first."""
+        return [*self.drafts, *self.model_free]
 
 
 def resolve_models(settings: AugurySettings) -> ModelPaths:
@@ -52,15 +58,17 @@ def resolve_models(settings: AugurySettings) -> ModelPaths:
 
     model_set = settings.models.model_set
     target = checkpoint_dir(settings.models.target_dir or model_set_target(model_set))
+    model_free = tuple(settings.models.model_free)
     if settings.models.drafts:
-        return ModelPaths(target, {d.name: checkpoint_dir(d.dir) for d in settings.models.drafts})
+        drafts = {d.name: checkpoint_dir(d.dir) for d in settings.models.drafts}
+        return ModelPaths(target, drafts, model_free)
     try:
         drafts = model_set_drafts(model_set, served=True)
     except FileNotFoundError:
         if model_set != SMOLLM2:
             raise
         drafts = {}  # no draft checkpoints yet: plain decoding
-    return ModelPaths(target, drafts)
+    return ModelPaths(target, drafts, model_free)
 
 
 def read_model_config(path: Path) -> ModelConfig:

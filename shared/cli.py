@@ -1,6 +1,8 @@
 """`augury generate`: stream one completion with speculative decoding, then its statistics.
 
 augury generate "Explain how a hash table works." --draft draft-l --method chain
+augury generate "Fix the bug: ..." --draft ngram          # a model-free draft alone
+augury generate "Fix the bug: ..." --model-free suffix    # merged with the model draft's trees
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from shared.engine.drafting import Drafter
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.methods import DraftMethod
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
@@ -66,8 +69,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     gen.add_argument(
         "--draft",
-        help="a draft of the model set, a checkpoint dir or a .gguf file (default: the model "
-        f"set's default draft; {DEFAULT_GENERATE_DRAFT} for {SMOLLM2})",
+        help="a draft of the model set (ngram and suffix load no model), a checkpoint dir or a "
+        f".gguf file (default: the model set's default draft; {DEFAULT_GENERATE_DRAFT} for "
+        f"{SMOLLM2})",
+    )
+    gen.add_argument(
+        "--model-free",
+        choices=MODEL_FREE_KINDS,
+        help="also draft with this model-free draft, its tree merged with the model draft's",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument(
@@ -151,6 +160,8 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
         if args.model_set != SMOLLM2:
             return target, str(next(iter(model_set_drafts(args.model_set, served=True).values())))
         args.draft = DEFAULT_GENERATE_DRAFT
+    if args.draft in MODEL_FREE_KINDS:
+        return target, args.draft
     if args.draft in ALL_DRAFT_NAMES or (
         args.model_set != SMOLLM2 and args.draft in model_set_drafts(args.model_set)
     ):
@@ -177,8 +188,11 @@ def generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"augury: error: {err}") from err
     if args.tp > 1 and target_dtype != torch.float32:
         raise SystemExit("augury: error: --tp runs the target in float32 only")
-    drafter = (
-        Drafter(
+    drafter: Drafter | ModelFreeDrafter | None = None
+    if draft_path in MODEL_FREE_KINDS:
+        drafter = ModelFreeDrafter(draft_path)
+    elif draft_path:
+        drafter = Drafter(
             ModelRunner(
                 load_model(
                     draft_path,
@@ -188,9 +202,6 @@ def generate(args: argparse.Namespace) -> int:
             ),
             name=Path(draft_path).name,
         )
-        if draft_path
-        else None
-    )
     group = None
     if args.tp > 1:
         from shared.model.rank_group import start_local_group
@@ -211,18 +222,21 @@ def _generate(
     tokenizer: Any,
     target_path: str,
     draft_path: str | None,
-    drafter: Drafter | None,
+    drafter: Drafter | ModelFreeDrafter | None,
     verifier: Verifier,
 ) -> int:
+    drafters = {drafter.name: drafter} if drafter is not None else {}
+    if args.model_free and drafter is not None and args.model_free != drafter.name:
+        drafters[args.model_free] = ModelFreeDrafter(args.model_free)
     # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
     cost = load_or_measure(
         verifier.runner,
-        {drafter.name: drafter.runner} if drafter is not None else {},
+        {drafter.name: drafter.runner} if isinstance(drafter, Drafter) else {},
         target_name=Path(target_path).name,
     )
     engine = SpecEngine(
         verifier,
-        drafter,
+        drafters,
         build_method(args) if drafter else None,
         EngineConfig(planner=args.planner),
         eos_token_ids=verifier.runner.cfg.eos_token_ids,
@@ -288,7 +302,8 @@ def _generate(
         _print_logprobs(tokenizer, output, request.logprobs)
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")
     if drafter is not None:
-        print(f"draft                 {draft_path} ({args.method})")
+        extra = f", merged with {args.model_free}" if len(drafters) > 1 else ""
+        print(f"draft                 {draft_path} ({args.method}{extra})")
         print(f"draft tokens          {stats.num_draft_tokens}, accepted {stats.num_accepted}")
         print(f"acceptance rate       {stats.acceptance_rate:.1%}")
         print(f"mean accepted length  {stats.mean_accepted_length:.2f} tokens per target forward")

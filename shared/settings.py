@@ -104,6 +104,9 @@ class ModelsSettings(_Group):
     # or a .gguf file (converted once)
     target_dir: Path | None = None
     drafts: tuple[DraftModelSettings, ...] = ()
+    # drafts that load no model (shared/engine/model_free.py), served beside the model drafts:
+    # "ngram" (prompt lookup), "suffix" (suffix index with a per-application cache)
+    model_free: tuple[Literal["ngram", "suffix"], ...] = ()
 
     @field_validator("drafts")
     @classmethod
@@ -259,15 +262,20 @@ class SchedulerSettings(_Group):
     laps: LapsSettings = LapsSettings()
     # draft model per request and step: fixed (the first configured live draft), lbss (Spin's
     # bandit), greedy-length, eps-greedy; shared/scheduling/draft_choice.py
-    draft_chooser: Literal["fixed", "lbss", "greedy-length", "eps-greedy"] = "fixed"
+    draft_chooser: Literal["fixed", "lbss", "greedy-length", "eps-greedy", "counterfactual"] = (
+        "fixed"
+    )
     lbss: LbssSettings = LbssSettings()
     # Spin's fast switching: keep the KV of each drafting request in step on the draft model the
     # chooser expects it to move to next, so that a switch costs no prefill (lbss, eps-greedy)
     fast_switching: bool = False
     # SpecInfer's merged trees: the standby drafter (as fast switching picks it) also drafts a
     # tree for "standby": every request that has one, "at-risk": requests behind their TPOT
-    # objective; merged with the current drafter's tree before selection
-    merge_drafts: Literal["off", "standby", "at-risk"] = "off"
+    # objective; merged with the current drafter's tree before selection; "model-free": every
+    # request drafting with a model also gets the first model-free draft's tree (models.model_free)
+    # merged with it; "auto" (the default): "model-free" where a model-free draft is configured,
+    # else off
+    merge_drafts: Literal["auto", "off", "standby", "at-risk", "model-free"] = "auto"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

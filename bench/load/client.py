@@ -9,7 +9,8 @@ how many tokens have been generated so far and the record's `chunks` count token
 A trace's `tpot_slo_ms` goes as `augury.tpot_slo_ms`; its `slo_class` goes as
 `augury.slo_class` only when the trace gives no `tpot_slo_ms` (the server must then know the
 class). With both, the class only labels the request in the report, so a synthesized trace's
-made-up classes (`bench.traces synth --slo tight=60`) need no matching server classes.
+made-up classes (`bench.traces synth --slo tight=60`) need no matching server classes. Its `app`
+goes as `augury.app`.
 A request that fails (an HTTP error, an `error` event mid-stream, a dropped connection, no
 answer within `request_timeout_s`) becomes a failed record; `replay` itself does not raise for
 one request's failure.
@@ -93,10 +94,15 @@ def request_body(request: TraceRequest, model: str) -> dict[str, Any]:
     if request.num_output_tokens is not None:
         body["max_tokens"] = request.num_output_tokens
         body["ignore_eos"] = True
+    augury: dict[str, object] = {}
     if request.tpot_slo_ms is not None:
-        body["augury"] = {"tpot_slo_ms": request.tpot_slo_ms}
+        augury["tpot_slo_ms"] = request.tpot_slo_ms
     elif request.slo_class is not None:
-        body["augury"] = {"slo_class": request.slo_class}
+        augury["slo_class"] = request.slo_class
+    if request.app is not None:
+        augury["app"] = request.app
+    if augury:
+        body["augury"] = augury
     return body
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from bench.load.arrivals import Process, arrival_times
 from bench.load.readers import CountTokens, chars_to_tokens
 from bench.load.trace import TraceRequest
+from bench.workloads import COPY_KINDS, Conversation, workload_messages
 from shared.datasets import (
     CHAT_EVAL_END,
     CODE_EVAL_END,
@@ -35,6 +36,10 @@ from shared.datasets import (
 )
 
 DEFAULT_OUTPUT_LENGTH = 128  # output tokens when the dataset has no reference answer
+# what a synthesized trace may mix: the datasets' kinds, the everyday questions and the
+# copy-heavy workloads written for the project (`bench/workloads.py`), which have no text to cut
+# to a length (no `input_length` for them)
+TRACE_KINDS = (*KINDS, "everyday", *COPY_KINDS)
 SloAssignment = Literal["round_robin", "random"]
 
 _SEPARATOR = "\n\n"  # between dataset texts joined into one long prompt
@@ -136,6 +141,7 @@ def synthesize(
     slo_assignment: SloAssignment = "round_robin",
     count_tokens: CountTokens = chars_to_tokens,
     seed: int = 0,
+    app_per_kind: bool = False,
 ) -> list[TraceRequest]:
     """A synthetic trace: arrivals of `process` at `rate`, real dataset prompts, output lengths.
 
@@ -144,7 +150,8 @@ def synthesize(
     is given: then it has that length and no text (fill it with `PromptBuilder`). Output
     lengths are `output_length`, uniform in `output_range` (inclusive), or else the length of
     the dataset's reference answer (`count_tokens`). `slo_classes` (name, TPOT objective in ms)
-    are given out in turn or at random.
+    are given out in turn or at random. `app_per_kind`: each request names its kind as its
+    application (`augury.app`: a `suffix` draft shares its cache within one).
     """
     _check_synthesis(kinds, input_length, input_range, output_length, output_range, slo_classes)
     if slo_assignment not in ("round_robin", "random"):
@@ -153,20 +160,21 @@ def synthesize(
         rate, duration_s=duration_s, count=count, process=process, cv=cv, seed=seed
     )
     rng = np.random.default_rng([seed, 1])  # apart from the arrivals' stream
-    picks = {kind: _shuffled_cycle(len(_dataset(kind)), rng) for kind in kinds}
+    picks = {kind: _shuffled_cycle(len(_conversations(kind)), rng) for kind in kinds}
     out = []
     for i, arrival in enumerate(arrivals):
         kind = kinds[i % len(kinds)]
-        message, answer = _dataset(kind)[next(picks[kind])]
+        conversation, answer = _conversations(kind)[next(picks[kind])]
         request = TraceRequest(
             arrival_s=float(arrival),
             input_length=_length(input_length, input_range, rng),
             output_length=_length(output_length, output_range, rng)
             or (count_tokens(answer) if answer else DEFAULT_OUTPUT_LENGTH),
             kind=kind,
+            app=kind if app_per_kind else None,
         )
         if request.input_length is None:
-            request = replace(request, messages=(("user", message),))
+            request = replace(request, messages=conversation)
         if slo_classes:
             pick = i if slo_assignment == "round_robin" else int(rng.integers(len(slo_classes)))
             name, tpot_ms = slo_classes[pick % len(slo_classes)]
@@ -183,8 +191,13 @@ def _check_synthesis(
     output_range: tuple[int, int] | None,
     slo_classes: Sequence[tuple[str, float]],
 ) -> None:
-    if not kinds or any(kind not in KINDS for kind in kinds):
-        raise ValueError(f"kinds must be a non-empty selection of {KINDS}, got {list(kinds)}")
+    if not kinds or any(kind not in TRACE_KINDS for kind in kinds):
+        raise ValueError(
+            f"kinds must be a non-empty selection of {TRACE_KINDS}, got {list(kinds)}"
+        )
+    fixed_text = [k for k in kinds if k not in KINDS]
+    if fixed_text and (input_length is not None or input_range is not None):
+        raise ValueError(f"{fixed_text} have no text to cut to an input length: drop it")
     _check_length("input", input_length, input_range)
     _check_length("output", output_length, output_range)
     names = [name for name, _ in slo_classes]
@@ -214,6 +227,16 @@ def _length(
 
 def _shuffled_cycle(n: int, rng: np.random.Generator) -> Iterator[int]:
     return itertools.cycle(int(i) for i in rng.permutation(n))
+
+
+@lru_cache(maxsize=len(TRACE_KINDS))
+def _conversations(kind: str) -> tuple[tuple[Conversation, str | None], ...]:
+    """(chat turns, reference answer or None) of each item of a trace kind."""
+    if kind in COPY_KINDS:
+        return tuple((c, None) for c in workload_messages(kind))
+    if kind == "everyday":
+        return tuple(((("user", q),), None) for q in eval_prompts("everyday", 120))
+    return tuple(((("user", message),), answer) for message, answer in _dataset(kind))
 
 
 @lru_cache(maxsize=len(KINDS))

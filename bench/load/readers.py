@@ -6,7 +6,7 @@ arrival; `write_trace` writes our JSONL, which `read_trace` reads back to equal 
 Our JSONL is the Mooncake trace format (one object a line: `timestamp` in ms, `input_length`,
 `output_length`, `hash_ids`) with optional fields of our own: `prompt` or `messages`
 ([{role, content}]), `kind`, `tpot_slo_ms`, `slo_class`, `priority`, `max_tokens`,
-`temperature`. Unknown fields are ignored.
+`temperature`, `app`. Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def parse_request(obj: Any) -> TraceRequest:
         priority=_integer(obj, "priority") or 0,
         max_tokens=_count(obj, "max_tokens"),
         temperature=_number(obj, "temperature"),
+        app=_text(obj, "app"),
     )
     _check_complete(request)
     return request
@@ -127,6 +128,7 @@ def request_to_json(request: TraceRequest) -> dict[str, Any]:
         "slo_class",
         "max_tokens",
         "temperature",
+        "app",
     ):
         value = getattr(request, name)
         if value is not None:

@@ -22,6 +22,7 @@ class TraceRequest:
     priority: int = 0
     max_tokens: int | None = None  # None: output_length
     temperature: float | None = None  # None: greedy (0.0)
+    app: str | None = None  # the application key sent as `augury.app`
 
     @property
     def num_output_tokens(self) -> int | None:

@@ -353,6 +353,7 @@ class Gateway:
             draft_model=gen.draft_model,
             speculate=gen.speculate,
             slo_class=gen.slo_class,
+            app=gen.app,
         )
         try:
             await self.bus.publish(requests_stream(self.settings.service.cell), submit)

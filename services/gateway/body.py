@@ -4,14 +4,16 @@ Besides OpenAI's fields we take vLLM's `top_k` (-1 or 0: off), `ignore_eos`, `st
 `include_stop_str_in_output` and `priority` (lower runs sooner), and our own extension object:
 
     "augury": {"slo_class": "standard", "tpot_slo_ms": 50, "draft_model": "tiny",
-               "speculate": true}
+               "speculate": true, "app": "code-review"}
 
 `slo_class` names one of `scheduler.slo.classes`: its time-per-output-token objective is that
 class's multiple of the machine's baseline latency (shared/scheduling/slo_classes.py).
 `tpot_slo_ms` gives the objective in ms and wins over the class's (the class still names the
 request's class in metrics); with neither, `scheduler.slo.default_class` applies (none: best
 effort). `draft_model` picks one configured draft model (none: the scheduler chooses), and
-`speculate: false` turns speculation off for the request. Any other field in it is a 400.
+`speculate: false` turns speculation off for the request. `app` names the request's application
+(1 to 128 characters): a model-free `suffix` draft shares its cache of recent sequences only
+among the requests that name the same one. Any other field in it is a 400.
 
 Without `max_tokens` (`max_completion_tokens`) a request may run to the end of the context, as in
 vLLM (`gateway.default_max_tokens` may lower that). `stop` strings (at most MAX_STOP_STRINGS)
@@ -37,7 +39,7 @@ from typing import Any, Protocol
 from shared.engine.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
-from shared.wire.requests import MAX_DRAFT_NAME_LEN
+from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
@@ -46,7 +48,7 @@ SLO_CLASSES = tuple(SloSettings().classes)  # default of scheduler.slo.classes
 MAX_N = 16  # default of gateway.max_n
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_STRING_CHARS = 256
-AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate"})
+AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate", "app"})
 # Options the engine's list refuses that the gateway serves itself: n (fan-out), best_of (= n)
 # and echo (completions).
 GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo"})
@@ -142,6 +144,7 @@ class GenerationRequest:
     messages: tuple[tuple[str, str], ...] | None = None
     prompt_text: str | None = None
     slo_class: str | None = None  # one of scheduler.slo.classes
+    app: str = ""  # application key: model-free drafts share a cache within one
     stop: tuple[str, ...] = ()  # stop strings, matched by the gateway on the text
     include_stop_str_in_output: bool = False
     n: int = 1  # completions of the prompt, each its own request to the scheduler
@@ -404,6 +407,11 @@ def parse_generation(
             f"augury.draft_model must be 1 to {MAX_DRAFT_NAME_LEN} characters",
             "augury.draft_model",
         )
+    app = extension.get("app")
+    if app is not None and (not isinstance(app, str) or not 0 < len(app) <= MAX_APP_LEN):
+        raise bad_request(
+            f"augury.app must be a string of 1 to {MAX_APP_LEN} characters", "augury.app"
+        )
     priority = _integer(body, "priority", 0) or 0
     if abs(priority) > MAX_PRIORITY:
         raise bad_request("priority is out of range", "priority")
@@ -421,6 +429,7 @@ def parse_generation(
         messages=_turns(conversation),
         prompt_text=None if chat else _prompt_text(body.get("prompt")),
         slo_class=slo_class,
+        app=app or "",
         stop=stop,
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         n=n,

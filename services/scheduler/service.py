@@ -390,6 +390,7 @@ class SchedulerService:
             slo_class=resolved.slo_class,
             requested_draft=submit.draft_model,
             speculate=submit.speculate,
+            app=submit.app,
         )
 
     async def _cancel_orphans(self) -> None:

@@ -111,6 +111,9 @@ class Drafter:
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
 
+    def has_request(self, request_id: str) -> bool:
+        return self.runner.has_request(request_id)
+
     def num_committed(self, request_id: str) -> int:
         """Committed tokens of the request this drafter holds (0 if none): its cached entries,
         plus the first token for a feature-level draft (which caches none for it)."""

@@ -13,12 +13,13 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod, tree_capacity
+from shared.engine.methods import DraftMethod
+from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.tree import TokenTree
 from shared.engine.verifier import Verifier
@@ -34,9 +35,11 @@ from shared.scheduling.core import (
     StepResult,
     draft_request,
     request_history,
+    tree_capacity_with,
 )
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
+from shared.scheduling.factory import resolve_merge
 from shared.scheduling.ordering import make_policy
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
@@ -58,10 +61,12 @@ class EngineConfig(BaseModel):
     policy: str = "fcfs"
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = LapsSettings()
-    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy
+    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy, counterfactual
     lbss: LbssSettings = LbssSettings()
     fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
-    merge_drafts: MergePolicy = "off"  # the standby also drafts a tree, merged (SpecInfer)
+    # the standby (or, "model-free", a model-free draft) also drafts a tree, merged (SpecInfer);
+    # "auto": "model-free" where the engine has a model-free draft beside a model draft, else off
+    merge_drafts: MergePolicy | Literal["auto"] = "auto"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
     slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
@@ -87,11 +92,15 @@ class RunnerKV:
         return len(self.runner.cache.blocks(request_id))
 
 
+# A draft model's drafter or one that loads no model; both answer `draft`, `free`, `has_request`.
+AnyDrafter = Drafter | ModelFreeDrafter
+
+
 class SpecEngine:
     def __init__(
         self,
         verifier: Verifier,
-        drafter: Drafter | Mapping[str, Drafter] | None = None,
+        drafter: AnyDrafter | Mapping[str, AnyDrafter] | None = None,
         method: DraftMethod | None = None,
         config: EngineConfig | None = None,
         eos_token_ids: Sequence[int] = (),
@@ -105,9 +114,11 @@ class SpecEngine:
         detokenized as it is committed (`texts`), and requests may give stop strings."""
         self.verifier = verifier
         self.tokenizer = tokenizer
-        if isinstance(drafter, Drafter):
+        if isinstance(drafter, (Drafter, ModelFreeDrafter)):
             drafter = {drafter.name: drafter}
-        self.drafters: dict[str, Drafter] = dict(drafter or {})
+        self.drafters: dict[str, AnyDrafter] = dict(drafter or {})
+        model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
+        has_models = len(model_free) < len(self.drafters)
         self.config = config or EngineConfig()
         self.clock = clock
         self.observer = observer
@@ -126,10 +137,16 @@ class SpecEngine:
                 ),
                 feature_size=runner.cfg.hidden_size,
                 fast_switching=self.config.fast_switching,
-                merge_drafts=self.config.merge_drafts,
+                merge_drafts=resolve_merge(self.config.merge_drafts, bool(model_free), has_models),
+                model_free_drafts=model_free,
             ),
             policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
-            chooser=make_chooser(self.config.draft_chooser, list(self.drafters), self.config.lbss),
+            chooser=make_chooser(
+                self.config.draft_chooser,
+                list(self.drafters),
+                self.config.lbss,
+                model_free=model_free,
+            ),
             selector=make_selector(self.config.tree_selection, self.config.slo),
             cost=cost,
         )
@@ -147,7 +164,7 @@ class SpecEngine:
         return self.core.stats
 
     @property
-    def drafter(self) -> Drafter | None:
+    def drafter(self) -> AnyDrafter | None:
         """The first drafter (the engine's only one in the common single-draft set-up)."""
         return next(iter(self.drafters.values()), None)
 
@@ -164,6 +181,7 @@ class SpecEngine:
         speculate: bool = True,
         method: DraftMethod | None = None,
         slo_class: str | None = None,
+        app: str = "",
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> str:
@@ -182,7 +200,7 @@ class SpecEngine:
             raise InvalidRequestError(
                 f"logit_bias holds token ids outside [0, {vocab})", param="logit_bias"
             )
-        capacity = tree_capacity(self.core.config.method)
+        capacity = tree_capacity_with(self.core.config.method, self.core.config)
         need = runner.cache.num_blocks_for(len(prompt) + params.max_tokens + capacity)
         if need > runner.cache.num_blocks:
             raise OutOfKVMemoryError(
@@ -211,6 +229,7 @@ class SpecEngine:
             requested_draft=draft_model,
             speculate=speculate,
             method=method,
+            app=app,
         )
         self.core.add(request)
         self.requests[request_id] = request
@@ -339,7 +358,7 @@ class SpecEngine:
         for rid, plan in [*batch.drafts.items(), *standby.items()]:
             request = self.core.requests[rid]
             drafter = self.drafters[plan.model]
-            if plan.base_len == 0 and drafter.runner.has_request(rid):
+            if plan.base_len == 0 and drafter.has_request(rid):
                 drafter.free(rid)  # the core starts this drafter's copy over
             groups.setdefault((plan.model, plan.method), []).append(
                 draft_request(request, plan, self.core.config.eos_token_ids)

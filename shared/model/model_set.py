@@ -28,6 +28,10 @@ DRAFT_NAMES = ("draft-s", "draft-m", "draft-l")
 # results (see `shared.engine.feature_drafting`).
 FEATURE_DRAFT_NAMES = ("draft-e",)
 ALL_DRAFT_NAMES = DRAFT_NAMES + FEATURE_DRAFT_NAMES
+# Drafts that load no model (`shared/engine/model_free.py`): prompt lookup and a suffix index with a
+# per-application cache. Named like the model drafts (`--draft ngram`, `augury.draft_model`); the
+# services serve them where `models.model_free` lists them.
+MODEL_FREE_DRAFT_NAMES = ("ngram", "suffix")
 # The services' default draft set; the first is the default draft (the best on every measured
 # machine, `docs/benchmarks.md`).
 SERVED_DRAFT_NAMES = ("draft-e", *DRAFT_NAMES)

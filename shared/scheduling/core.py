@@ -31,6 +31,7 @@ import numpy as np
 
 from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.engine.methods import DraftMethod, tree_capacity
+from shared.engine.model_free import MODEL_FREE_METHOD, counterfactual_accepted
 from shared.engine.sampling import SEED_BITS, TokenHistory, token_history
 from shared.engine.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.errors import ContextLengthError, InvalidRequestError
@@ -64,8 +65,9 @@ from shared.wire.steps import DraftRequest
 SpeculationPlanner = Literal["goodput", "fixed"]
 # Which requests the standby drafter also drafts a tree for, merged with the current drafter's
 # (SpecInfer's merge-based trees): none, every request with a standby, or requests with a TPOT
-# objective that they are not meeting
-MergePolicy = Literal["off", "standby", "at-risk"]
+# objective that they are not meeting; "model-free": every request drafting with a model also
+# gets the first live model-free draft's tree (`CoreConfig.model_free_drafts`), merged
+MergePolicy = Literal["off", "standby", "at-risk", "model-free"]
 # Which decoding requests a micro-batch takes: the first in the policy's order ("policy"), or
 # its share of each draft model's requests ("per-draft", Spin §V-B: the batch on each drafter is
 # split into the M micro-batches, so that no micro-batch waits on one drafter holding most of it)
@@ -99,6 +101,11 @@ class CoreConfig:
     # expects it to move to next (`MicroBatch.warm`), so that the switch costs no prefill
     fast_switching: bool = False
     merge_drafts: MergePolicy = "off"
+    # Drafts that load no model (`shared/engine/model_free.py`), in order of preference: they
+    # draft with `model_free_method`, cost no drafting time, and, being deterministic functions
+    # of the committed tokens, can be scored after every step without being run (counterfactual)
+    model_free_drafts: tuple[str, ...] = ()
+    model_free_method: DraftMethod = MODEL_FREE_METHOD
 
 
 class KVView(Protocol):
@@ -155,6 +162,9 @@ class MicroBatch:
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
     # merged trees: the request's own drafter's tree, before the merge (what its model learns)
     own_trees: dict[str, TokenTree] = field(default_factory=dict)
+    # model-free partners (`batch.merge` plans of a model-free draft): the tree each proposed,
+    # merged or only scored (its counterfactual acceptance), by request id
+    model_free_trees: dict[str, TokenTree] = field(default_factory=dict)
     is_observed: bool = False
 
     @property
@@ -219,6 +229,18 @@ def request_history(request: RequestState, eos_token_ids: Sequence[int]) -> Toke
     return token_history(request.params, request.prompt, request.output, eos_token_ids)
 
 
+@dataclass(frozen=True)
+class PendingCounterfactual:
+    """A model-free tree proposed for a request but not run as its draft, waiting for enough
+    committed tokens to settle how many of its tokens the target would have accepted."""
+
+    model: str
+    tree: TokenTree
+    start: int  # index (in the request's tokens) of the first token committed after its root
+    step_ms: float
+    node_ms: float | None  # the step's verification time per node (None: no cost model)
+
+
 def draft_request(
     request: RequestState, plan: DraftPlan, eos_token_ids: Sequence[int] = ()
 ) -> DraftRequest:
@@ -235,6 +257,7 @@ def draft_request(
         max_depth=plan.max_depth,
         features=plan.features,
         history=request_history(request, eos_token_ids),
+        app=request.app,
     )
 
 
@@ -256,6 +279,15 @@ def own_part(verified: TokenTree, own: TokenTree, accepted: Sequence[int]) -> tu
     while num_accepted < len(accepted) and tuple(accepted[: num_accepted + 1]) in own_paths:
         num_accepted += 1
     return verified.subtree(keep), num_accepted
+
+
+def tree_capacity_with(method: DraftMethod | None, config: CoreConfig) -> int:
+    """Most nodes (root included) of a request's tree under `method`, a model-free draft's tree
+    and the union of the two (merged) included, where the core has model-free drafts."""
+    capacity = tree_capacity(method)
+    if config.model_free_drafts and method is not None:
+        capacity += tree_capacity(config.model_free_method) - 1
+    return capacity
 
 
 def mean_context(requests: Sequence[RequestState]) -> int:
@@ -306,6 +338,9 @@ class SchedulerCore:
         self._batch_ids = itertools.count(first_batch_id)
         self._kv_full = False  # without a KV view: the verifier refused, admit nobody new
         self._features: dict[str, FeatureLog] = {}  # feature-level drafts: the target's
+        self._counterfactuals: dict[str, list[PendingCounterfactual]] = {}
+        # per model-free draft: its counterfactual acceptance on the steps it was not run
+        self.counterfactual_stats: dict[str, AcceptanceStats] = {}
 
     # ---- the pool ------------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], max_tokens: int) -> None:
@@ -621,7 +656,11 @@ class SchedulerCore:
         method = self._method(request)
         if request.method is None:  # the selector may resize the configured method per step
             method = self.selector.method_bound(method)
-        return tree_capacity(method)
+        return tree_capacity_with(method, self.config)
+
+    def tree_capacity_bound(self) -> int:
+        """Most nodes (root included) any request's tree may have: what its KV must allow."""
+        return tree_capacity_with(self.selector.method_bound(self.config.method), self.config)
 
     def _step_method(self, request: RequestState, num_requests: int) -> DraftMethod | None:
         """This step's drafting method: the request's own, else the selector's choice for a
@@ -663,6 +702,8 @@ class SchedulerCore:
                 model = choice.get(request.request_id)
             if model is None:
                 continue
+            if model in self.config.model_free_drafts:
+                method = self.config.model_free_method
             self._place(request, model)
             state = self._state(request, model)
             prior = self._model_estimate(model).rate()
@@ -725,9 +766,18 @@ class SchedulerCore:
                 min(nodes, method.max_draft_tokens),
                 features,
             )
-        if self.config.fast_switching or self.config.merge_drafts != "off":
+        config = self.config
+        if config.fast_switching or config.merge_drafts != "off" or self.scores_model_free:
             for rid in batch.drafts:
                 self._plan_standby(self.requests[rid], batch)
+
+    @property
+    def scores_model_free(self) -> bool:
+        """Whether every request drafting with a model also gets a model-free draft's tree, to
+        merge (`merge_drafts = model-free`) or to score (a chooser that reads counterfactuals)."""
+        reads = getattr(self.chooser, "counterfactual", False)
+        config = self.config
+        return bool(config.model_free_drafts) and (config.merge_drafts == "model-free" or reads)
 
     def _place(self, request: RequestState, model: str) -> None:
         """Draft the request on a replica of `model` (its current one while it lives; a warm
@@ -773,6 +823,9 @@ class SchedulerCore:
         """Fast switching (Spin §IV-C): keep a replica of the model the chooser expects the
         request to move to next in step with its committed tokens (`batch.warm`). With merged
         trees, that replica drafts a tree of its own for the request instead (`batch.merge`)."""
+        if self.scores_model_free and request.draft_model not in self.config.model_free_drafts:
+            self._plan_model_free_partner(request, batch)
+            return
         merges = self._merges(request)
         if not (merges or self.config.fast_switching):
             if self.config.merge_drafts != "at-risk":
@@ -823,6 +876,39 @@ class SchedulerCore:
             tuple(tokens[standby.num_seen :]),
             max_depth=1,
             max_nodes=1,
+        )
+
+    def _plan_model_free_partner(self, request: RequestState, batch: MicroBatch) -> None:
+        """The first live model-free draft drafts beside the request's model (`batch.merge`),
+        from a standby kept in step like fast switching's, as deep as its own method allows."""
+        live = [m for m in self.config.model_free_drafts if m in self.drafters]
+        if not live:
+            self._release_standby(request)
+            return
+        target = live[0]
+        standby = request.standby
+        if standby is not None and (
+            standby.model != target or standby.replica not in self.drafters[target]
+        ):
+            self._release_standby(request)
+            standby = None
+        if standby is None:
+            load = self.matcher.load()
+            replica = min(self.drafters[target], key=lambda r: (load.get(r, 0), r))
+            standby = request.standby = Standby(target, replica)
+        tokens = request.all_tokens
+        if standby.num_seen >= len(tokens):
+            return
+        method = self.config.model_free_method
+        batch.merge[request.request_id] = DraftPlan(
+            target,
+            standby.replica,
+            method,
+            standby.num_seen,
+            tuple(tokens[standby.num_seen :]),
+            max_depth=min(method.num_layers, self.max_depth(request)),
+            max_nodes=method.max_draft_tokens,
+            stream=1,
         )
 
     def _cheapest_other(self, request: RequestState) -> str | None:
@@ -917,6 +1003,12 @@ class SchedulerCore:
         trees = {r.request_id: drafted.get(r.request_id) or root_only(r) for r in batch.decode}
         for rid, partner in (partners or {}).items():
             if rid in trees and partner.root_token == trees[rid].root_token:
+                plan = batch.merge.get(rid)
+                if plan is not None and plan.model in self.config.model_free_drafts:
+                    batch.model_free_trees[rid] = partner
+                    if self.config.merge_drafts != "model-free":
+                        continue  # only scored, after verification
+                    partner = self._recalibrated(self.requests[rid], partner, plan.model)
                 batch.own_trees[rid] = trees[rid]
                 trees[rid] = merge_trees([trees[rid], partner])
                 self.num_merged_trees += 1
@@ -948,6 +1040,19 @@ class SchedulerCore:
                 best = kids[0] if sampled else max(kids, key=lambda n: drafted_tree.logq[n])
                 batch.trees[rid] = drafted_tree.subtree([0, best])
         return batch.trees
+
+    def _recalibrated(self, request: RequestState, tree: TokenTree, model: str) -> TokenTree:
+        """A merge partner's tree with its path probabilities scaled by its own calibration over
+        the request's model's, which the selector applies to the whole merged tree: each part
+        is then priced by how its own draft has fared. Only deterministic nodes' logq change,
+        which verification does not read."""
+        own = self._state(request, request.draft_model).calibration if request.draft_model else 1.0
+        ratio = self._state(request, model).calibration / own
+        if ratio == 1.0 or (tree.proposal_of != DETERMINISTIC).any():
+            return tree
+        logq = tree.logq.copy()
+        logq[1:][tree.parents[1:] == 0] += math.log(ratio)
+        return TokenTree(tree.tokens, tree.parents, logq, tree.proposal_of, tree.proposals)
 
     # ---- 4. observe ----------------------------------------------------------------------------
     def observe(
@@ -1002,6 +1107,9 @@ class SchedulerCore:
                             elapsed_ms,
                             shares.get(rid),
                         )
+                partner = batch.model_free_trees.get(rid)
+                if partner is not None:
+                    self._note_model_free(batch, request, partner, tree, result, elapsed_ms)
                 request.record_step(drafted, result.num_accepted, request.draft_model, depth)
                 self.stats.record(drafted, result.num_accepted, depth)
                 self._step_shape.observe(1 + drafted, depth)
@@ -1010,6 +1118,8 @@ class SchedulerCore:
             if result.logprobs is not None:  # the appended tokens are a prefix of the result's
                 logprobs = result.logprobs.head(len(new))
                 request.logprobs = (request.logprobs or EMPTY) + logprobs
+            if rid in self._counterfactuals:
+                self._settle_counterfactuals(request)
             if new:
                 request.first_token_time = request.first_token_time or now
                 request.last_token_time = now
@@ -1030,6 +1140,64 @@ class SchedulerCore:
             if request.is_finished:
                 self._finish(request, request.finish_reason or "stop")
         return outputs
+
+    def _note_model_free(
+        self,
+        batch: MicroBatch,
+        request: RequestState,
+        partner: TokenTree,
+        verified: TokenTree | None,
+        result: StepResult,
+        step_ms: float,
+    ) -> None:
+        """A model-free partner's tree: learn from its verified part where it was merged, and
+        wait for the tokens that settle its counterfactual acceptance."""
+        model = batch.merge[request.request_id].model
+        if verified is not None and request.request_id in batch.own_trees:
+            part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
+            if part.num_nodes > 1:
+                self._learn_state(request, model, part, int(part.depths().max()), accepted)
+        node_ms = None
+        if self.cost is not None:
+            nodes = sum(self._verified_nodes(batch, r.request_id) for r in batch.decode)
+            nodes += batch.prefill_tokens
+            node_ms = self.cost.verify_ms(nodes, mean_context(batch.members), len(batch.members))
+            node_ms /= nodes
+        self._counterfactuals.setdefault(request.request_id, []).append(
+            PendingCounterfactual(
+                model,
+                partner,
+                request.num_tokens,
+                step_ms,
+                node_ms,
+            )
+        )
+
+    def _settle_counterfactuals(self, request: RequestState) -> None:
+        """Report each pending model-free tree whose acceptance the committed tokens settle (all
+        of them once the request is finished) to the chooser, as an outcome not run."""
+        tokens = request.all_tokens
+        waiting = []
+        for pending in self._counterfactuals.pop(request.request_id):
+            accepted, final = counterfactual_accepted(pending.tree, tokens[pending.start :])
+            if not (final or request.is_finished):
+                waiting.append(pending)
+                continue
+            drafted = pending.tree.num_nodes - 1
+            self.counterfactual_stats.setdefault(pending.model, AcceptanceStats()).record(
+                drafted, accepted
+            )
+            # what verifying it would have cost: the root, the accepted path and the node
+            # where it stopped (the selector keeps about that much of a calibrated tree)
+            share = None if pending.node_ms is None else pending.node_ms * (2 + accepted)
+            self.chooser.observe(
+                DraftOutcome(
+                    request.request_id, pending.model, drafted, accepted, pending.step_ms, share,
+                    counterfactual=True,
+                )
+            )  # fmt: skip
+        if waiting:
+            self._counterfactuals[request.request_id] = waiting
 
     def abandon(self, batch: MicroBatch) -> None:
         """The executor could not finish this micro-batch: its requests are free to be scheduled
@@ -1061,19 +1229,25 @@ class SchedulerCore:
         share_ms: float | None = None,
     ) -> None:
         assert request.draft_model is not None
-        state = self._state(request, request.draft_model)
-        state.estimate.observe(num_accepted, depth)
-        self._model_estimate(request.draft_model).observe(num_accepted, depth)
-        predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
-        if predicted > 0:
-            ratio = min(max(num_accepted / predicted, CALIBRATION_CLIP[0]), CALIBRATION_CLIP[1])
-            state.calibration = DECAY * state.calibration + (1 - DECAY) * ratio
+        self._learn_state(request, request.draft_model, tree, depth, num_accepted)
         self.chooser.observe(
             DraftOutcome(
                 request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
                 elapsed_ms, share_ms,
             )
         )  # fmt: skip
+
+    def _learn_state(
+        self, request: RequestState, model: str, tree: TokenTree, depth: int, num_accepted: int
+    ) -> None:
+        """The planner's acceptance estimate and the selector's calibration of `model`."""
+        state = self._state(request, model)
+        state.estimate.observe(num_accepted, depth)
+        self._model_estimate(model).observe(num_accepted, depth)
+        predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
+        if predicted > 0:
+            ratio = min(max(num_accepted / predicted, CALIBRATION_CLIP[0]), CALIBRATION_CLIP[1])
+            state.calibration = DECAY * state.calibration + (1 - DECAY) * ratio
 
     def _cost_shares(self, batch: MicroBatch) -> dict[str, float]:
         """Each decoding request's share of the step's modeled time: of the verifier's forward
@@ -1169,3 +1343,4 @@ class SchedulerCore:
         self.policy.forget(rid)
         self._speculation.pop(rid, None)
         self._features.pop(rid, None)
+        self._counterfactuals.pop(rid, None)

@@ -15,7 +15,12 @@ the request's goodput on that model. Choosers:
 - `lbss`: Spin's learning-based selection (`shared/scheduling/lbss.py`): epochs of chunked random
   exploration and exploitation by max-weight matching under per-model capacities;
 - `oracle`: each request's model assigned in advance (experiments only: the simulator works it
-  out from runs on the recorded acceptance).
+  out from runs on the recorded acceptance);
+- `counterfactual`: for model-free drafts (`shared/engine/model_free.py`), what each would have
+  achieved is scored after every step from the tokens the target committed, run or not (the core
+  reports it as an outcome with `counterfactual` set); for model drafts, whose outcome is known
+  only where they ran, LBSS's exploration. Each request takes the model-free draft when its
+  recent goodput is at least its model draft's.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class DraftOutcome:
     # the request's own share of the step's modeled time (its verified nodes' share of the
     # verifier's forward, its drafted nodes' share of its model's drafting); None: no cost model
     share_ms: float | None = None
+    # not run: a model-free draft's tree scored against the tokens the target committed
+    counterfactual: bool = False
 
     @property
     def goodput(self) -> float:
@@ -306,7 +313,80 @@ class Oracle:
         pass
 
 
-CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle")
+RECENT_DECAY = 0.7  # the counterfactual chooser's per-request goodput: weight of older steps
+
+
+class Counterfactual:
+    """Model-free drafts judged on every step by what they would have achieved, model drafts by
+    LBSS among themselves; per request, the model-free draft with the best recent goodput wins
+    over LBSS's model when it is at least as good (decayed means per request and draft)."""
+
+    name = "counterfactual"
+    learns = True
+    counterfactual = True  # the core scores model-free trees beside every model draft
+
+    def __init__(
+        self,
+        preferred: Sequence[str] = (),
+        model_free: Sequence[str] = (),
+        lbss: LbssSettings | None = None,
+        seed: int = 0,
+    ) -> None:
+        from shared.scheduling.lbss import Lbss
+
+        self.model_free = tuple(model_free)
+        self.lbss = Lbss([m for m in preferred if m not in self.model_free], lbss, seed)
+        self.table = GoodputTable()  # every outcome: a draft's mean where a request has none
+        self.recent: dict[tuple[str, str], float] = {}
+
+    def estimate(self, request_id: str, model: str) -> float | None:
+        """The request's recent goodput on `model`, else the model's mean over all requests."""
+        own = self.recent.get((request_id, model))
+        return own if own is not None else self.table.model_mean(model)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        free = [m for m in self.model_free if m in live_models]
+        models = sorted(m for m in live_models if m not in self.model_free)
+        base = self.lbss.assign(requests, models, cost) if models else {}
+        chosen = {}
+        for r in requests:
+            model = base.get(r.request_id)
+            scored = [(e, m) for m in free if (e := self.estimate(r.request_id, m)) is not None]
+            best_free = max(scored, key=lambda pair: pair[0], default=None)
+            if best_free is None:  # not scored yet: a model draft's step scores it
+                pick = model if model is not None else (free[0] if free else None)
+            elif model is None:
+                pick = best_free[1]
+            else:
+                theirs = self.estimate(r.request_id, model)
+                pick = best_free[1] if theirs is None or best_free[0] >= theirs else model
+            if pick is not None:
+                chosen[r.request_id] = pick
+        return chosen
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        self.table.add(outcome)
+        key = (outcome.request_id, outcome.draft_model)
+        old = self.recent.get(key)
+        new = outcome.goodput
+        self.recent[key] = new if old is None else RECENT_DECAY * old + (1 - RECENT_DECAY) * new
+        if outcome.draft_model not in self.model_free:
+            self.lbss.observe(outcome)
+
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        models = [m for m in live_models if m not in self.model_free]
+        return self.lbss.next_model(request, models) if models else None
+
+    def forget(self, request_id: str) -> None:
+        self.lbss.forget(request_id)
+        self.table.forget(request_id)
+        for key in [k for k in self.recent if k[0] == request_id]:
+            del self.recent[key]
+
+
+CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle", "counterfactual")
 
 
 def make_chooser(
@@ -314,9 +394,11 @@ def make_chooser(
     preferred: Sequence[str],
     lbss: LbssSettings | None = None,
     best: Mapping[str, str] | None = None,
+    model_free: Sequence[str] = (),
 ) -> DraftChooser:
     """The chooser called `name`; `preferred`: the draft models, smallest first. The oracle
-    needs `best` (each request's best model), which only an experiment knows."""
+    needs `best` (each request's best model), which only an experiment knows; `model_free`:
+    the drafts among them that load no model (the counterfactual chooser scores them)."""
     if name == "fixed":
         return FixedDraftModel(preferred)
     if name == "greedy-length":
@@ -327,6 +409,8 @@ def make_chooser(
         from shared.scheduling.lbss import Lbss
 
         return Lbss(preferred, lbss)
+    if name == "counterfactual":
+        return Counterfactual(preferred, model_free, lbss)
     if name == "oracle":
         if best is None:
             raise ValueError("the oracle chooser needs each request's best draft model")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.engine.methods import DraftMethod
-from shared.scheduling.core import CoreConfig, SchedulerCore
+from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
@@ -24,6 +24,7 @@ class TargetInfo:
     eos_token_ids: tuple[int, ...] = ()
     hidden_size: int = 0  # the width of the target's features
     feature_drafts: frozenset[str] = frozenset()  # draft models that read them
+    model_free_drafts: tuple[str, ...] = ()  # drafts that load no model (`models.model_free`)
 
 
 def method_from_settings(spec: SpeculationSettings) -> DraftMethod | None:
@@ -48,6 +49,13 @@ def method_from_settings(spec: SpeculationSettings) -> DraftMethod | None:
     return None
 
 
+def resolve_merge(policy: str, model_free: bool, models: bool) -> MergePolicy:
+    """`auto`: a model-free draft merged with the model draft where there are both, else off."""
+    if policy == "auto":
+        return "model-free" if model_free and models else "off"
+    return policy  # type: ignore[return-value]
+
+
 def build_core(
     settings: AugurySettings,
     target: TargetInfo,
@@ -57,6 +65,8 @@ def build_core(
     first_batch_id: int = 1,
 ) -> SchedulerCore:
     config = settings.scheduler
+    model_free = tuple(m for m in target.model_free_drafts if m in draft_models)
+    has_models = len(model_free) < len(draft_models)
     return SchedulerCore(
         CoreConfig(
             vocab_size=target.vocab_size,
@@ -75,10 +85,13 @@ def build_core(
             feature_drafts=target.feature_drafts,
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,
-            merge_drafts=config.merge_drafts,
+            merge_drafts=resolve_merge(config.merge_drafts, bool(model_free), has_models),
+            model_free_drafts=model_free,
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps),
-        chooser=make_chooser(config.draft_chooser, draft_models, config.lbss),
+        chooser=make_chooser(
+            config.draft_chooser, draft_models, config.lbss, model_free=model_free
+        ),
         matcher=make_matcher(config.replica_matcher),
         selector=make_selector(config.tree_selection, config.slo),
         cost=cost,

@@ -94,6 +94,7 @@ class RequestState:
     requested_draft: str | None = None  # a draft model the client asked for
     speculate: bool = True  # False: plain decoding for this request
     method: DraftMethod | None = None  # this request's drafting method; None: the core's default
+    app: str = ""  # application key (`augury.app`): model-free drafts share a cache within one
     output: list[int] = field(default_factory=list)
     # the target's log-probabilities of `output` (asked with SamplingParams.logprobs)
     logprobs: TokenLogprobs | None = None

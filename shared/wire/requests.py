@@ -25,6 +25,7 @@ from shared.wire.values import (
 
 MAX_ID_LEN = 128
 MAX_DRAFT_NAME_LEN = 64  # a draft model's name in a Submit
+MAX_APP_LEN = 128  # an application key (`augury.app`)
 MAX_SLO_CLASS_LEN = 64  # an SLO class's name in a Submit or Tokens
 MAX_MESSAGE_LEN = 4096
 
@@ -60,9 +61,12 @@ class Submit(WireMessage):
     draft_model: str | None = None  # a configured draft model's name; None: scheduler picks
     speculate: bool = True  # False: plain decoding, no drafts
     slo_class: str | None = None  # a configured SLO class's name (written only when set)
+    app: str = ""  # the request's application key (`augury.app`; written only when set)
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
+        if len(self.app) > MAX_APP_LEN:
+            raise ValueError(f"app is at most {MAX_APP_LEN} characters")
         if not self.prompt:
             raise ValueError("a prompt has at least one token")
         if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
@@ -80,7 +84,7 @@ class Submit(WireMessage):
             "tpot_slo_ms": None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             "draft_model": self.draft_model,
             "speculate": bool(self.speculate),
-        } | _present(slo_class=self.slo_class)
+        } | _present(slo_class=self.slo_class, app=self.app or None)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -96,6 +100,7 @@ class Submit(WireMessage):
             draft_model=fields.optional_text("draft_model", max_len=MAX_DRAFT_NAME_LEN),
             speculate=fields.flag("speculate", True),
             slo_class=fields.optional_text("slo_class", max_len=MAX_SLO_CLASS_LEN),
+            app=fields.text("app", "", max_len=MAX_APP_LEN),
         )
 
 

@@ -18,7 +18,7 @@ from shared.engine.sampling import SamplingParams, TokenHistory
 from shared.engine.tree import TokenTree
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints, pack_matrix_f16
-from shared.wire.requests import MAX_ID_LEN, check_request_id
+from shared.wire.requests import MAX_APP_LEN, MAX_ID_LEN, check_request_id
 from shared.wire.values import (
     DraftMethod,
     FinishReason,
@@ -102,9 +102,14 @@ class DraftRequest:
     features: np.ndarray | None = field(default=None, hash=False)
     # what the request's processors and seeded noise read (written only when set)
     history: TokenHistory | None = None
+    # the application key the request named (`augury.app`): a model-free `suffix` draft shares
+    # its cache of recent sequences among the requests of one key. Sent only when set.
+    app: str = ""
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
+        if len(self.app) > MAX_APP_LEN:
+            raise ValueError(f"app is at most {MAX_APP_LEN} characters")
         if self.step < 0 or self.base_len < 0 or self.max_nodes < 0 or self.max_depth < 0:
             raise ValueError("step, base_len, max_nodes and max_depth are >= 0")
         if self.base_len + len(self.new_tokens) == 0:
@@ -137,6 +142,7 @@ class DraftRequest:
             | {name: int(v) for name, v in self._limits().items() if v}
             | _features_payload(self.features)
             | optional_history_payload(self.history)
+            | ({"app": self.app} if self.app else {})
         )
 
     def _limits(self) -> dict[str, int]:
@@ -157,6 +163,7 @@ class DraftRequest:
             max_depth=fields.integer("max_depth", 0, minimum=0),
             features=fields.optional_f16_matrix("features"),
             history=read_optional_history(fields),
+            app=fields.text("app", "", max_len=MAX_APP_LEN),
         )
 
 

@@ -1,0 +1,172 @@
+"""Tokens per target forward of model-free drafts against the model draft, per workload.
+
+    python -m bench.bench_model_free --per-kind 4 --max-tokens 128
+    python -m bench.bench_model_free --kinds code-edit chat --drafts draft-e ngram draft-e+ngram
+
+Acceptance is a property of the draft and the text, not of the machine's load, so this counts
+target forwards, not seconds: every configuration decodes the same prompts greedily with the
+SmolLM2 target (the goodput planner on the cost profile the CLI loads, or `--planner fixed`), and
+the table gives tokens per target forward (bonus included) per kind and whether each output
+equals plain decoding token for token. A configuration is a draft of the model set (`draft-e`,
+`draft-l`, ...), a model-free draft (`ngram`, `suffix`), a model draft merged with a model-free
+one (`draft-e+ngram`: both draft every step, their trees merged), or `choose:` and drafts
+(`choose:draft-e,ngram,suffix`: the counterfactual chooser among them, merging on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from bench.workloads import COPY_KINDS, conversation_ids, workload_messages
+from shared.datasets import eval_prompts
+from shared.engine.drafting import Drafter
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
+from shared.engine.presets import DEFAULT_METHOD
+from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.cost_profiles import load_or_measure
+from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.quantized import uses_int8
+from shared.model.runner import ModelRunner
+
+DATASET_KINDS = ("chat", "everyday", "code", "math")
+KV_BYTES = 256 << 20
+DEFAULT_DRAFTS = ("draft-e", "ngram", "suffix", "draft-e+ngram", "draft-e+suffix")
+
+
+def prompts(kinds: list[str], per_kind: int) -> dict[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    out = {}
+    for kind in kinds:
+        if kind in COPY_KINDS:
+            conversations = workload_messages(kind, per_kind)
+        else:
+            conversations = [(("user", text),) for text in eval_prompts(kind, per_kind)]
+        out[kind] = [conversation_ids(tokenizer, c) for c in conversations]
+    return out
+
+
+class Models:
+    """The target and every draft a configuration may name, loaded once."""
+
+    def __init__(self, planner: str) -> None:
+        self.target = load_model(target_dir())
+        self.verifier = Verifier(ModelRunner(self.target, kv_memory_bytes=KV_BYTES))
+        self.models: dict[str, Drafter] = {}
+        self.planner = planner
+        self._costs: dict[tuple[str, ...], object] = {}
+
+    def model_draft(self, name: str) -> Drafter:
+        if name not in self.models:
+            path = all_draft_dirs()[name]
+            model = load_model(path, target_path=target_dir(), int8=uses_int8("auto", "cpu"))
+            self.models[name] = Drafter(ModelRunner(model, kv_memory_bytes=KV_BYTES), name=name)
+        return self.models[name]
+
+    def engine(self, config: str) -> SpecEngine:
+        chooser = "fixed"
+        names = config.split("+")
+        if config.startswith("choose:"):
+            chooser, names = "counterfactual", config.removeprefix("choose:").split(",")
+        drafters: dict = {}
+        for name in names:
+            drafters[name] = ModelFreeDrafter(name) if name in MODEL_FREE_KINDS else None
+            if drafters[name] is None:
+                drafters[name] = self.model_draft(name)
+        models = {n: d.runner for n, d in drafters.items() if isinstance(d, Drafter)}
+        key = tuple(sorted(models))
+        if self.planner == "goodput" and key not in self._costs:
+            self._costs[key] = load_or_measure(
+                self.verifier.runner, models, target_name=target_dir().name
+            )
+        cost = self._costs.get(key)
+        engine = SpecEngine(
+            self.verifier,
+            drafters,
+            DEFAULT_METHOD,
+            EngineConfig(planner=self.planner, draft_chooser=chooser),
+            eos_token_ids=self.target.cfg.eos_token_ids,
+            cost=cost,  # type: ignore[arg-type]
+        )
+        if chooser == "fixed":  # the model draft first, as written
+            engine.core.chooser.preferred = list(names)  # type: ignore[attr-defined]
+        return engine
+
+
+def plain_outputs(models: Models, batch: dict[str, list[list[int]]], max_tokens: int) -> dict:
+    engine = SpecEngine(models.verifier, eos_token_ids=models.target.cfg.eos_token_ids)
+    params = SamplingParams(max_tokens=max_tokens)
+    return {
+        kind: [engine.generate([p], params)[0].output for p in kind_prompts]
+        for kind, kind_prompts in batch.items()
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch = prompts(args.kinds, args.per_kind)
+    models = Models(args.planner)
+    plain = plain_outputs(models, batch, args.max_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens)
+    results: dict = {}
+    for config in args.drafts:
+        per_kind = {}
+        for kind, kind_prompts in batch.items():
+            tokens = forwards = equal = 0
+            chosen: dict[str, int] = {}
+            for prompt, want in zip(kind_prompts, plain[kind], strict=True):
+                engine = models.engine(config)
+                [request] = engine.generate([prompt], params)
+                tokens += len(request.output)
+                forwards += engine.stats.num_target_forwards
+                equal += request.output == want
+                for model, stats in request.draft_stats.items():
+                    chosen[model] = chosen.get(model, 0) + stats.num_target_forwards
+            per_kind[kind] = {
+                "tokens_per_forward": tokens / max(forwards, 1),
+                "equal": f"{equal}/{len(kind_prompts)}",
+                "steps_by_draft": chosen,
+            }
+            print(config, kind, per_kind[kind], flush=True)
+        results[config] = per_kind
+    return results
+
+
+def report(results: dict, kinds: list[str]) -> str:
+    lines = ["| draft | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for config, per_kind in results.items():
+        cells = [
+            f"{per_kind[k]['tokens_per_forward']:.2f} ({per_kind[k]['equal']})" for k in kinds
+        ]
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", nargs="+", default=[*COPY_KINDS, "chat", "everyday"],
+                    choices=[*COPY_KINDS, *DATASET_KINDS])  # fmt: skip
+    ap.add_argument("--drafts", nargs="+", default=list(DEFAULT_DRAFTS))
+    ap.add_argument("--per-kind", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--planner", choices=["goodput", "fixed"], default="goodput")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    results = run(args)
+    print(report(results, args.kinds))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Model-free drafts through the engine: greedy output equal to plain decoding with an acceptance
+floor (alone, merged with a model draft, under the counterfactual chooser), the counterfactual
+acceptance of each verified tree equal to what verifying it gave, and sampled output that
+follows the target (chi-square), alone and merged."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from shared.engine.drafting import Drafter
+from shared.engine.methods import DraftMethod
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter, counterfactual_accepted
+from shared.engine.sampling import SamplingParams, processed_probs
+from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.runner import ModelRunner
+from tests.conftest import make_tiny_checkpoint
+from tests.stats import P_VALUE_FLOOR, fit_p_value
+
+# Prompts after which the tiny target's greedy output falls into repeats that prompt lookup can
+# copy (plain decoding of random weights loops); 80 tokens each.
+COPY_PROMPTS = [[93, 41, 90, 8, 24, 72], [87, 42, 60, 71], [64, 17, 36, 17, 12, 79]]
+MAX_TOKENS = 80
+# Tokens per target forward measured here: ngram 1.84, suffix 2.06 alone, merged with the tiny
+# model draft 1.85 and 2.08; the tiny model draft alone 1.00 (what a useless draft gets).
+FLOOR = 1.5
+
+
+def runner(path, kv_bytes: int = 2 << 20) -> ModelRunner:
+    return ModelRunner(load_model(path), block_size=4, kv_memory_bytes=kv_bytes)
+
+
+CHAIN = DraftMethod("chain", k=4)
+
+
+def make_engine(target_dir, drafters, method: DraftMethod = CHAIN, **cfg) -> SpecEngine:
+    return SpecEngine(
+        Verifier(runner(target_dir)), drafters, method if drafters else None, EngineConfig(**cfg)
+    )
+
+
+def model_draft(draft_dir, name: str = "tiny") -> Drafter:
+    return Drafter(runner(draft_dir, 1 << 20), name=name)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_target_dir):
+    reqs = make_engine(tiny_target_dir, None).generate(COPY_PROMPTS, SamplingParams(max_tokens=80))
+    return [r.output for r in reqs]
+
+
+@pytest.mark.parametrize("kind", MODEL_FREE_KINDS)
+def test_model_free_greedy_equals_plain(tiny_target_dir, plain_outputs, kind):
+    engine = make_engine(tiny_target_dir, ModelFreeDrafter(kind))
+    reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output for r in reqs] == plain_outputs
+    assert engine.stats.mean_accepted_length >= FLOOR
+
+
+@pytest.mark.parametrize("kind", MODEL_FREE_KINDS)
+def test_merged_with_a_model_draft_greedy_equals_plain(
+    tiny_target_dir, tiny_draft_dir, plain_outputs, kind
+):
+    drafters = {"tiny": model_draft(tiny_draft_dir), kind: ModelFreeDrafter(kind)}
+    engine = make_engine(tiny_target_dir, drafters)  # merge_drafts "auto": model-free merged
+    assert engine.core.config.merge_drafts == "model-free"
+    reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output for r in reqs] == plain_outputs
+    assert engine.core.num_merged_trees > 0
+    assert all(set(r.draft_stats) == {"tiny"} for r in reqs)  # the fixed chooser's model drafts
+    assert engine.stats.mean_accepted_length >= FLOOR
+
+
+def test_model_free_beside_prompt_chunks_and_arrivals(
+    tiny_target_dir, tiny_draft_dir, plain_outputs
+):
+    drafters = {"tiny": model_draft(tiny_draft_dir), "ngram": ModelFreeDrafter("ngram")}
+    engine = make_engine(tiny_target_dir, drafters, max_tokens_per_step=7)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    ids = [engine.add_request(COPY_PROMPTS[0], params)]
+    pending = list(COPY_PROMPTS[1:])
+    while engine.has_unfinished() or pending:
+        engine.step()
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), params, draft_model="ngram"))
+    assert [engine.requests[i].output for i in ids] == plain_outputs
+
+
+def test_counterfactual_chooser_keeps_greedy_output_and_scores_every_step(
+    tiny_target_dir, tiny_draft_dir, plain_outputs
+):
+    drafters = {"tiny": model_draft(tiny_draft_dir), "ngram": ModelFreeDrafter("ngram")}
+    engine = make_engine(
+        tiny_target_dir, drafters, draft_chooser="counterfactual", merge_drafts="off"
+    )
+    reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output for r in reqs] == plain_outputs
+    scored = engine.core.counterfactual_stats["ngram"]
+    assert scored.num_target_forwards > 0  # ngram trees scored on steps the model drafted
+    # the copy-heavy requests move to the draft that copies: most steps draft with ngram
+    steps = {m: sum(r.draft_stats[m].num_target_forwards for r in reqs if m in r.draft_stats)
+             for m in drafters}  # fmt: skip
+    assert steps["ngram"] > steps["tiny"]
+    assert engine.stats.mean_accepted_length >= FLOOR
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_counterfactual_acceptance_equals_verified(tiny_target_dir, temperature):
+    """Each verified ngram tree (whole, as drafted): how many of its tokens the target accepted
+    equals its counterfactual acceptance computed from the request's final output alone."""
+    seen = []
+
+    def record(batch, results):
+        for r in batch.decode:
+            tree = batch.trees[r.request_id]
+            seen.append((r.request_id, tree, r.num_tokens, results[r.request_id].num_accepted))
+
+    engine = SpecEngine(
+        Verifier(runner(tiny_target_dir)),
+        ModelFreeDrafter("ngram"),
+        DraftMethod("chain", k=4),
+        EngineConfig(planner="fixed", tree_selection="global-greedy"),
+        observer=record,
+    )
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=60) for s in range(3)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(COPY_PROMPTS, params, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
+    tokens = {rid: engine.requests[rid].all_tokens for rid in ids}
+    drafted = [s for s in seen if s[1].num_nodes > 1]
+    assert sum(accepted for *_, accepted in drafted) >= 10  # 18 at 0.3, more when greedy
+    for rid, tree, start, accepted in drafted:
+        assert counterfactual_accepted(tree, tokens[rid][start:])[0] == accepted
+
+
+# ---- sampled output follows the target -----------------------------------------------------------
+
+VOCAB = 6
+PROMPT = [1, 4, 2, 1, 4, 2, 1]  # repeats: prompt lookup proposes from the first step
+OUT_LEN = 3
+NUM_REQUESTS = 3000
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dirs(tmp_path_factory):
+    target = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("mf_target"), seed=3, vocab_size=VOCAB, hidden_size=32
+    )
+    draft = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("mf_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
+    )
+    return target, draft
+
+
+def exact_joint(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
+        probs = processed_probs(logits, params)
+        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
+    return joint
+
+
+@pytest.mark.parametrize("with_model", [False, True], ids=["alone", "merged"])
+def test_sampled_outputs_with_model_free_drafts_follow_target(small_vocab_dirs, with_model):
+    target_dir, draft_dir = small_vocab_dirs
+    drafters: dict = {"ngram": ModelFreeDrafter("ngram")}
+    if with_model:  # sampled chain nodes from the model beside the copy's deterministic ones
+        drafters["tiny"] = Drafter(runner(draft_dir, 4 << 20), name="tiny")
+    engine = SpecEngine(
+        Verifier(runner(target_dir, 8 << 20)),
+        drafters,
+        DraftMethod("chain", k=3),
+        EngineConfig(max_running=NUM_REQUESTS, draft_chooser="fixed"),
+    )
+    if with_model:
+        engine.core.chooser.preferred = ["tiny"]
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
+    ]
+    reqs = engine.generate([PROMPT] * NUM_REQUESTS, params)
+    # both ways through verification, many times: copies accepted and rejected
+    assert engine.stats.num_accepted > 100
+    assert engine.stats.num_draft_tokens - engine.stats.num_accepted > 1000
+    if with_model:
+        assert engine.core.num_merged_trees > NUM_REQUESTS // 2
+    outcomes = [tuple(r.output) for r in reqs]
+    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
