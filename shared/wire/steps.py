@@ -148,6 +148,7 @@ class DraftRequest:
             max_nodes=fields.integer("max_nodes", 0, minimum=0),
             max_depth=fields.integer("max_depth", 0, minimum=0),
             features=fields.optional_f16_matrix("features"),
+            cached_tokens=fields.integer("cached_tokens", 0, minimum=0),
         )
 
 
@@ -356,6 +357,9 @@ class VerifiedRequest:
     `features` (when the entry asked for them; written only when set): float16 [rows, H], the
     target's last-layer hidden states of a tree's accepted KV path (the root, then each accepted
     token: 1 + len(accepted) rows) or of each token of a prefill chunk.
+
+    `cached_tokens` (a chunk's; written only when set): how many of the chunk's first tokens the
+    verifier found in its prefix cache and did not compute.
     """
 
     request_id: str
@@ -365,6 +369,7 @@ class VerifiedRequest:
     finish: FinishReason | None = None
     error: str | None = None
     features: np.ndarray | None = field(default=None, hash=False)
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -385,7 +390,9 @@ class VerifiedRequest:
             "bonus": None if self.bonus is None else int(self.bonus),
             "finish": finish_payload(self.finish),
             "error": self.error,
-        } | _features_payload(self.features)
+        } | _features_payload(self.features) | (
+            {"cached_tokens": int(self.cached_tokens)} if self.cached_tokens else {}
+        )
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
