@@ -38,6 +38,7 @@ class Progress:
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
+    cached_tokens: int = 0  # prompt tokens found in the target's prefix cache
 
     @property
     def slo_met(self) -> bool | None:
@@ -90,6 +91,7 @@ def _note_objective(message: Tokens, progress: Progress) -> None:
     progress.slo_class = message.slo_class
     progress.tpot_slo_ms = message.tpot_slo_ms
     progress.tpot_ms = message.tpot_ms
+    progress.cached_tokens = message.cached_tokens or 0
 
 
 def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetrics) -> None:

@@ -127,6 +127,7 @@ def _slo_statistics(out: StepOutput, request: RequestState | None) -> dict[str, 
         "slo_class": request.slo_class,
         "tpot_slo_ms": request.tpot_slo_ms,
         "tpot_ms": request.tpot_ms,
+        "cached_tokens": request.num_cached_prompt_tokens,
     }
 
 

@@ -56,15 +56,14 @@ class Verifier:
         items = []
         skipped: dict[str, int] = {}  # chunk tokens found in the prefix cache, not computed
         for e in entries:
-            is_new = not self.runner.has_request(e.request_id)
-            if is_new:
+            if not self.runner.has_request(e.request_id):
                 self.runner.add_request(e.request_id)
             feature_rows = "all" if e.want_features else "none"
             if e.tree is None:
                 chunk = e.chunk
-                # a request new to this verifier (the scheduler service's case; the engine
-                # attaches at admission): features are not cached, so those compute everything
-                if is_new and e.chunk_start == 0 and not e.want_features:
+                # the scheduler service's case (the engine attaches at admission, and a request
+                # is looked up once); features are not cached, so those compute everything
+                if e.chunk_start == 0 and not e.want_features:
                     skip = self.runner.attach_prefix(e.request_id, chunk, len(chunk) - 1)
                     chunk = chunk[skip:]
                     skipped[e.request_id] = skip

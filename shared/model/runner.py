@@ -86,6 +86,7 @@ class _Sequence:
     salt: bytes | None = b""
     num_named: int = 0
     last_name: BlockHash | None = None
+    looked_up: bool = False  # the prefix cache was asked for it (once: `attach_prefix`)
     tree_tokens: list[int] = field(default_factory=list)  # the tree region's tokens
     # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
     # ancestor bitmask over tree-region indices, as a Python int.
@@ -249,13 +250,15 @@ class ModelRunner:
         return self.cache.prefix is not None
 
     def attach_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
-        """Give a request that holds nothing yet the cached blocks of its first tokens, at most
-        `limit` of them (a forward must still compute the token whose logits it needs); returns
-        how many tokens it now holds (0 with prefix caching off). The caller forwards the rest."""
+        """Give a request that holds nothing yet (and was not looked up before) the cached blocks
+        of its first tokens, at most `limit` of them (a forward must still compute the token whose
+        logits it needs); returns how many tokens it now holds (0 with prefix caching off). The
+        caller forwards the rest."""
         seq = self._seqs[request_id]
         prefix = self.cache.prefix
-        if prefix is None or seq.salt is None or seq.num_cached or seq.parents:
+        if prefix is None or seq.salt is None or seq.looked_up or seq.num_cached or seq.parents:
             return 0
+        seq.looked_up = True
         block_size = self.cache.block_size
         usable = max(0, min(limit, len(tokens)))
         names = block_hashes(tokens[:usable], block_size, salt=seq.salt)

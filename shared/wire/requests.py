@@ -127,7 +127,8 @@ class Tokens(WireMessage):
     already seen (redelivery) and detects gaps. The statistics count this step only
     (vLLM's counters): drafts is 1 when the step verified a draft, else 0. The message that
     finishes a request also carries its SLO class, its resolved TPOT objective and its measured
-    TPOT (scheduler clock), each written only when known.
+    TPOT (scheduler clock), and the prompt tokens found in the target's prefix cache, each written
+    only when known.
     """
 
     TYPE: ClassVar[str] = "tokens"
@@ -143,11 +144,15 @@ class Tokens(WireMessage):
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
+    # the finishing message's: prompt tokens the target found in its prefix cache
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
         if self.step < 0 or self.offset < 0:
             raise ValueError("step and offset are >= 0")
+        if self.cached_tokens is not None and self.cached_tokens < 0:
+            raise ValueError("cached_tokens must be >= 0")
         check_slo_class(self.slo_class)
         if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
             raise ValueError("tpot_slo_ms must be positive")
@@ -169,6 +174,7 @@ class Tokens(WireMessage):
             slo_class=self.slo_class,
             tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
+            cached_tokens=None if self.cached_tokens is None else int(self.cached_tokens),
         )
 
     @classmethod
@@ -187,6 +193,7 @@ class Tokens(WireMessage):
             slo_class=fields.optional_text("slo_class", max_len=MAX_SLO_CLASS_LEN),
             tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
             tpot_ms=fields.optional_number("tpot_ms"),
+            cached_tokens=fields.optional_integer("cached_tokens"),
         )
 
 
