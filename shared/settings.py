@@ -136,6 +136,11 @@ class EngineSettings(_Group):
     # Drafts' linear layers with int8 weights (`shared/model/quantized.py`): auto = on a CPU that
     # has the kernels (a draft's CPU forward is bound by its weights' bytes); outputs unchanged.
     draft_weights: DraftWeights = "auto"
+    # Prefix caching (docs/prefix-caching.md): full KV blocks of committed tokens are shared
+    # between requests, in the target and in every draft, and kept after them; at most this
+    # fraction of each cache is kept for blocks no request holds (0: shared only while held).
+    enable_prefix_caching: bool = True
+    prefix_cache_max_kept_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
 
 class SpeculationSettings(_Group):

@@ -181,6 +181,7 @@ class ModelRunner:
         )
         self._seqs: dict[str, _Sequence] = {}
         self._swapped_salts: dict[str, bytes | None] = {}
+        self.num_tokens_forwarded = 0  # every forward's new tokens, prompt chunks and tree nodes
 
     def _graphed_forward(
         self, max_tokens: int, max_requests: int, *, capture: bool
@@ -359,6 +360,7 @@ class ModelRunner:
             plans.append((base, new_depths))
         for item, seq, (base, _) in zip(items, seqs, plans, strict=True):
             self.cache.reserve(item.request_id, seq.num_cached + base + len(item.tokens))
+        self.num_tokens_forwarded += sum(len(item.tokens) for item in items)
 
         batch, rows = self._pack(items, seqs, plans)
         hidden = self._hidden_states(batch)
