@@ -148,7 +148,6 @@ class DraftRequest:
             max_nodes=fields.integer("max_nodes", 0, minimum=0),
             max_depth=fields.integer("max_depth", 0, minimum=0),
             features=fields.optional_f16_matrix("features"),
-            cached_tokens=fields.integer("cached_tokens", 0, minimum=0),
         )
 
 
@@ -408,6 +407,7 @@ class VerifiedRequest:
             finish=read_finish(fields, "finish"),
             error=fields.optional_text("error", max_len=MAX_REASON_LEN),
             features=fields.optional_f16_matrix("features"),
+            cached_tokens=fields.integer("cached_tokens", 0, minimum=0),
         )
 
 
