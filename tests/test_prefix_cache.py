@@ -178,7 +178,9 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert block in self.names
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
 TestAllocatorMachine = AllocatorMachine.TestCase
 
 

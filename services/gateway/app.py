@@ -305,8 +305,9 @@ class Gateway:
         assert progress.finish is not None
         self.metrics.e2e_latency.observe(time.monotonic() - progress.started)
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
-        self.metrics.prefix_cache_queries.inc(len(gen.prompt_ids))
-        self.metrics.prefix_cache_hits.inc(progress.cached_tokens)
+        if progress.cached_tokens is not None:
+            self.metrics.prefix_cache_queries.inc(len(gen.prompt_ids))
+            self.metrics.prefix_cache_hits.inc(progress.cached_tokens)
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
         count_slo(self.metrics, progress)
@@ -315,12 +316,14 @@ class Gateway:
     @staticmethod
     def _usage(gen: GenerationRequest, progress: Progress) -> dict[str, Any]:
         prompt, completion = len(gen.prompt_ids), len(progress.token_ids)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": progress.cached_tokens},
         }
+        if progress.cached_tokens is not None:  # the scheduler said (it does when it finishes)
+            usage["prompt_tokens_details"] = {"cached_tokens": progress.cached_tokens}
+        return usage
 
     @staticmethod
     def _finish_reason(progress: Progress) -> str | None:

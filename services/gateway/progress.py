@@ -38,7 +38,8 @@ class Progress:
     slo_class: str | None = None
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
-    cached_tokens: int = 0  # prompt tokens found in the target's prefix cache
+    # prompt tokens found in the target's prefix cache (None: the scheduler did not say)
+    cached_tokens: int | None = None
 
     @property
     def slo_met(self) -> bool | None:
@@ -91,7 +92,7 @@ def _note_objective(message: Tokens, progress: Progress) -> None:
     progress.slo_class = message.slo_class
     progress.tpot_slo_ms = message.tpot_slo_ms
     progress.tpot_ms = message.tpot_ms
-    progress.cached_tokens = message.cached_tokens or 0
+    progress.cached_tokens = message.cached_tokens
 
 
 def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetrics) -> None:
