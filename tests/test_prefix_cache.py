@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling import SamplingParams, processed_probs
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
@@ -18,6 +21,8 @@ from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator, block_bytes
 from shared.model.prefix_cache import PrefixCache, block_hashes
 from shared.model.runner import ForwardItem, ModelRunner
+from tests.conftest import make_tiny_checkpoint
+from tests.stats import P_VALUE_FLOOR, fit_p_value
 
 BLOCK = 4
 FULL_TREES = {
@@ -333,3 +338,56 @@ def test_preemption_swap_and_recompute_with_shared_prefixes(tiny_target_dir, kv_
     assert engine.verifier.runner.cache.prefix.hits > 0
     runner = engine.verifier.runner
     assert runner.cache.allocator.num_free == runner.cache.num_blocks
+
+
+# ---- sampling stays lossless ---------------------------------------------------------------------
+
+VOCAB = 6
+OUT_LEN = 3
+
+
+def exact_joint_of(target_dir, prompt, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """The target's exact probability of every 3-token output (transformers, no cache)."""
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(seq[:-1])])).logits[0, len(prompt) - 1 :]
+        probs = processed_probs(logits, params)
+        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
+    return joint
+
+
+
+def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
+    """Requests whose prompt's first blocks come from the cache (the target's and the draft's)
+    sample the target's distribution: chi-square against the exact joint of 3 tokens."""
+    target = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("pc_target"), seed=3, vocab_size=VOCAB, hidden_size=32
+    )
+    draft = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("pc_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
+    )
+    prompt = [1, 4, 2, 0, 3, 5, 1, 1, 2, 4]  # two full blocks, cached after the first request
+    num_requests = 2000
+    engine = make_engine(
+        target,
+        draft,
+        DraftMethod("static", expansion=(2, 2)),
+        caching=True,
+        target_kv_bytes=8 << 20,
+        max_running=num_requests,
+    )
+    warm = SamplingParams(temperature=0.9, seed=0, max_tokens=OUT_LEN)
+    engine.generate([prompt], warm)
+    params = [
+        SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(num_requests)
+    ]
+    reqs = engine.generate([prompt] * num_requests, params)
+    assert all(r.num_cached_prompt_tokens == 8 for r in reqs)
+    assert engine.stats.num_draft_tokens > 0
+    assert engine.drafter.runner.cache.prefix.hits >= 8 * num_requests
+    outcomes = [tuple(r.output) for r in reqs]
+    joint = exact_joint_of(target, prompt, params[0])
+    assert fit_p_value(outcomes, joint) > P_VALUE_FLOOR
+    assert len(outcomes[0]) == OUT_LEN
