@@ -448,7 +448,13 @@ class SchedulerService:
             result = await self._verify(job)
             results = {
                 e.request_id: StepResult(
-                    e.request_id, e.step, e.new_tokens, len(e.accepted), e.error, e.features
+                    e.request_id,
+                    e.step,
+                    e.new_tokens,
+                    len(e.accepted),
+                    e.error,
+                    e.features,
+                    cached_tokens=e.cached_tokens,
                 )
                 for e in result.entries
             }
