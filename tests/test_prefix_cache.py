@@ -23,6 +23,7 @@ from shared.model.prefix_cache import PrefixCache, block_hashes
 from shared.model.runner import ForwardItem, ModelRunner
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
+from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
 
 BLOCK = 4
 FULL_TREES = {
@@ -391,3 +392,41 @@ def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
     joint = exact_joint_of(target, prompt, params[0])
     assert fit_p_value(outcomes, joint) > P_VALUE_FLOOR
     assert len(outcomes[0]) == OUT_LEN
+
+
+# ---- a feature-level draft -----------------------------------------------------------------------
+
+
+def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
+    tiny_target_dir,
+    feature_draft_dir,  # noqa: F811
+    plain,
+):
+    """The feature-level draft caches its own entries (named with the request's first token:
+    each reads the target's feature before it); the target computes every position for it (the
+    draft needs their features). Second-round requests find the draft's blocks and draft the
+    same trees as without the cache: the same tokens accepted, step by step."""
+    params = SamplingParams(max_tokens=12)
+    accepted = {}
+    for caching in (False, True):
+        target = ModelRunner(
+            load_model(tiny_target_dir), block_size=BLOCK, kv_memory_bytes=2 << 20
+        )
+        model = load_model(feature_draft_dir, target_path=tiny_target_dir)
+        draft = ModelRunner(
+            model, block_size=BLOCK, kv_memory_bytes=1 << 20, prefix_caching=caching
+        )
+        engine = SpecEngine(
+            Verifier(target),
+            Drafter(draft, name="draft-e"),
+            DraftMethod("chain", k=3),
+            EngineConfig(planner="fixed"),
+        )
+        outputs = one_after_another(engine, PROMPTS, params)
+        assert outputs == plain["one_by_one"]
+        assert engine.stats.num_draft_tokens > 0
+        accepted[caching] = list(engine.stats.accepted_per_position)
+        assert target.cache.prefix.hits == 0  # features are not cached: computed every time
+        if caching:  # entries of tokens 1..16 for the 2nd and 4th prompts, 1..8 for the 3rd
+            assert draft.cache.prefix.hits >= 16 + 8 + 16
+    assert accepted[True] == accepted[False]
