@@ -7,14 +7,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
+from openai import AsyncOpenAI
 
-from services.run import start_verifier
+from services.run import start_stack, start_verifier
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
 from shared.engine.sampling import SamplingParams
 from shared.wire import Tokens
-from tests.test_services_support import Client, plain_greedy, running
+from tests.test_services_openai import (  # noqa: F401  (smollm2_models: a fixture)
+    QUESTION,
+    free_port,
+    smollm2_models,
+    wait_for_gateway,
+)
+from tests.test_services_support import Client, make_settings, plain_greedy, running
 
 pytestmark = pytest.mark.anyio
 
@@ -94,3 +102,63 @@ async def test_a_conversation_reuses_its_history_through_restarts(
             tiny_target_dir, [history], [long_params]
         )[0]
         assert fresh.runner.cache.prefix.hits > 0  # the restarted verifier's cache fills again
+
+
+@pytest.mark.smollm2
+async def test_cached_tokens_reach_the_http_usage_and_metrics(
+    server: EmbeddedRedis,
+    smollm2_models: ModelPaths,  # noqa: F811
+) -> None:
+    """The whole stack on SmolLM2 behind the OpenAI client: a chat's second turn reports the
+    history it found cached in `usage.prompt_tokens_details.cached_tokens`, and /metrics
+    counts the hits."""
+    port = free_port()
+    settings = make_settings(
+        server.url,
+        "prefix-http",
+        engine={"block_size": 16, "kv_memory_bytes": 64 << 20},
+        gateway={"port": port},
+        models={"target_dir": smollm2_models.target},
+    )
+    stack = await start_stack(settings, server.url, smollm2_models)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        await wait_for_gateway(client)
+        messages = [{"role": "user", "content": QUESTION}]
+        first = await client.chat.completions.create(
+            model=settings.gateway.model_name,
+            messages=messages,
+            max_completion_tokens=8,
+            temperature=0,
+        )
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+        stream = await client.chat.completions.create(
+            model=settings.gateway.model_name,
+            messages=messages,
+            max_completion_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached = usage.prompt_tokens_details.cached_tokens
+        # the first turn's prompt, in full blocks of 16 (its answer's tokens are re-tokenized
+        # by the chat template, so they need not match)
+        assert first.usage.prompt_tokens // 16 * 16 <= cached < usage.prompt_tokens
+        url = f"http://127.0.0.1:{port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            metrics = await response.text()
+        queried = first.usage.prompt_tokens + usage.prompt_tokens
+        assert f"augury_prefix_cache_queries_total {float(queried)}" in metrics
+        assert f"augury_prefix_cache_hits_total {float(cached)}" in metrics
+    finally:
+        await client.close()
+        await stack.stop()
