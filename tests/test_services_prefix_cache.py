@@ -162,3 +162,12 @@ async def test_cached_tokens_reach_the_http_usage_and_metrics(
     finally:
         await client.close()
         await stack.stop()
+
+
+def test_a_resumed_request_keeps_its_cached_token_count() -> None:
+    """A successor scheduler reads the count back with the request's progress (its usage)."""
+    from services.scheduler.store import Progress, decode_progress, encode_progress
+
+    progress = Progress([], 3, cached_prompt_tokens=24)
+    back = decode_progress(encode_progress(progress), b"", b"")
+    assert back.cached_prompt_tokens == 24
