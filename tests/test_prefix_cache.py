@@ -430,3 +430,23 @@ def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
         if caching:  # entries of tokens 1..16 for the 2nd and 4th prompts, 1..8 for the 3rd
             assert draft.cache.prefix.hits >= 16 + 8 + 16
     assert accepted[True] == accepted[False]
+
+
+def test_a_chunked_prompt_picks_up_blocks_committed_since_its_admission(tiny_target_dir):
+    """Two requests sharing a prefix arrive together under a small token budget: the second is
+    admitted while the first is mid-prompt, finds the blocks committed so far, and its later
+    chunks (on block boundaries) find the ones committed since; outputs unchanged."""
+    prompts = [SHARED + [50, 51, 52], SHARED + [60, 61]]
+    params = SamplingParams(max_tokens=6)
+    reference = make_engine(tiny_target_dir, None, None, caching=False, max_tokens_per_step=5)
+    expected = [r.output for r in reference.generate(prompts, params)]
+    engine = make_engine(tiny_target_dir, None, None, caching=True, max_tokens_per_step=5)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.requests[i].output for i in ids] == expected
+    first, second = (engine.requests[i] for i in ids)
+    assert first.num_cached_prompt_tokens == 0
+    assert second.num_cached_prompt_tokens == 16  # every full block of the shared prefix
+    forwarded = engine.verifier.runner.num_tokens_forwarded
+    assert reference.verifier.runner.num_tokens_forwarded - forwarded == 16

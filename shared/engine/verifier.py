@@ -61,9 +61,10 @@ class Verifier:
             feature_rows = "all" if e.want_features else "none"
             if e.tree is None:
                 chunk = e.chunk
-                # the scheduler service's case (the engine attaches at admission, and a request
-                # is looked up once); features are not cached, so those compute everything
-                if e.chunk_start == 0 and not e.want_features:
+                # the scheduler service's first chunk, and any later chunk that continues cached
+                # blocks (the engine attaches at admission too); features are not cached, so
+                # those requests compute everything
+                if not e.want_features:
                     skip = self.runner.attach_prefix(e.request_id, chunk, len(chunk) - 1)
                     chunk = chunk[skip:]
                     skipped[e.request_id] = skip

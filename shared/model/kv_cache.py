@@ -216,12 +216,10 @@ class PagedKVCache:
             raise ValueError(f"request {request_id!r} already has a KV cache")
         self._blocks[request_id] = []
 
-    def attach(self, request_id: str, blocks: list[int]) -> None:
-        """Give a request with no blocks yet the (cached) `blocks` as its first ones."""
-        if self._blocks[request_id]:
-            raise ValueError(f"request {request_id!r} already has blocks")
+    def extend(self, request_id: str, blocks: list[int]) -> None:
+        """Append held or kept (cached) `blocks` to the request's blocks, as one more holder."""
         self.allocator.acquire(blocks)
-        self._blocks[request_id] = list(blocks)
+        self._blocks[request_id].extend(blocks)
 
     def num_blocks_alone(self, request_id: str) -> int:
         """The request's blocks no other request holds (what freeing it gives back)."""

@@ -49,7 +49,7 @@ class PrefixCache:
         self.block_size = block_size
         self._block_of: dict[BlockHash, int] = {}
         self._name_of: dict[int, BlockHash] = {}
-        self.queries = 0  # tokens looked up
+        self.queries = 0  # tokens of the full blocks looked up (each lookup counts)
         self.hits = 0  # of them, found cached
         allocator.on_evict = self._forget
 

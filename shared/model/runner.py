@@ -86,7 +86,6 @@ class _Sequence:
     salt: bytes | None = b""
     num_named: int = 0
     last_name: BlockHash | None = None
-    looked_up: bool = False  # the prefix cache was asked for it (once: `attach_prefix`)
     tree_tokens: list[int] = field(default_factory=list)  # the tree region's tokens
     # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
     # ancestor bitmask over tree-region indices, as a Python int.
@@ -251,28 +250,40 @@ class ModelRunner:
         return self.cache.prefix is not None
 
     def attach_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
-        """Give a request that holds nothing yet (and was not looked up before) the cached blocks
-        of its first tokens, at most `limit` of them (a forward must still compute the token whose
-        logits it needs); returns how many tokens it now holds (0 with prefix caching off). The
-        caller forwards the rest."""
+        """Extend the request's committed KV by the cached blocks of its next `tokens` (those after
+        what it holds), at most `limit` of them (a forward must still compute the token whose
+        logits it needs); returns how many of `tokens` it now holds, which the caller does not
+        forward. Only a request that holds whole blocks, every one named, and no tree can be
+        extended (a new one, or one whose chunks ended on block boundaries); 0 otherwise and
+        with prefix caching off."""
         seq = self._seqs[request_id]
         prefix = self.cache.prefix
-        if prefix is None or seq.salt is None or seq.looked_up or seq.num_cached or seq.parents:
-            return 0
-        seq.looked_up = True
         block_size = self.cache.block_size
+        full = seq.num_cached // block_size
+        if (
+            prefix is None
+            or seq.salt is None
+            or seq.parents
+            or seq.num_cached % block_size
+            or seq.num_named != full
+            or len(self.cache.blocks(request_id)) != full
+        ):
+            return 0
         usable = max(0, min(limit, len(tokens)))
-        names = block_hashes(tokens[:usable], block_size, salt=seq.salt)
+        names = block_hashes(tokens[:usable], block_size, salt=seq.salt, parent=seq.last_name)
+        if not names:
+            return 0
         blocks = prefix.lookup(names)
-        prefix.count(len(tokens), len(blocks) * block_size)
+        prefix.count(len(names) * block_size, len(blocks) * block_size)
         if not blocks:
             return 0
-        self.cache.attach(request_id, blocks)
-        seq.num_cached = len(blocks) * block_size
-        seq.tokens = list(tokens[: seq.num_cached])
-        seq.num_named = len(blocks)
+        self.cache.extend(request_id, blocks)
+        hit = len(blocks) * block_size
+        seq.num_cached += hit
+        seq.tokens.extend(tokens[:hit])
+        seq.num_named += len(blocks)
         seq.last_name = names[len(blocks) - 1]
-        return seq.num_cached
+        return hit
 
     def _name_blocks(self, request_id: str, seq: _Sequence) -> None:
         """Name the request's full blocks of committed tokens not named yet (a block whose name
