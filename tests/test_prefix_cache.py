@@ -450,3 +450,21 @@ def test_a_chunked_prompt_picks_up_blocks_committed_since_its_admission(tiny_tar
     assert second.num_cached_prompt_tokens == 16  # every full block of the shared prefix
     forwarded = engine.verifier.runner.num_tokens_forwarded
     assert reference.verifier.runner.num_tokens_forwarded - forwarded == 16
+
+
+def test_the_planner_charges_a_new_drafter_only_the_uncached_prompt():
+    """A token-level drafter new to a request is charged for the committed tokens past the
+    prefix the target found cached (its own cache holds the same blocks); a drafter that has
+    seen some tokens, or a feature-level one, for what it has not seen."""
+    from shared.scheduling.core import CoreConfig, SchedulerCore
+    from shared.scheduling.request import RequestState
+
+    core = SchedulerCore(
+        CoreConfig(vocab_size=96, max_context=256, feature_drafts=frozenset({"e"}))
+    )
+    request = RequestState("r", SHARED + [50, 51], SamplingParams(max_tokens=4), seed=0)
+    request.num_cached_prompt_tokens = 16
+    assert core._drafter_backlog(request, "d") == 20 - 16
+    assert core._drafter_backlog(request, "e") == 20
+    request.num_seen_by_drafter = 18
+    assert core._drafter_backlog(request, "d") == 2

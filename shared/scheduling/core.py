@@ -691,7 +691,7 @@ class SchedulerCore:
                     method,
                     min(self.max_depth(request), method.num_layers),
                     state.estimate.rate(prior),
-                    request.num_tokens - request.num_seen_by_drafter,
+                    self._drafter_backlog(request, model),
                     request.tokens_left,
                 )
             )
@@ -745,6 +745,16 @@ class SchedulerCore:
         if self.config.fast_switching or self.config.merge_drafts != "off":
             for rid in batch.drafts:
                 self._plan_standby(self.requests[rid], batch)
+
+    def _drafter_backlog(self, request: RequestState, model: str) -> int:
+        """Committed tokens the drafter must still forward: those it has not seen, less, for a
+        drafter new to the request, the prompt prefix the target found cached (a token-level
+        draft's prefix cache names the same blocks for the same requests: most likely it holds
+        them too; a feature-level draft's target computed every position, so no count)."""
+        unseen = request.num_tokens - request.num_seen_by_drafter
+        if request.num_seen_by_drafter == 0 and model not in self.config.feature_drafts:
+            unseen -= request.num_cached_prompt_tokens
+        return unseen
 
     def _place(self, request: RequestState, model: str) -> None:
         """Draft the request on a replica of `model` (its current one while it lives; a warm
