@@ -7,8 +7,6 @@ from typing import ClassVar, Generic, TypeVar
 
 from services.runtime import ModelThread
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
-from shared.bus.kv_usage import KVUsage, KVUsageReporter
-from shared.model.kv_cache import PagedKVCache
 from shared.wire import WireMessage
 
 JobT = TypeVar("JobT", bound=WireMessage)
@@ -39,9 +37,6 @@ class ModelService(Generic[JobT, AnswerT]):
             bus, group=service, streams=[job_stream], handler=self.handle
         )
         self.heartbeat = Heartbeater(bus, service=service, cell=cell, model=model, capacity=1)
-        # the KV cache's counts after the last job (taken on the model thread), for /metrics
-        self.kv_reporter: KVUsageReporter | None = None
-        self._kv_usage: KVUsage | None = None
 
     async def start(self) -> None:
         await self.consumer.start()
@@ -61,20 +56,14 @@ class ModelService(Generic[JobT, AnswerT]):
         answer = await self._thread.run(self.run_job, job)
         if answer is not None:
             await self.bus.publish(self._reply_stream, answer)
-        if self.kv_reporter is not None and self._kv_usage is not None:
-            await self.kv_reporter.report(self._kv_usage)
 
     def run_job(self, job: JobT) -> AnswerT | None:
         """On the model thread: drop the released requests, then answer the job's entries."""
         for request_id in job.release:  # type: ignore[attr-defined]
             self.forget(request_id)
-        answer = self.answer(job) if job.entries else None  # type: ignore[attr-defined]
-        if self.kv_reporter is not None:
-            self._kv_usage = KVUsage.of(self.kv_cache())
-        return answer
-
-    def kv_cache(self) -> PagedKVCache:
-        raise NotImplementedError
+        if not job.entries:  # type: ignore[attr-defined]
+            return None
+        return self.answer(job)
 
     def forget(self, request_id: str) -> None:
         """Free everything held for a request (its KV, its last answer)."""

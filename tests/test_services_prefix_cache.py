@@ -159,17 +159,6 @@ async def test_cached_tokens_reach_the_http_usage_and_metrics(
         queried = first.usage.prompt_tokens + usage.prompt_tokens
         assert f"augury_prefix_cache_queries_total {float(queried)}" in metrics
         assert f"augury_prefix_cache_hits_total {float(cached)}" in metrics
-        # each model service's cache, as it last reported it
-        usage = {
-            line.split("{")[0] + line.split("}")[0].split("role=")[1]: float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith(("augury_kv_cache_usage_perc{", "augury_prefix_cache_kept_blocks{"))
-        }
-        target_used = usage['augury_kv_cache_usage_perc"target"']
-        target_kept = usage['augury_prefix_cache_kept_blocks"target"']
-        assert 0 <= target_used <= 1 and target_kept >= 0
-        assert target_used > 0 or target_kept > 0  # the turns' blocks: held, or kept after
-        assert any(key.startswith('augury_kv_cache_usage_perc"draft:') for key in usage)
     finally:
         await client.close()
         await stack.stop()

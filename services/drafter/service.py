@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.bus.kv_usage import KVUsageReporter
 from shared.engine.drafting import Drafter
 from shared.engine.methods import DraftMethod, tree_capacity
-from shared.model.kv_cache import PagedKVCache
 from shared.model.runner import ModelRunner
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
@@ -52,7 +50,6 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
             reply_stream=candidates_stream(cell),
         )
         self.drafter = Drafter(runner, name=model)
-        self.kv_reporter = KVUsageReporter(bus, cell, f"draft:{model}:{self.replica}")
         self.stats = DrafterStats()
         self._answers: dict[str, DraftedTree] = {}  # last answer per request, for redeliveries
 
@@ -61,9 +58,6 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
         return self.drafter.runner
 
     draft_job = ModelService.run_job
-
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.cache
 
     def forget(self, request_id: str) -> None:
         self.drafter.free(request_id)

@@ -30,7 +30,6 @@ from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from shared.bus import Bus
-from shared.bus.kv_usage import read_kv_usage
 from shared.bus.preemptions import read_preemptions
 from shared.bus.profiles import read_profiles
 from shared.engine.sampling import SamplingParams
@@ -197,10 +196,6 @@ class Gateway:
             )
         except (RedisError, OSError, ValueError) as error:
             log.warning("could not read the preemption totals: %s", error)
-        try:
-            self.metrics.kv_usage.usage = await read_kv_usage(self.bus, self.settings.service.cell)
-        except (RedisError, OSError, ValueError) as error:
-            log.warning("could not read the KV cache usage: %s", error)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -6,10 +6,9 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.bus.kv_usage import KVUsage
 from shared.scheduling.cost_model import ModelProfile
 
 LATENCY_BUCKETS = (
@@ -55,38 +54,12 @@ class PreemptionTotals(Collector):
         yield family
 
 
-class KVCacheUsage(Collector):
-    """Each model service's KV cache, as it last wrote its counts to Redis (read at scrape)."""
-
-    def __init__(self) -> None:
-        self.usage: dict[str, KVUsage] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        used = GaugeMetricFamily(
-            "augury_kv_cache_usage_perc",
-            "Fraction of a model service's KV blocks that requests hold (1 = full).",
-            labels=["role"],
-        )
-        kept = GaugeMetricFamily(
-            "augury_prefix_cache_kept_blocks",
-            "KV blocks no request holds, kept for the prefix cache (evicted when needed).",
-            labels=["role"],
-        )
-        for role, usage in sorted(self.usage.items()):
-            used.add_metric([role], usage.held / usage.blocks if usage.blocks else 0.0)
-            kept.add_metric([role], usage.kept)
-        yield used
-        yield kept
-
-
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.preemptions = PreemptionTotals()
         r.register(self.preemptions)
-        self.kv_usage = KVCacheUsage()
-        r.register(self.kv_usage)
         self.cost_forward_ms = Gauge(
             "augury_cost_forward_ms",
             "Measured forward latency of a model service (its cost profile): role is target or "

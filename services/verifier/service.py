@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.bus.kv_usage import KVUsageReporter
 from shared.engine.verifier import Verifier
-from shared.model.kv_cache import PagedKVCache
 from shared.model.runner import ModelRunner
 from shared.wire import VerifiedRequest, VerifyJob, VerifyRequest, VerifyResult
 from shared.wire.streams import VERIFIER, results_stream, verify_stream
@@ -56,7 +54,6 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
             reply_stream=results_stream(cell),
         )
         self.verifier = Verifier(runner)
-        self.kv_reporter = KVUsageReporter(bus, cell, "target")
         self.stats = VerifierStats()
         self._answers: dict[str, VerifiedRequest] = {}
 
@@ -65,9 +62,6 @@ class VerifierService(ModelService[VerifyJob, VerifyResult]):
         return self.verifier.runner
 
     verify_job = ModelService.run_job
-
-    def kv_cache(self) -> PagedKVCache:
-        return self.runner.cache
 
     # ---- on the model thread ---------------------------------------------------------------------
     def forget(self, request_id: str) -> None:

@@ -95,11 +95,6 @@ def preemptions_key(cell: str) -> str:
     return f"{PREFIX}:{cell}:preemptions"
 
 
-def kv_usage_key(cell: str) -> str:
-    """Hash of the model services' KV cache block counts (`shared/bus/kv_usage.py`)."""
-    return f"{PREFIX}:{cell}:kv_usage"
-
-
 def scheduler_lease_key(cell: str) -> str:
     """Names the one scheduler serving the cell; expires unless that scheduler renews it."""
     return f"{PREFIX}:{cell}:scheduler:lease"
