@@ -112,6 +112,8 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
         kv_memory_bytes=settings.kv_memory_bytes,
         cuda_graph_max_tokens=settings.cuda_graph_max_tokens,
         cuda_graph_max_requests=settings.cuda_graph_max_requests,
+        prefix_caching=settings.enable_prefix_caching,
+        max_kept_fraction=settings.prefix_cache_max_kept_fraction,
     )
     runner.capture_graphs()  # on CUDA: now, not on the first requests
     return runner

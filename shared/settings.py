@@ -154,6 +154,11 @@ class EngineSettings(_Group):
     # The verifier's target split over this many ranks (GPUs), one process each
     # (`shared/model/tensor_parallel.py`, docs/tensor-parallel.md); drafts stay on one device.
     tensor_parallel_size: PositiveInt = 1
+    # Prefix caching (docs/prefix-caching.md): full KV blocks of committed tokens are shared
+    # between requests, in the target and in every draft, and kept after them; at most this
+    # fraction of each cache is kept for blocks no request holds (0: shared only while held).
+    enable_prefix_caching: bool = True
+    prefix_cache_max_kept_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
 
 class SpeculationSettings(_Group):

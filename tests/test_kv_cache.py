@@ -172,7 +172,8 @@ def test_a_request_alone_keeps_consecutive_blocks(tiny_target_dir):
     follows a finished request starts at the first block: consecutive blocks either way (CPU
     attention reads them as a view)."""
     model = load_model(tiny_target_dir)
-    runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20)
+    # without prefix caching: a finished request's full blocks would be kept for reuse
+    runner = ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20, prefix_caching=False)
     cache = runner.cache
 
     def is_consecutive(rid: str) -> bool:

@@ -376,6 +376,9 @@ class Gateway:
         self.metrics.e2e_latency.observe(time.monotonic() - progress.started)
         if prompt:  # n choices of one prompt count it once
             self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+            if progress.cached_tokens is not None:
+                self.metrics.prefix_cache_queries.inc(len(gen.prompt_ids))
+                self.metrics.prefix_cache_hits.inc(progress.cached_tokens)
         self.metrics.generation_tokens.inc(len(progress.token_ids))
         self.metrics.requests.labels(finished_reason=progress.finish.value).inc()
         if progress.finish is FinishReason.ABORT:
@@ -384,14 +387,19 @@ class Gateway:
 
     # ---- responses -----------------------------------------------------------------------------
     @staticmethod
-    def _usage(gen: GenerationRequest, choices: list[Choice]) -> dict[str, int]:
+    def _usage(gen: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
         prompt = len(gen.prompt_ids)
         completion = sum(len(choice.progress.token_ids) for choice in choices)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        # the scheduler says when a request finishes; n choices: the least any of them found
+        cached = [c.progress.cached_tokens for c in choices if c.progress.cached_tokens is not None]
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": min(cached)}
+        return usage
 
     @staticmethod
     def _finish_reason(progress: Progress) -> str | None:

@@ -162,6 +162,17 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(
             "augury_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
+        # vLLM's prefix-cache counters, in prompt tokens of finished requests
+        self.prefix_cache_queries = Counter(
+            "augury_prefix_cache_queries",
+            "Prompt tokens looked up in the target's prefix cache.",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "augury_prefix_cache_hits",
+            "Prompt tokens found in the target's prefix cache.",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "augury_generation_tokens", "Generated tokens.", registry=r
         )

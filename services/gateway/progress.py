@@ -42,6 +42,8 @@ class Progress:
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
     logprobs: TokenLogprobs = EMPTY  # of token_ids, when the request asked for them
+    # prompt tokens found in the target's prefix cache (None: the scheduler did not say)
+    cached_tokens: int | None = None
 
     @property
     def slo_met(self) -> bool | None:
@@ -94,6 +96,7 @@ def _note_objective(message: Tokens, progress: Progress) -> None:
     progress.slo_class = message.slo_class
     progress.tpot_slo_ms = message.tpot_slo_ms
     progress.tpot_ms = message.tpot_ms
+    progress.cached_tokens = message.cached_tokens
 
 
 def _count(message: Tokens, fresh: int, progress: Progress, metrics: GatewayMetrics) -> None:

@@ -129,6 +129,7 @@ def _slo_statistics(out: StepOutput, request: RequestState | None) -> dict[str, 
         "slo_class": request.slo_class,
         "tpot_slo_ms": request.tpot_slo_ms,
         "tpot_ms": request.tpot_ms,
+        "cached_tokens": request.num_cached_prompt_tokens,
     }
 
 
@@ -469,6 +470,7 @@ class SchedulerService:
                     e.error,
                     e.features,
                     e.logprobs,
+                    cached_tokens=e.cached_tokens,
                 )
                 for e in result.entries
             }

@@ -83,6 +83,7 @@ class Progress:
     accepted_lengths: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     draft: tuple[str, str] | None = None  # (model, replica) holding the request's draft KV
+    cached_prompt_tokens: int = 0  # prompt tokens the target found cached (for the usage)
 
     @classmethod
     def of(cls, request: RequestState) -> Progress:
@@ -100,6 +101,7 @@ class Progress:
             request.accepted_lengths,
             request.stats,
             draft,
+            request.num_cached_prompt_tokens,
         )
 
     def apply(self, request: RequestState) -> None:
@@ -112,6 +114,7 @@ class Progress:
         request.attained_service_ms = self.attained_service_ms
         request.accepted_lengths = list(self.accepted_lengths)
         request.stats = self.stats
+        request.num_cached_prompt_tokens = self.cached_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ def encode_progress(progress: Progress) -> bytes:
             ],
             "accepted_per_position": pack_ints(stats.accepted_per_position),
             "draft": [] if progress.draft is None else list(progress.draft),
+            "cached_prompt_tokens": int(progress.cached_prompt_tokens),
         }
     )
 
@@ -203,6 +207,7 @@ def decode_progress(data: bytes, output: bytes | None, accepted_lengths: bytes |
             counted(lists, "accepted_lengths", record.integer("num_accepted_lengths", minimum=0)),
             stats,
             (draft[0], draft[1]) if len(draft) == 2 else None,
+            record.integer("cached_prompt_tokens", 0, minimum=0),
         )
     except ProtocolError as error:
         raise StoredRequestError(str(error)) from error

@@ -133,21 +133,37 @@ class Drafter:
             return f"missing_features: need {width} columns, got {req.features.shape[1]}"
         return None
 
+    def _prefix_salt(self, req: DraftRequest) -> bytes | None:
+        """What this drafter's cached KV of the request depends on beside its entries' tokens:
+        nothing for a token-level draft; for a feature-level one, the request's first token
+        (entry i reads token i + 1 and the target's feature at i, which depends on every token
+        up to i). None (not cached) when that token is not in hand."""
+        if not self.is_feature_level:
+            return b""
+        if req.base_len != 0 or not req.new_tokens:
+            return None
+        return np.int64(req.new_tokens[0]).tobytes()
+
     def _append_committed(self, requests: Sequence[DraftRequest]) -> list[tuple[torch.Tensor, ...]]:
         """Append each request's new committed tokens; the root's logits (and, feature-level,
         its predicted feature), or () where no tree can be rooted yet."""
         items, rooted = [], []
         for r in requests:
             if not self.is_feature_level:
-                items.append(ForwardItem.chain(r.request_id, r.new_tokens))
+                # a prefix of a request new here may be cached: only the rest is forwarded
+                skip = self.runner.attach_prefix(r.request_id, r.new_tokens, len(r.new_tokens) - 1)
+                items.append(ForwardItem.chain(r.request_id, r.new_tokens[skip:]))
                 rooted.append(r)
                 continue
             tokens = r.feature_tokens
             if tokens:  # the first token of a request has no feature before it: no entry
                 assert r.features is not None
                 feats = torch.from_numpy(r.features).to(self.runner.device, self.runner.dtype)
+                skip = self.runner.attach_prefix(r.request_id, tokens, len(tokens) - 1)
                 items.append(
-                    ForwardItem.chain(r.request_id, tokens, features=feats, feature_rows="last")
+                    ForwardItem.chain(
+                        r.request_id, tokens[skip:], features=feats[skip:], feature_rows="last"
+                    )
                 )
                 rooted.append(r)
         outputs = self.runner.forward_full(items) if items else []
@@ -167,7 +183,7 @@ class Drafter:
             if problem is not None:
                 raise ValueError(f"request {req.request_id}: {problem}")
             if not self.runner.has_request(req.request_id):
-                self.runner.add_request(req.request_id)
+                self.runner.add_request(req.request_id, self._prefix_salt(req))
         roots = self._append_committed(requests)
         trees = [
             _Growing(

@@ -73,12 +73,17 @@ class EngineConfig(BaseModel):
 
 
 class RunnerKV:
-    """The verifier's paged cache as the core sees it (block counts only)."""
+    """The verifier's paged cache as the core sees it (block counts only), and its prefix
+    cache (`attach_prefix`, a `PrefixKVView`)."""
 
     can_swap = True
 
     def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
         self.runner = verifier.runner
+
+    def attach_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        return self.verifier.attach_prefix(request_id, tokens)
 
     def num_free_blocks(self) -> int:
         return self.runner.cache.allocator.num_free
@@ -89,7 +94,7 @@ class RunnerKV:
     def blocks_held(self, request_id: str) -> int:
         if not self.runner.has_request(request_id):
             return 0
-        return len(self.runner.cache.blocks(request_id))
+        return self.runner.cache.num_blocks_alone(request_id)
 
 
 # A draft model's drafter or one that loads no model; both answer `draft`, `free`, `has_request`.
@@ -345,6 +350,7 @@ class SpecEngine:
                 len(v.accepted),
                 features=v.features,
                 logprobs=v.logprobs,
+                cached_tokens=v.cached_tokens,
             )
             for v in verified
         }

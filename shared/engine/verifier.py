@@ -45,19 +45,34 @@ class Verifier:
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
 
+    def attach_prefix(self, request_id: str, prompt: Sequence[int]) -> int:
+        """Admission: the prompt tokens the prefix cache already holds for this new request,
+        which then holds them; the last prompt token is always left to compute (its logits give
+        the first token)."""
+        if not self.runner.has_request(request_id):
+            self.runner.add_request(request_id)
+        return self.runner.attach_prefix(request_id, prompt, len(prompt) - 1)
+
     @torch.inference_mode()
     def step(self, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
         items = []
+        skipped: dict[str, int] = {}  # chunk tokens found in the prefix cache, not computed
         for e in entries:
             if not self.runner.has_request(e.request_id):
                 self.runner.add_request(e.request_id)
             feature_rows = "all" if e.want_features else "none"
             if e.tree is None:
+                chunk = e.chunk
+                # the scheduler service's first chunk, and any later chunk that continues cached
+                # blocks (the engine attaches at admission too); features are not cached, so
+                # those requests compute everything
+                if not e.want_features:
+                    skip = self.runner.attach_prefix(e.request_id, chunk, len(chunk) - 1)
+                    chunk = chunk[skip:]
+                    skipped[e.request_id] = skip
                 logits = "last" if e.chunk_is_last else "none"
                 items.append(
-                    ForwardItem.chain(
-                        e.request_id, e.chunk, logits=logits, feature_rows=feature_rows
-                    )
+                    ForwardItem.chain(e.request_id, chunk, logits=logits, feature_rows=feature_rows)
                 )
             else:
                 tokens = e.tree.tokens.tolist()
@@ -69,11 +84,12 @@ class Verifier:
         results = []
         for e, out in zip(entries, outputs, strict=True):
             if e.tree is None:
-                kept: Sequence[int] = range(len(e.chunk))
+                skip = skipped.get(e.request_id, 0)
+                kept: Sequence[int] = range(len(e.chunk) - skip)
                 tokens, rows = [], []
                 if e.chunk_is_last:
                     tokens, rows = [self._first_token(e, out.logits)], [0]
-                result = verified(e, tokens, 0)
+                result = replace(verified(e, tokens, 0), cached_tokens=skip)
             else:
                 verdict = self._accept(e, out.logits)
                 kept = verdict.kv_path

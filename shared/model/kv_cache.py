@@ -2,11 +2,15 @@
 
 A request owns a list of blocks (its block table); logical token i of the request lives in slot
 `blocks[i // block_size] * block_size + i % block_size`. Blocks are freed when the request ends,
-or swapped to host memory when the scheduler preempts it.
+or swapped to host memory when the scheduler preempts it. With prefix caching, full blocks of
+committed tokens are shared between requests and kept after them (`shared/model/prefix_cache.py`):
+a request's block table then need not be one consecutive run.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +18,7 @@ import torch
 
 from shared.errors import OutOfKVMemoryError
 from shared.model.config import ModelConfig
+from shared.model.prefix_cache import PrefixCache
 
 
 class BlockAllocator:
@@ -29,24 +34,44 @@ class BlockAllocator:
     - when no free run is long enough, any free blocks, lowest first.
 
     Placement never costs capacity: every free block can be handed out.
+
+    Prefix caching (`shared/model/prefix_cache.py`): a block has a count of its holders; a block
+    the prefix cache named (`keep_when_released`) is not freed when its last holder lets go but
+    *kept*, and a kept block is evicted, least recently released first, only when an allocation
+    needs it or more than `max_kept` blocks are kept. Kept blocks count as free (`num_free`).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, max_kept: int | None = None) -> None:
         self.num_blocks = num_blocks
+        self.max_kept = num_blocks if max_kept is None else max_kept
         self._is_free = np.ones(num_blocks, dtype=bool)
         self._num_free = num_blocks
+        self._refs = np.zeros(num_blocks, dtype=np.int64)
+        self._is_named = np.zeros(num_blocks, dtype=bool)
+        self._kept: OrderedDict[int, None] = OrderedDict()  # held by none, oldest release first
+        self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the block
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        """Blocks an allocation can have: free ones and kept ones (evicted on demand)."""
+        return self._num_free + len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._kept)
+
+    def refs(self, block: int) -> int:
+        return int(self._refs[block])
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """`n` blocks (all or nothing), continuing after block `after` where those are free."""
-        if n > self._num_free:
+        if n > self.num_free:
             raise OutOfKVMemoryError(
-                f"KV cache exhausted: need {n} more blocks, {self._num_free} of "
+                f"KV cache exhausted: need {n} more blocks, {self.num_free} of "
                 f"{self.num_blocks} free"
             )
+        for _ in range(n - self._num_free):
+            self._evict_oldest()
         taken: list[int] = []
         if after is not None:
             block = after + 1
@@ -59,6 +84,7 @@ class BlockAllocator:
             self._is_free[placed] = False
             taken += placed
         self._num_free -= n
+        self._refs[taken] = 1
         return taken
 
     def _place(self, n: int) -> list[int]:
@@ -69,17 +95,53 @@ class BlockAllocator:
         start, length = int(starts[longest]), int(ends[longest] - starts[longest])
         if length < n:
             return np.flatnonzero(self._is_free)[:n].tolist()
-        if start > 0:  # the run follows a held block: leave its owner half the room
-            start += (length - n) // 2
+        if start > 0 and self._refs[start - 1] > 0:  # the run follows a held block (not a
+            start += (length - n) // 2  # kept one): leave its owner half the room to grow
         return list(range(start, start + n))
 
+    def acquire(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks`: held or kept blocks, never free ones."""
+        if self._is_free[blocks].any():
+            raise ValueError(f"acquiring free blocks: {blocks}")
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._kept[block]
+            self._refs[block] += 1
+
+    def keep_when_released(self, block: int) -> None:
+        """The block is named by the prefix cache: keep it when its last holder lets go."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not held")
+        self._is_named[block] = True
+
     def free(self, blocks: list[int]) -> None:
+        """One holder fewer for each of `blocks`: a block nobody holds is freed, or kept."""
         if not blocks:
             return
-        if len(set(blocks)) < len(blocks) or self._is_free[blocks].any():
+        if len(set(blocks)) < len(blocks) or (self._refs[blocks] < 1).any():
             raise ValueError(f"freeing blocks that are already free: {blocks}")
-        self._is_free[blocks] = True
-        self._num_free += len(blocks)
+        self._refs[blocks] -= 1
+        for block in blocks:
+            if self._refs[block] > 0:
+                continue
+            if self._is_named[block] and self.max_kept > 0:
+                self._kept[block] = None
+            else:
+                self._release(block)
+        while len(self._kept) > self.max_kept:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        block, _ = self._kept.popitem(last=False)
+        self._release(block)
+
+    def _release(self, block: int) -> None:
+        if self._is_named[block]:
+            self._is_named[block] = False
+            if self.on_evict is not None:
+                self.on_evict(block)
+        self._is_free[block] = True
+        self._num_free += 1
 
 
 @dataclass
@@ -88,6 +150,7 @@ class SwappedKV:
 
     k: torch.Tensor
     v: torch.Tensor
+    token_ids: tuple[int, ...] = ()  # the tokens whose KV this is (to name its blocks again)
 
     @property
     def num_tokens(self) -> int:
@@ -109,9 +172,13 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         scratch_block: bool = False,
+        prefix_caching: bool = True,
+        max_kept_fraction: float = 1.0,
     ) -> None:
         """`scratch_block`: one more block past the allocator's, owned by no request (padded
-        tokens of a CUDA-graph forward write their KV there); `scratch_slot` is its first slot."""
+        tokens of a CUDA-graph forward write their KV there); `scratch_slot` is its first slot.
+        `prefix_caching`: full committed blocks are named and shared (`self.prefix`), and up to
+        `max_kept_fraction` of the blocks are kept for reuse once no request holds them."""
         per_block = block_bytes(cfg, block_size, dtype)
         num_blocks = memory_bytes // per_block
         if num_blocks < 1:
@@ -124,7 +191,10 @@ class PagedKVCache:
         shape = (cfg.num_layers, total_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks)
+        if not 0.0 <= max_kept_fraction <= 1.0:
+            raise ValueError(f"max_kept_fraction {max_kept_fraction} is not in [0, 1]")
+        self.allocator = BlockAllocator(num_blocks, max_kept=int(max_kept_fraction * num_blocks))
+        self.prefix = PrefixCache(self.allocator, block_size) if prefix_caching else None
         self._blocks: dict[str, list[int]] = {}
 
     @property
@@ -145,6 +215,15 @@ class PagedKVCache:
         if request_id in self._blocks:
             raise ValueError(f"request {request_id!r} already has a KV cache")
         self._blocks[request_id] = []
+
+    def extend(self, request_id: str, blocks: list[int]) -> None:
+        """Append held or kept (cached) `blocks` to the request's blocks, as one more holder."""
+        self.allocator.acquire(blocks)
+        self._blocks[request_id].extend(blocks)
+
+    def num_blocks_alone(self, request_id: str) -> int:
+        """The request's blocks no other request holds (what freeing it gives back)."""
+        return sum(1 for b in self._blocks.get(request_id, []) if self.allocator.refs(b) == 1)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

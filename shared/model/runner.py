@@ -28,6 +28,7 @@ from shared.model.cuda_graphs import (
 )
 from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
+from shared.model.prefix_cache import BlockHash, block_hashes
 
 LogitsRows = Literal["all", "last", "none"]
 
@@ -78,6 +79,14 @@ class _OutputRows:
 @dataclass
 class _Sequence:
     num_cached: int = 0  # committed tokens whose KV is in the cache
+    # prefix caching: those tokens (a full block of them is named once committed), the salt of
+    # the names (None: this request's blocks are not named), how many blocks are named and the
+    # last one's name
+    tokens: list[int] = field(default_factory=list)
+    salt: bytes | None = b""
+    num_named: int = 0
+    last_name: BlockHash | None = None
+    tree_tokens: list[int] = field(default_factory=list)  # the tree region's tokens
     # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
     # ancestor bitmask over tree-region indices, as a Python int.
     parents: list[int] = field(default_factory=list)
@@ -85,6 +94,7 @@ class _Sequence:
     masks: list[int] = field(default_factory=list)
 
     def clear_tree(self) -> None:
+        self.tree_tokens.clear()
         self.parents.clear()
         self.depths.clear()
         self.masks.clear()
@@ -129,13 +139,17 @@ class ModelRunner:
         cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS,
         cuda_graph_max_requests: int = DEFAULT_MAX_REQUESTS,
         record_graphs: bool = True,
+        prefix_caching: bool = True,
+        max_kept_fraction: float = 1.0,
     ) -> None:
         """`cuda_graph_max_tokens`: on CUDA with the Triton attention, forwards of up to this
         many tokens over up to `cuda_graph_max_requests` requests replay CUDA graphs
         (`shared.model.cuda_graphs`); 0 runs every forward eagerly. `record_graphs=False` runs
         those forwards through the graphs' padded static buffers without recording them, on any
         device with the Triton attention (interpreted on a CPU): the graphs' inputs can then be
-        checked where no GPU is."""
+        checked where no GPU is. `prefix_caching`: full blocks of committed tokens are shared
+        between requests and kept after them, up to `max_kept_fraction` of the cache
+        (`docs/prefix-caching.md`)."""
         self.model = model
         self.cfg = model.cfg
         param = next(model.parameters())
@@ -154,6 +168,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             scratch_block=use_graphs,
+            prefix_caching=prefix_caching,
+            max_kept_fraction=max_kept_fraction,
         )
         self.graphs = (
             self._graphed_forward(
@@ -163,6 +179,8 @@ class ModelRunner:
             else None
         )
         self._seqs: dict[str, _Sequence] = {}
+        self._swapped_salts: dict[str, bytes | None] = {}
+        self.num_tokens_forwarded = 0  # every forward's new tokens, prompt chunks and tree nodes
 
     def _graphed_forward(
         self, max_tokens: int, max_requests: int, *, capture: bool
@@ -197,11 +215,14 @@ class ModelRunner:
     def max_context(self) -> int:
         return self.cfg.max_position_embeddings
 
-    def add_request(self, request_id: str) -> None:
+    def add_request(self, request_id: str, salt: bytes | None = b"") -> None:
+        """`salt` goes into the names of the request's cached blocks: what, beside the tokens,
+        their KV depends on (None: its blocks are neither named nor looked up)."""
         self.cache.add(request_id)
-        self._seqs[request_id] = _Sequence()
+        self._seqs[request_id] = _Sequence(salt=salt)
 
     def free_request(self, request_id: str) -> None:
+        self._swapped_salts.pop(request_id, None)
         if request_id in self._seqs:
             del self._seqs[request_id]
             self.cache.free(request_id)
@@ -209,11 +230,83 @@ class ModelRunner:
     def swap_out(self, request_id: str) -> SwappedKV:
         """Move a request's committed KV to host memory and free its blocks (preemption)."""
         seq = self._seqs.pop(request_id)
-        return self.cache.swap_out(request_id, seq.num_cached)
+        swapped = self.cache.swap_out(request_id, seq.num_cached)
+        swapped.token_ids = tuple(seq.tokens) if seq.salt is not None else ()
+        self._swapped_salts[request_id] = seq.salt
+        return swapped
 
     def swap_in(self, request_id: str, swapped: SwappedKV) -> None:
         self.cache.swap_in(request_id, swapped)
-        self._seqs[request_id] = _Sequence(num_cached=swapped.num_tokens)
+        salt = self._swapped_salts.pop(request_id, None)
+        if len(swapped.token_ids) != swapped.num_tokens:
+            salt = None  # the tokens are not known: its blocks stay unnamed
+        seq = _Sequence(num_cached=swapped.num_tokens, tokens=list(swapped.token_ids), salt=salt)
+        self._seqs[request_id] = seq
+        self._name_blocks(request_id, seq)
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        return self.cache.prefix is not None
+
+    def attach_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+        """Extend the request's committed KV by the cached blocks of its next `tokens` (those after
+        what it holds), at most `limit` of them (a forward must still compute the token whose
+        logits it needs); returns how many of `tokens` it now holds, which the caller does not
+        forward. Only a request that holds whole blocks, every one named, and no tree can be
+        extended (a new one, or one whose chunks ended on block boundaries); 0 otherwise and
+        with prefix caching off."""
+        seq = self._seqs[request_id]
+        prefix = self.cache.prefix
+        block_size = self.cache.block_size
+        full = seq.num_cached // block_size
+        if (
+            prefix is None
+            or seq.salt is None
+            or seq.parents
+            or seq.num_cached % block_size
+            or seq.num_named != full
+            or len(self.cache.blocks(request_id)) != full
+        ):
+            return 0
+        usable = max(0, min(limit, len(tokens)))
+        names = block_hashes(tokens[:usable], block_size, salt=seq.salt, parent=seq.last_name)
+        if not names:
+            return 0
+        blocks = prefix.lookup(names)
+        prefix.count(len(names) * block_size, len(blocks) * block_size)
+        if not blocks:
+            return 0
+        self.cache.extend(request_id, blocks)
+        hit = len(blocks) * block_size
+        seq.num_cached += hit
+        seq.tokens.extend(tokens[:hit])
+        seq.num_named += len(blocks)
+        seq.last_name = names[len(blocks) - 1]
+        return hit
+
+    def _name_blocks(self, request_id: str, seq: _Sequence) -> None:
+        """Name the request's full blocks of committed tokens not named yet (a block whose name
+        another block already has stays unnamed: the request's own, freed with it)."""
+        prefix = self.cache.prefix
+        if prefix is None or seq.salt is None:
+            return
+        block_size = self.cache.block_size
+        full = seq.num_cached // block_size
+        if full <= seq.num_named:
+            return
+        names = block_hashes(
+            seq.tokens[: full * block_size],
+            block_size,
+            salt=seq.salt,
+            first=seq.num_named,
+            parent=seq.last_name,
+        )
+        blocks = self.cache.blocks(request_id)
+        for index, name in enumerate(names, start=seq.num_named):
+            prefix.insert(name, blocks[index])
+        seq.num_named = full
+        seq.last_name = names[-1]
 
     def blocks_needed(self, request_id: str | None, num_new_tokens: int) -> int:
         """Blocks a forward of `num_new_tokens` more tokens would have to allocate."""
@@ -278,6 +371,7 @@ class ModelRunner:
             plans.append((base, new_depths))
         for item, seq, (base, _) in zip(items, seqs, plans, strict=True):
             self.cache.reserve(item.request_id, seq.num_cached + base + len(item.tokens))
+        self.num_tokens_forwarded += sum(len(item.tokens) for item in items)
 
         batch, rows = self._pack(items, seqs, plans)
         hidden = self._hidden_states(batch)
@@ -328,6 +422,7 @@ class ModelRunner:
                 m = (seq.masks[p] if p >= 0 else 0) | (1 << (base + i))
                 seq.masks.append(m)
                 new_masks.append(m)
+            seq.tree_tokens.extend(item.tokens)
             seq.parents.extend(item.parents)
             seq.depths.extend(new_depths)
             query_start.append(start + n)
@@ -411,9 +506,11 @@ class ModelRunner:
                     all_slots = self.cache.slots(rid, lo, lo + len(seq.parents))
                     src.append(all_slots[offsets[moved]])
                     dst.append(all_slots[np.arange(len(path))[moved]])
+            seq.tokens.extend(seq.tree_tokens[node] for node in path)
             seq.num_cached += len(path)
             seq.clear_tree()
             self.cache.shrink(rid, seq.num_cached)
+            self._name_blocks(rid, seq)
         if src:
             self._commit_kv(
                 self.cache.k,

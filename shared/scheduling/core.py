@@ -120,7 +120,18 @@ class KVView(Protocol):
         request whose KV is not resident)."""
         ...
 
-    def blocks_held(self, request_id: str) -> int: ...
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks freeing the request would give back (not those other requests share)."""
+        ...
+
+
+class PrefixKVView(KVView, Protocol):
+    """A KV view whose cache shares prompt prefixes (`docs/prefix-caching.md`)."""
+
+    def attach_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """The request, holding no KV, takes the cached KV of the longest cached prefix of
+        `tokens` (never all of them); returns how many tokens it now holds."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,7 @@ class StepResult:
     # the target's features at the positions it committed (asked with `wants_features`)
     features: np.ndarray | None = None
     logprobs: TokenLogprobs | None = None  # of `tokens` (asked with SamplingParams.logprobs)
+    cached_tokens: int = 0  # of a chunk, the first tokens the verifier found cached
 
 
 @dataclass(frozen=True)
@@ -493,6 +505,7 @@ class SchedulerCore:
                 batch.swap_in.append(request)
                 self._admit(request)
                 continue  # it decodes from the next micro-batch on
+            self._attach_prefix(request, kv)
             chunk = min(room, len(request.prefill_tokens) - request.num_prefilled)
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, chunk)
@@ -522,6 +535,21 @@ class SchedulerCore:
             return None
         self._batches_in_flight += 1
         return batch
+
+    def _attach_prefix(self, request: RequestState, kv: KVView | None) -> None:
+        """Before a request's first chunk: what of it the executor's prefix cache holds counts
+        as prefilled (budget and KV need only the rest). Not for requests whose feature-level
+        drafts need the target's features of every position (those are not cached)."""
+        if request.prefix_looked_up or request.num_prefilled or self.wants_features(request):
+            return
+        attach = getattr(kv, "attach_prefix", None)
+        if attach is None:
+            return
+        request.prefix_looked_up = True
+        hit = attach(request.request_id, request.prefill_tokens)
+        request.num_prefilled = hit
+        if not request.output:
+            request.num_cached_prompt_tokens = hit
 
     def _pick_decoding(
         self, decoding: list[RequestState], limit: int, num_micro_batches: int
@@ -715,7 +743,7 @@ class SchedulerCore:
                     method,
                     min(self.max_depth(request), method.num_layers),
                     state.estimate.rate(prior),
-                    request.num_tokens - request.num_seen_by_drafter,
+                    self._drafter_backlog(request, model),
                     request.tokens_left,
                 )
             )
@@ -778,6 +806,16 @@ class SchedulerCore:
         reads = getattr(self.chooser, "counterfactual", False)
         config = self.config
         return bool(config.model_free_drafts) and (config.merge_drafts == "model-free" or reads)
+
+    def _drafter_backlog(self, request: RequestState, model: str) -> int:
+        """Committed tokens the drafter must still forward: those it has not seen, less, for a
+        drafter new to the request, the prompt prefix the target found cached (a token-level
+        draft's prefix cache names the same blocks for the same requests: most likely it holds
+        them too; a feature-level draft's target computed every position, so no count)."""
+        unseen = request.num_tokens - request.num_seen_by_drafter
+        if request.num_seen_by_drafter == 0 and model not in self.config.feature_drafts:
+            unseen -= request.num_cached_prompt_tokens
+        return unseen
 
     def _place(self, request: RequestState, model: str) -> None:
         """Draft the request on a replica of `model` (its current one while it lives; a warm
@@ -1087,6 +1125,8 @@ class SchedulerCore:
             drafted = 0
             if rid in chunks:
                 request.num_prefilled += chunks[rid]
+                if not request.output:  # a verifier that found the chunk's start cached
+                    request.num_cached_prompt_tokens += result.cached_tokens
             else:
                 tree = batch.trees.get(rid)
                 drafted = tree.num_nodes - 1 if tree is not None else 0

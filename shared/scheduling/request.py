@@ -100,6 +100,10 @@ class RequestState:
     logprobs: TokenLogprobs | None = None
     prefill_tokens: list[int] = field(default_factory=list)  # what the target must prefill
     num_prefilled: int = 0
+    # prefix caching: the prompt tokens the target found cached (not computed), for the usage;
+    # whether the executor's cache was asked since the KV was last dropped
+    num_cached_prompt_tokens: int = 0
+    prefix_looked_up: bool = False
     num_seen_by_drafter: int = 0  # committed tokens the request's drafter holds
     step: int = 0
     kv: KVState = "resident"
@@ -163,6 +167,7 @@ class RequestState:
         self.kv = "dropped"
         self.prefill_tokens = self.all_tokens
         self.num_prefilled = 0
+        self.prefix_looked_up = False
         self.num_seen_by_drafter = 0
         if self.standby is not None:
             self.standby.num_seen = 0

@@ -135,9 +135,9 @@ class Tokens(WireMessage):
     already seen (redelivery) and detects gaps. The statistics count this step only
     (vLLM's counters): drafts is 1 when the step verified a draft, else 0. The message that
     finishes a request also carries its SLO class, its resolved TPOT objective and its measured
-    TPOT (scheduler clock), each written only when known. `logprobs` (asked with
-    SamplingParams.logprobs; written only when set) holds the target's log-probabilities of
-    `token_ids`, one entry each.
+    TPOT (scheduler clock), and the prompt tokens found in the target's prefix cache, each written
+    only when known. `logprobs` (asked with SamplingParams.logprobs; written only when set) holds
+    the target's log-probabilities of `token_ids`, one entry each.
     """
 
     TYPE: ClassVar[str] = "tokens"
@@ -154,6 +154,8 @@ class Tokens(WireMessage):
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
     logprobs: TokenLogprobs | None = None
+    # the finishing message's: prompt tokens the target found in its prefix cache
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -161,6 +163,8 @@ class Tokens(WireMessage):
             raise ValueError("step and offset are >= 0")
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError("logprobs need one entry per token")
+        if self.cached_tokens is not None and self.cached_tokens < 0:
+            raise ValueError("cached_tokens must be >= 0")
         check_slo_class(self.slo_class)
         if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
             raise ValueError("tpot_slo_ms must be positive")
@@ -182,6 +186,7 @@ class Tokens(WireMessage):
             slo_class=self.slo_class,
             tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
+            cached_tokens=None if self.cached_tokens is None else int(self.cached_tokens),
         ) | optional_logprobs_payload(self.logprobs)
 
     @classmethod
@@ -201,6 +206,7 @@ class Tokens(WireMessage):
             tpot_slo_ms=fields.optional_number("tpot_slo_ms"),
             tpot_ms=fields.optional_number("tpot_ms"),
             logprobs=read_optional_logprobs(fields),
+            cached_tokens=fields.optional_integer("cached_tokens"),
         )
 
 

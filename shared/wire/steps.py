@@ -376,6 +376,9 @@ class VerifiedRequest:
     `features` (when the entry asked for them; written only when set): float16 [rows, H], the
     target's last-layer hidden states of a tree's accepted KV path (the root, then each accepted
     token: 1 + len(accepted) rows) or of each token of a prefill chunk.
+
+    `cached_tokens` (a chunk's; written only when set): how many of the chunk's first tokens the
+    verifier found in its prefix cache and did not compute.
     """
 
     request_id: str
@@ -388,6 +391,7 @@ class VerifiedRequest:
     # the target's log-probabilities of new_tokens (asked with SamplingParams.logprobs; written
     # only when set)
     logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -410,7 +414,9 @@ class VerifiedRequest:
             "bonus": None if self.bonus is None else int(self.bonus),
             "finish": finish_payload(self.finish),
             "error": self.error,
-        } | _features_payload(self.features) | optional_logprobs_payload(self.logprobs)
+        } | _features_payload(self.features) | optional_logprobs_payload(self.logprobs) | (
+            {"cached_tokens": int(self.cached_tokens)} if self.cached_tokens else {}
+        )
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -427,6 +433,7 @@ class VerifiedRequest:
             error=fields.optional_text("error", max_len=MAX_REASON_LEN),
             features=fields.optional_f16_matrix("features"),
             logprobs=read_optional_logprobs(fields),
+            cached_tokens=fields.integer("cached_tokens", 0, minimum=0),
         )
 
 

@@ -1,0 +1,87 @@
+"""Prefix caching: full KV blocks found by their content and position, shared between requests.
+
+A full block of committed tokens is named by a hash chained over every block before it (and a
+salt for caches whose entries depend on more than the tokens): equal names mean equal tokens at
+equal positions, so equal KV. `PrefixCache` maps names to the blocks of a `BlockAllocator`;
+the allocator counts each block's holders and keeps blocks no request holds, least recently
+released first out, until memory is needed (`docs/prefix-caching.md`).
+
+Only full blocks are named, and only once every token in them is committed, so a named block is
+never written again: a request that goes on writing does so in a block of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from shared.model.kv_cache import BlockAllocator
+
+BlockHash = bytes
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, *, salt: bytes = b"", first: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Names of the full blocks of `tokens` from block `first` on; `parent` is block
+    `first - 1`'s name (None for the first block)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    names: list[BlockHash] = []
+    previous = parent if parent is not None else hashlib.blake2b(salt, digest_size=16).digest()
+    for b in range(first, len(ids) // block_size):
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(ids[b * block_size : (b + 1) * block_size].tobytes())
+        previous = digest.digest()
+        names.append(previous)
+    return names
+
+
+class PrefixCache:
+    """The name -> block index over one allocator, and vLLM-style counters in tokens."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self._block_of: dict[BlockHash, int] = {}
+        self._name_of: dict[int, BlockHash] = {}
+        self.queries = 0  # tokens of the full blocks looked up (each lookup counts)
+        self.hits = 0  # of them, found cached
+        allocator.on_evict = self._forget
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def lookup(self, names: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest prefix of `names` (not yet acquired)."""
+        blocks: list[int] = []
+        for name in names:
+            block = self._block_of.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def count(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.queries += queried_tokens
+        self.hits += hit_tokens
+
+    def insert(self, name: BlockHash, block: int) -> bool:
+        """Name a held, full, committed block; False when the name has a block already (the
+        block then stays the request's own and is freed with it)."""
+        if name in self._block_of or block in self._name_of:
+            return False
+        self._block_of[name] = block
+        self._name_of[block] = name
+        self.allocator.keep_when_released(block)
+        return True
+
+    def name_of(self, block: int) -> BlockHash | None:
+        return self._name_of.get(block)
+
+    def _forget(self, block: int) -> None:
+        del self._block_of[self._name_of.pop(block)]
