@@ -82,6 +82,11 @@ async def test_a_conversation_reuses_its_history_through_restarts(
         await client.submit("t3", history, long_params)
         await tokens_at_least(client, "t3", 4)
         await verifier.stop()
+        for keeper in stack.lease_keepers:  # a clean stop gives the cell's verifier lease up
+            keeper.cancel()
+        stack.lease_keepers.clear()
+        assert stack.verifier_lease is not None
+        await stack.verifier_lease.release()
         fresh = await start_verifier(stack, models, "prefix-verifier-2")
         assert fresh.runner.cache.prefix is not None and len(fresh.runner.cache.prefix) == 0
         await client.wait(["t3"], timeout_s=120)
