@@ -50,11 +50,6 @@ __all__ = ["processes"]  # the fixture
 # partial products reorders fp32 additions (SmolLM2's logits differ by up to 4e-5 on values
 # near 25; the tiny models' by 3e-6).
 TOLERANCE = 1e-5
-# Spawning a rank group loads torch in each process: the long cases run on demand
-# (AUGURY_SLOW_TESTS=1 bash scripts/test.sh -m slow), the short logits case always.
-slow = pytest.mark.skipif(
-    not os.environ.get("AUGURY_SLOW_TESTS"), reason="long: set AUGURY_SLOW_TESTS=1 to run"
-)
 RUNNER = {"block_size": 4, "kv_memory_bytes": 8 << 20}
 
 
@@ -225,7 +220,6 @@ def test_sharded_forward_equals_the_single_process_forward(tmp_path: Path) -> No
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-@slow
 def test_smollm2_over_three_ranks(tmp_path: Path) -> None:
     from shared.model.model_set import target_dir
 
@@ -276,7 +270,6 @@ def rank_pids(log: Path) -> dict[tuple[int, int], int]:
 
 @pytest.mark.anyio
 @pytest.mark.slow
-@slow
 async def test_a_two_rank_verifier_serves_plain_greedy_and_survives_a_killed_rank(
     server: EmbeddedRedis, tiny_target_dir: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
