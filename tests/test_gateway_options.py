@@ -189,7 +189,7 @@ async def test_top_k_minus_one_is_off(running: tuple[TestClient, StandInSchedule
         ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
         ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
         ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
