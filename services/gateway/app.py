@@ -256,10 +256,14 @@ class Gateway:
         for choice in choices:
             choice.queue = self.outputs.open(choice.request_id)
         self.metrics.running.inc()
+        # n > 1 with prefix caching: choices 1.. wait for choice 0's prefill (its first token),
+        # so that they find its prompt's full blocks cached instead of computing them again
+        share = gen.n > 1 and self.settings.engine.enable_prefix_caching
+        prefilled = asyncio.Event() if share else None
         try:
-            for choice in choices:
-                await self._submit(choice.request_id, gen, choice.sampling)
-            deltas = merged([self._choice_deltas(gen, choice) for choice in choices])
+            for choice in choices[:1] if prefilled is not None else choices:
+                await self._submit_choice(gen, choice)
+            deltas = merged([self._choice_deltas(gen, choice, prefilled) for choice in choices])
             deltas = noting_failure(deltas, outcome)
             if gen.stream:
                 return await self._stream(request, request_id, gen, choices, deltas)
@@ -284,7 +288,7 @@ class Gateway:
         self.active += extra
 
     async def _choice_deltas(
-        self, gen: GenerationRequest, choice: Choice
+        self, gen: GenerationRequest, choice: Choice, prefilled: asyncio.Event | None = None
     ) -> AsyncIterator[ChoiceDelta]:
         """One choice's text as it comes (the prompt's first, with echo); a stop string cancels
         its request in the scheduler at once, so that it stops taking compute. An echo with
@@ -292,6 +296,9 @@ class Gateway:
         echo_pending = gen.echo and gen.sampling.prompt_logprobs is not None
         if gen.echo and not echo_pending:
             yield ChoiceDelta(choice, self._prompt_text(gen), None)
+        if prefilled is not None and choice.index > 0:  # submitted once choice 0 prefilled
+            await prefilled.wait()
+            await self._submit_choice(gen, choice)
         assert choice.queue is not None
         progress = choice.progress
         deltas = follow(
@@ -301,7 +308,7 @@ class Gateway:
             self.metrics,
             self.settings.gateway.output_idle_timeout_s,
         )
-        async for delta in deltas:
+        async for delta in _noting_first(deltas, prefilled if choice.index == 0 else None):
             if progress.stop_reason is not None and not choice.cancelled:
                 choice.cancelled = True
                 await self._cancel(choice.request_id)
@@ -324,7 +331,8 @@ class Gateway:
         self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
         if progress.finish is None:
             self.metrics.aborted.inc()  # the client left (or the stream failed)
-            await self._cancel(choice.request_id)
+            if choice.submitted:
+                await self._cancel(choice.request_id)
         else:
             self._record_finished(gen, progress, prompt=choice.index == 0)
 
@@ -349,6 +357,10 @@ class Gateway:
         )
         # templating and tokenizing a long prompt must not stall every other stream
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
+
+    async def _submit_choice(self, gen: GenerationRequest, choice: Choice) -> None:
+        choice.submitted = True  # before: a failed publish is still cancelled on the way out
+        await self._submit(choice.request_id, gen, choice.sampling)
 
     async def _submit(
         self, request_id: str, gen: GenerationRequest, sampling: SamplingParams
@@ -601,6 +613,20 @@ class Gateway:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         return response
+
+
+async def _noting_first(
+    items: AsyncIterator[str], first: asyncio.Event | None
+) -> AsyncIterator[str]:
+    """The items; `first` is set at the first one, or when they end (a failure included)."""
+    try:
+        async for item in items:
+            if first is not None:
+                first.set()
+            yield item
+    finally:
+        if first is not None:
+            first.set()
 
 
 def output_ids(gen: GenerationRequest, progress: Progress) -> list[int]:
