@@ -259,6 +259,7 @@ class Gateway:
         # n > 1 with prefix caching: choices 1.. wait for choice 0's prefill (its first token),
         # so that they find its prompt's full blocks cached instead of computing them again
         share = gen.n > 1 and self.settings.engine.enable_prefix_caching
+        share = share and gen.sampling.prompt_logprobs is None  # those compute their prompts
         prefilled = asyncio.Event() if share else None
         try:
             for choice in choices[:1] if prefilled is not None else choices:
