@@ -116,6 +116,31 @@ async def test_echo_and_prompt_logprobs_through_the_openai_client(server: Embedd
         chat_ids = chat_prompt(target)
         assert entries[0] is None and len(entries) == len(chat_ids)
         assert all(str(t) in e for t, e in zip(chat_ids[1:], entries[1:], strict=True))
+        streamed = [
+            chunk.model_extra["prompt_logprobs"]
+            async for chunk in await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": QUESTION}],
+                max_completion_tokens=2,
+                temperature=0,
+                stream=True,
+                extra_body={"prompt_logprobs": 0},
+            )
+            if (chunk.model_extra or {}).get("prompt_logprobs") is not None
+        ]
+        assert len(streamed) == 1 and len(streamed[0]) == len(entries)  # on one chunk
+        for got, entry in zip(streamed[0][1:], entries[1:], strict=True):
+            assert got.keys() == entry.keys()
+            for key in got:
+                assert math.isclose(got[key]["logprob"], entry[key]["logprob"], abs_tol=1e-4)
+
+        # n choices each echo the prompt with its logprobs
+        two = await client.completions.create(**scoring, max_tokens=1, logprobs=0, n=2)
+        for choice in two.choices:
+            assert choice.logprobs.token_logprobs[0] is None
+            assert choice.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
+                chosen, abs=1e-4
+            )
         assert stack.scheduler is not None
         acceptance = stack.scheduler.stats.acceptance
         assert acceptance.num_drafts > 0 and acceptance.num_accepted > 0
