@@ -1,8 +1,8 @@
 """Scoring a prompt through the HTTP API with the official `openai` client, as an evaluation
 harness does (completions with `echo` and `logprobs`, `max_tokens` 1 or 0), and vLLM's
-`prompt_logprobs`, on the whole stack with SmolLM2 drafting for itself (speculation on): the
-prompt tokens' log-probabilities equal transformers' (fp32, 1e-4), the first null, also for a
-prompt whose blocks the prefix cache already holds."""
+`prompt_logprobs`, on the whole stack with SmolLM2 drafting for itself (speculation on) and
+prompts prefilled in several chunks: the prompt tokens' log-probabilities equal transformers'
+(fp32, 1e-4), the first null, also for a prompt whose blocks the prefix cache already holds."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ async def test_echo_and_prompt_logprobs_through_the_openai_client(server: Embedd
     settings = make_settings(
         server.url,
         "promptlogprobs",
-        engine={"block_size": 16, "kv_memory_bytes": 64 << 20},
+        # a budget of 8 tokens a step: the prompts are prefilled in several chunks
+        engine={"block_size": 16, "kv_memory_bytes": 64 << 20, "max_tokens_per_step": 8},
         scheduler={"speculation": {"method": "chain", "chain_length": 3}},
         gateway={"port": port},
         models={"target_dir": target},
