@@ -81,3 +81,15 @@ def test_prompt_logprobs_survive_the_wire():
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).prompt_logprobs == lps
     assert "prompt_logprobs" not in Tokens("r", 0, 0, (5,)).payload()
     assert "prompt_logprobs" not in sampling_payload(SamplingParams(max_tokens=3))
+
+
+@pytest.mark.smollm2
+def test_cli_prints_the_prompt_logprobs(capsys):
+    from shared.cli import main
+
+    argv = ["generate", "Name a color.", "--max-tokens", "2", "--threads", "1"]
+    assert main([*argv, "--prompt-logprobs", "1", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt token logprobs" in out
+    lines = out.split("prompt token logprobs")[1].splitlines()[1:]
+    assert len([line for line in lines if line.startswith("  ")]) >= 3  # prompt tokens but one
