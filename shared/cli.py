@@ -115,6 +115,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--logprobs", type=int, help="print each token's log-probability and N alternatives"
     )
     gen.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        help="print each prompt token's log-probability and N alternatives (no cached prefix)",
+    )
+    gen.add_argument(
         "--stop",
         action="append",
         default=[],
@@ -265,6 +270,7 @@ def _generate(
         min_tokens=args.min_tokens,
         logit_bias=_logit_bias(args.logit_bias),
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
     output: list[int] = []
     printed = 0
@@ -298,6 +304,9 @@ def _generate(
         print(f"time to first token   {1000 * (first_token_at - start):.0f} ms")
         if rest and decode_s > 0:
             print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
+    if request.prompt_logprobs is not None:
+        print("prompt", end=" ")  # the first prompt token has none
+        _print_logprobs(tokenizer, prompt[1:], request.prompt_logprobs)
     if request.logprobs is not None:
         _print_logprobs(tokenizer, output, request.logprobs)
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")

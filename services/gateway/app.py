@@ -32,7 +32,12 @@ from services.gateway.choices import (
     make_choices,
     merged,
 )
-from services.gateway.logprobs import choice_logprobs
+from services.gateway.logprobs import (
+    choice_logprobs,
+    echo_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
@@ -251,10 +256,15 @@ class Gateway:
         for choice in choices:
             choice.queue = self.outputs.open(choice.request_id)
         self.metrics.running.inc()
+        # n > 1 with prefix caching: choices 1.. wait for choice 0's prefill (its first token),
+        # so that they find its prompt's full blocks cached instead of computing them again
+        share = gen.n > 1 and self.settings.engine.enable_prefix_caching
+        share = share and gen.sampling.prompt_logprobs is None  # those compute their prompts
+        prefilled = asyncio.Event() if share else None
         try:
-            for choice in choices:
-                await self._submit(choice.request_id, gen, choice.sampling)
-            deltas = merged([self._choice_deltas(gen, choice) for choice in choices])
+            for choice in choices[:1] if prefilled is not None else choices:
+                await self._submit_choice(gen, choice)
+            deltas = merged([self._choice_deltas(gen, choice, prefilled) for choice in choices])
             deltas = noting_failure(deltas, outcome)
             if gen.stream:
                 return await self._stream(request, request_id, gen, choices, deltas)
@@ -279,12 +289,17 @@ class Gateway:
         self.active += extra
 
     async def _choice_deltas(
-        self, gen: GenerationRequest, choice: Choice
+        self, gen: GenerationRequest, choice: Choice, prefilled: asyncio.Event | None = None
     ) -> AsyncIterator[ChoiceDelta]:
         """One choice's text as it comes (the prompt's first, with echo); a stop string cancels
-        its request in the scheduler at once, so that it stops taking compute."""
-        if gen.echo:
+        its request in the scheduler at once, so that it stops taking compute. An echo with
+        the prompt's logprobs waits for them (they come with the first token)."""
+        echo_pending = gen.echo and gen.sampling.prompt_logprobs is not None
+        if gen.echo and not echo_pending:
             yield ChoiceDelta(choice, self._prompt_text(gen), None)
+        if prefilled is not None and choice.index > 0:  # submitted once choice 0 prefilled
+            await prefilled.wait()
+            await self._submit_choice(gen, choice)
         assert choice.queue is not None
         progress = choice.progress
         deltas = follow(
@@ -294,10 +309,14 @@ class Gateway:
             self.metrics,
             self.settings.gateway.output_idle_timeout_s,
         )
-        async for delta in deltas:
+        async for delta in _noting_first(deltas, prefilled if choice.index == 0 else None):
             if progress.stop_reason is not None and not choice.cancelled:
                 choice.cancelled = True
                 await self._cancel(choice.request_id)
+            if gen.echo_only:  # the one generated token is not shown
+                delta = ""
+            if echo_pending:
+                delta, echo_pending = self._prompt_text(gen) + delta, False
             yield ChoiceDelta(choice, delta, self._finish_reason(progress))
 
     def _prompt_text(self, gen: GenerationRequest) -> str:
@@ -313,7 +332,8 @@ class Gateway:
         self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
         if progress.finish is None:
             self.metrics.aborted.inc()  # the client left (or the stream failed)
-            await self._cancel(choice.request_id)
+            if choice.submitted:
+                await self._cancel(choice.request_id)
         else:
             self._record_finished(gen, progress, prompt=choice.index == 0)
 
@@ -338,6 +358,10 @@ class Gateway:
         )
         # templating and tokenizing a long prompt must not stall every other stream
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
+
+    async def _submit_choice(self, gen: GenerationRequest, choice: Choice) -> None:
+        choice.submitted = True  # before: a failed publish is still cancelled on the way out
+        await self._submit(choice.request_id, gen, choice.sampling)
 
     async def _submit(
         self, request_id: str, gen: GenerationRequest, sampling: SamplingParams
@@ -389,7 +413,7 @@ class Gateway:
     @staticmethod
     def _usage(gen: GenerationRequest, choices: list[Choice]) -> dict[str, Any]:
         prompt = len(gen.prompt_ids)
-        completion = sum(len(choice.progress.token_ids) for choice in choices)
+        completion = sum(len(output_ids(gen, choice.progress)) for choice in choices)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -413,9 +437,22 @@ class Gateway:
         """The choice's logprobs of the tokens from `start` on (None unless asked for)."""
         if gen.sampling.logprobs is None:
             return None
-        tokens = progress.token_ids[start:]
-        logprobs = progress.logprobs.tail(start)
+        tokens = output_ids(gen, progress)[start:]
+        logprobs = progress.logprobs.tail(start).head(len(tokens))
         return choice_logprobs(gen.chat, self.tokenizer, tokens, logprobs, text_offset)
+
+    def _echo_logprobs(self, gen: GenerationRequest, progress: Progress) -> dict[str, Any] | None:
+        """An echoing completion's logprobs of its prompt (None unless it asked for logprobs)."""
+        if not gen.echo or gen.sampling.logprobs is None or progress.prompt_logprobs is None:
+            return None
+        return echo_logprobs(self.tokenizer, gen.prompt_ids, progress.prompt_logprobs)
+
+    def _vllm_prompt_logprobs(
+        self, gen: GenerationRequest, progress: Progress
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
+        if progress.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, gen.prompt_ids, progress.prompt_logprobs)
 
     async def _collect(
         self,
@@ -435,7 +472,11 @@ class Gateway:
         for choice, text in zip(choices, texts, strict=True):
             progress = choice.progress
             finish = self._finish_reason(progress)
-            logprobs = self._logprobs(gen, progress, 0)
+            echoed = self._echo_logprobs(gen, progress)
+            offset = len(self._prompt_text(gen)) if gen.echo else 0
+            logprobs = self._logprobs(gen, progress, 0, offset)
+            if echoed is not None and logprobs is not None:
+                logprobs = joined(echoed, logprobs)
             if gen.chat:
                 answer: dict[str, Any] = {
                     "index": choice.index,
@@ -450,21 +491,24 @@ class Gateway:
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 }
+                if gen.sampling.prompt_logprobs is not None:
+                    answer["prompt_logprobs"] = self._vllm_prompt_logprobs(gen, progress)
             answer["stop_reason"] = progress.stop_reason
             if len(choices) > 1:
                 answer["augury"] = progress.statistics()
             answers.append(answer)
-        return web.json_response(
-            {
-                "id": request_id,
-                "object": "chat.completion" if gen.chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": answers,
-                "usage": self._usage(gen, choices),
-                "augury": combined_statistics(choices),
-            }
-        )
+        answer_body: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion" if gen.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": answers,
+            "usage": self._usage(gen, choices),
+            "augury": combined_statistics(choices),
+        }
+        if gen.chat and gen.sampling.prompt_logprobs is not None:  # vLLM: the response's
+            answer_body["prompt_logprobs"] = self._vllm_prompt_logprobs(gen, choices[0].progress)
+        return web.json_response(answer_body)
 
     async def _stream(
         self,
@@ -495,16 +539,29 @@ class Gateway:
 
         # per choice: tokens whose logprobs were sent, and the length of their texts
         logprobs_sent: dict[int, tuple[int, int]] = {}
+        echo_offset = len(self._prompt_text(gen)) if gen.echo else 0
+        prompt_sent: set[int] = set()  # choices whose prompt logprobs went out
 
         def choice_logprobs_now(choice: Choice) -> dict[str, Any] | None:
-            """The logprobs of the tokens the choice added since its last chunk."""
-            start, offset = logprobs_sent.get(choice.index, (0, 0))
+            """The logprobs of the tokens the choice added since its last chunk (an echo's
+            first chunk: the prompt's first)."""
+            start, offset = logprobs_sent.get(choice.index, (0, echo_offset))
             logprobs = self._logprobs(gen, choice.progress, start, offset)
             if logprobs is not None:
                 texts = logprobs["content"] if gen.chat else logprobs["tokens"]
                 offset += sum(len(t["token"] if gen.chat else t) for t in texts)
-                logprobs_sent[choice.index] = (len(choice.progress.token_ids), offset)
+                logprobs_sent[choice.index] = (len(output_ids(gen, choice.progress)), offset)
+                echoed = self._echo_logprobs(gen, choice.progress)
+                if echoed is not None and choice.index not in prompt_sent:
+                    logprobs = joined(echoed, logprobs)
             return logprobs
+
+        def prompt_logprobs_now(choice: Choice) -> dict[str, Any]:
+            """vLLM's `prompt_logprobs`, on the first chunk after they arrived."""
+            if choice.index in prompt_sent or choice.progress.prompt_logprobs is None:
+                return {}
+            prompt_sent.add(choice.index)
+            return {"prompt_logprobs": self._vllm_prompt_logprobs(gen, choice.progress)}
 
         def choice_event(delta: ChoiceDelta) -> dict[str, Any]:
             index, text, finish = delta.choice.index, delta.text, delta.finish_reason
@@ -524,6 +581,7 @@ class Gateway:
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 }
+                event |= prompt_logprobs_now(delta.choice)
             if finish:
                 event["stop_reason"] = delta.choice.progress.stop_reason
             return event
@@ -538,6 +596,8 @@ class Gateway:
                 choice = delta.choice
                 progress = choice.progress
                 extra = {"augury": progress.statistics()} if delta.finish_reason else {}
+                if gen.chat:  # vLLM puts them on the response, not the choice
+                    extra |= prompt_logprobs_now(choice)
                 # with continuous usage, tokens that made no text yet still get their chunk
                 counted = gen.continuous_usage and len(progress.token_ids) > choice.sent_tokens
                 if delta.text or delta.finish_reason or counted:
@@ -554,6 +614,25 @@ class Gateway:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         return response
+
+
+async def _noting_first(
+    items: AsyncIterator[str], first: asyncio.Event | None
+) -> AsyncIterator[str]:
+    """The items; `first` is set at the first one, or when they end (a failure included)."""
+    try:
+        async for item in items:
+            if first is not None:
+                first.set()
+            yield item
+    finally:
+        if first is not None:
+            first.set()
+
+
+def output_ids(gen: GenerationRequest, progress: Progress) -> list[int]:
+    """The choice's output tokens as the client sees them (an echo of the prompt alone: none)."""
+    return [] if gen.echo_only else progress.token_ids
 
 
 async def send_event(response: web.StreamResponse, event: dict[str, Any]) -> None:

@@ -18,7 +18,9 @@ among the requests that name the same one. Any other field in it is a 400.
 Without `max_tokens` (`max_completion_tokens`) a request may run to the end of the context, as in
 vLLM (`gateway.default_max_tokens` may lower that). `stop` strings (at most MAX_STOP_STRINGS)
 are matched on the detokenized text by the gateway (shared/text/stop_strings.py). `n` > 1 fans
-out into n requests (see choices.py); `echo` (completions) puts the prompt's text first.
+out into n requests (see choices.py); `echo` (completions) puts the prompt's text first, and with
+`logprobs` the prompt's tokens' log-probabilities first (`max_tokens: 0` with `echo`: the prompt
+alone, as vLLM answers). vLLM's `prompt_logprobs: N` (chat and completions) asks for them alone.
 vLLM's extension fields that Augury does not implement are refused by name (VLLM_UNIMPLEMENTED).
 
 The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
@@ -53,8 +55,8 @@ AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate
 # and echo (completions).
 GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo"})
 # vLLM's extension fields that Augury does not implement, with the values that mean "off": any
-# other value is refused by name, never ignored. (`prompt_logprobs` is the sampling engine's to
-# build; it leaves this list when it is. `min_tokens` is built: shared/engine/processors.py.)
+# other value is refused by name, never ignored. (`min_tokens` and `prompt_logprobs` are built:
+# shared/engine/processors.py, shared/engine/verifier.py.)
 VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -63,7 +65,6 @@ VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "structured_outputs": (None,),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None,),
@@ -149,6 +150,9 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     n: int = 1  # completions of the prompt, each its own request to the scheduler
     echo: bool = False  # completions: the prompt's text before the output
+    # completions' `echo` with `max_tokens: 0` (OpenAI's and vLLM's way to score a prompt): one
+    # token is generated (the prefill's) and dropped; the answer holds the prompt alone
+    echo_only: bool = False
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -228,6 +232,12 @@ def _processors_and_logprobs(
         if number is not None and not 0 <= number <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         options["logprobs"] = number
+    prompt = _integer(body, "prompt_logprobs", None)
+    if prompt is not None and not 0 <= prompt <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+    if prompt is None and not chat and _flag(body, "echo", False):
+        prompt = options["logprobs"]  # echo shows the prompt's tokens with the output's
+    options["prompt_logprobs"] = prompt
     return options
 
 
@@ -373,6 +383,9 @@ def parse_generation(
     max_tokens = _max_tokens(
         body, max_tokens_field, len(prompt_ids), max_context, default_max_tokens, chat=chat
     )
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     sampling = _sampling(
         body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat
     )
@@ -434,6 +447,7 @@ def parse_generation(
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
         n=n,
         echo=echo,
+        echo_only=echo_only,
     )
 
 
@@ -558,12 +572,4 @@ def _choices(body: Mapping[str, Any], max_n: int) -> int:
 
 
 def _echo(body: Mapping[str, Any], chat: bool) -> bool:
-    echo = False if chat else _flag(body, "echo", False)
-    logprobs = body.get("logprobs")
-    if echo and logprobs is not None and logprobs is not False:  # 0 asks for them too
-        raise bad_request(
-            "echo with logprobs needs the prompt's log-probabilities (prompt_logprobs), which "
-            "this server does not compute yet",
-            "echo",
-        )
-    return echo
+    return False if chat else _flag(body, "echo", False)

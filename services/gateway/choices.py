@@ -2,8 +2,9 @@
 
 Choice i of request `cmpl-x` is the scheduler's request `cmpl-x-i` (just `cmpl-x` when n = 1),
 with the request's sampling options; a seeded request gives choice 0 its seed and each other
-choice a seed derived from (seed, i), so that the same request reproduces the same choices. The
-n requests share the prompt's prefill only where the scheduler's prefix caching does.
+choice a seed derived from (seed, i), so that the same request reproduces the same choices. With
+prefix caching on, choice 0 goes first and the others once its prefill has committed (its first
+token arrived), so that they find the prompt's full KV blocks cached (the app submits them).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Choice:
     queue: asyncio.Queue[Tokens | RequestError] | None = None
     cancelled: bool = False  # a Cancel went out for it (a stop string ended it)
     sent_tokens: int = 0  # tokens covered by chunks already sent (continuous usage)
+    submitted: bool = False  # its request went to the scheduler
 
 
 @dataclass(frozen=True)

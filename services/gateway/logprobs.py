@@ -90,3 +90,47 @@ def choice_logprobs(
     if chat:
         return chat_logprobs(tokenizer, token_ids, logprobs)
     return completion_logprobs(tokenizer, token_ids, logprobs, text_offset)
+
+
+# ---- the prompt's: completions' `echo` and vLLM's `prompt_logprobs` ------------------------------
+
+
+def echo_logprobs(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], prompt_logprobs: TokenLogprobs
+) -> dict[str, Any]:
+    """The completions object for an echoed prompt: every prompt token, the first with null
+    `token_logprobs` and `top_logprobs` (nothing predicts it), offsets from 0."""
+    first = _text(tokenizer, prompt_ids[0])
+    rest = completion_logprobs(tokenizer, prompt_ids[1:], prompt_logprobs, len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two completions logprobs objects one after the other (the prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], prompt_logprobs: TokenLogprobs
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first token, then per token a map of token id to
+    {logprob, rank, decoded_token} holding the prompt token and the likeliest ones. The rank
+    (1: likeliest) is null for a prompt token outside the asked top."""
+    entries: list[dict[str, dict[str, Any]] | None] = [None]
+    for i, token in enumerate(prompt_ids[1:]):
+        top_ids = prompt_logprobs.top_ids[i]
+        rank = top_ids.index(token) + 1 if token in top_ids else None
+        entry = {str(token): _vllm_entry(tokenizer, token, prompt_logprobs.logprobs[i], rank)}
+        for r, (alt, lp) in enumerate(zip(top_ids, prompt_logprobs.top_logprobs[i], strict=True)):
+            entry.setdefault(str(alt), _vllm_entry(tokenizer, alt, lp, r + 1))
+        entries.append(entry)
+    return entries
+
+
+def _vllm_entry(tokenizer: Tokenizer, token: int, logprob: float, rank: int | None) -> dict:
+    return {"logprob": _value(logprob), "rank": rank, "decoded_token": _text(tokenizer, token)}

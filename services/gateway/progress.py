@@ -42,6 +42,8 @@ class Progress:
     tpot_slo_ms: float | None = None
     tpot_ms: float | None = None
     logprobs: TokenLogprobs = EMPTY  # of token_ids, when the request asked for them
+    # of the prompt's tokens after the first (asked with SamplingParams.prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
     # prompt tokens found in the target's prefix cache (None: the scheduler did not say)
     cached_tokens: int | None = None
 
@@ -156,6 +158,8 @@ async def follow(
         _count(message, len(fresh), progress, metrics)
         _note_objective(message, progress)
         progress.token_ids.extend(fresh)
+        if message.prompt_logprobs is not None:
+            progress.prompt_logprobs = message.prompt_logprobs
         if message.logprobs is not None:
             progress.logprobs += message.logprobs.tail(have - message.offset).head(len(fresh))
         progress.finish = message.finish

@@ -471,6 +471,7 @@ class SchedulerService:
                     e.features,
                     e.logprobs,
                     cached_tokens=e.cached_tokens,
+                    prompt_logprobs=e.prompt_logprobs,
                 )
                 for e in result.entries
             }
@@ -649,6 +650,7 @@ class SchedulerService:
                     draft_model=out.draft_model or "",
                     **_slo_statistics(out, (requests or {}).get(out.request_id)),
                     logprobs=out.logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
                 messages.append((reply_to, tokens))
         return messages

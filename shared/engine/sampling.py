@@ -60,6 +60,10 @@ class SamplingParams:
     # the target's raw log-probabilities of each emitted token and its top `logprobs`
     # alternatives (None: none returned; 0: the emitted token's alone)
     logprobs: int | None = None
+    # the target's raw log-probabilities of each prompt token but the first, with the top
+    # `prompt_logprobs` alternatives, read from the prefill forward (vLLM's `prompt_logprobs`);
+    # such a request computes its whole prompt (it does not reuse cached prefix blocks)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:  # vLLM's and SGLang's "off"
@@ -105,6 +109,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                param="prompt_logprobs",
             )
 
     @property

@@ -351,6 +351,7 @@ class SpecEngine:
                 features=v.features,
                 logprobs=v.logprobs,
                 cached_tokens=v.cached_tokens,
+                prompt_logprobs=v.prompt_logprobs,
             )
             for v in verified
         }

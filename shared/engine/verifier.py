@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from shared.engine.logprobs import token_logprobs
+from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.processors import coupled_scores, process_logits, tree_paths
 from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
 from shared.engine.verification import Verdict, verify, verify_greedy
@@ -41,8 +41,12 @@ def verified(entry: VerifyRequest, emitted: Sequence[int], num_accepted: int) ->
 class Verifier:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        # prompt_logprobs requests between chunks: the last row of the chunk before, which
+        # predicts the next chunk's first token
+        self._last_rows: dict[str, torch.Tensor] = {}
 
     def free(self, request_id: str) -> None:
+        self._last_rows.pop(request_id, None)
         self.runner.free_request(request_id)
 
     def attach_prefix(self, request_id: str, prompt: Sequence[int]) -> int:
@@ -66,11 +70,14 @@ class Verifier:
                 # the scheduler service's first chunk, and any later chunk that continues cached
                 # blocks (the engine attaches at admission too); features are not cached, so
                 # those requests compute everything
-                if not e.want_features:
+                # the prompt's log-probabilities need every position's logits: computed too
+                if not e.want_features and e.sampling.prompt_logprobs is None:
                     skip = self.runner.attach_prefix(e.request_id, chunk, len(chunk) - 1)
                     chunk = chunk[skip:]
                     skipped[e.request_id] = skip
                 logits = "last" if e.chunk_is_last else "none"
+                if e.sampling.prompt_logprobs is not None:
+                    logits = "all"
                 items.append(
                     ForwardItem.chain(e.request_id, chunk, logits=logits, feature_rows=feature_rows)
                 )
@@ -87,9 +94,13 @@ class Verifier:
                 skip = skipped.get(e.request_id, 0)
                 kept: Sequence[int] = range(len(e.chunk) - skip)
                 tokens, rows = [], []
+                last = out.logits.shape[0] - 1  # one row ("last") or one per chunk token
                 if e.chunk_is_last:
-                    tokens, rows = [self._first_token(e, out.logits)], [0]
+                    tokens, rows = [self._first_token(e, out.logits[last:])], [last]
                 result = replace(verified(e, tokens, 0), cached_tokens=skip)
+                if e.sampling.prompt_logprobs is not None:
+                    prompt = self._prompt_logprobs(e, out.logits)
+                    result = replace(result, prompt_logprobs=prompt)
             else:
                 verdict = self._accept(e, out.logits)
                 kept = verdict.kv_path
@@ -107,6 +118,22 @@ class Verifier:
             results.append(result)
         self.runner.commit(commits)
         return results
+
+    def _prompt_logprobs(self, e: VerifyRequest, logits: torch.Tensor) -> TokenLogprobs:
+        """The chunk's tokens' log-probabilities from its [len(chunk), V] logits (row i predicts
+        token i + 1) and the chunk before's last row; the prompt's first token has none."""
+        assert e.sampling.prompt_logprobs is not None
+        rows = logits[:-1]
+        tokens = list(e.chunk[1:])
+        if e.chunk_start > 0:
+            before = self._last_rows.pop(e.request_id, None)
+            if before is None:  # a chunk continuing a prompt this verifier did not compute
+                raise RuntimeError(f"{e.request_id}: prompt_logprobs lost the previous chunk")
+            rows = torch.cat([before, rows])
+            tokens = [e.chunk[0], *tokens]
+        if not e.chunk_is_last:
+            self._last_rows[e.request_id] = logits[-1:].clone()
+        return token_logprobs(rows, tokens, e.sampling.prompt_logprobs)
 
     def _first_token(self, e: VerifyRequest, logits: torch.Tensor) -> int:
         """The token after a prompt's last chunk, from its [1, V] logits."""

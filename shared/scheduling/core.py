@@ -210,6 +210,8 @@ class StepResult:
     features: np.ndarray | None = None
     logprobs: TokenLogprobs | None = None  # of `tokens` (asked with SamplingParams.logprobs)
     cached_tokens: int = 0  # of a chunk, the first tokens the verifier found cached
+    # of a chunk's tokens (asked with SamplingParams.prompt_logprobs; the prompt's first has none)
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,9 @@ class StepOutput:
     error: str | None = None
     error_type: str | None = None  # OpenAI error type for the client
     logprobs: TokenLogprobs | None = None  # of new_tokens (asked with SamplingParams.logprobs)
+    # the first output's (offset 0): of the prompt's tokens after the first (asked with
+    # SamplingParams.prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -541,6 +546,8 @@ class SchedulerCore:
         as prefilled (budget and KV need only the rest). Not for requests whose feature-level
         drafts need the target's features of every position (those are not cached)."""
         if request.prefix_looked_up or request.num_prefilled or self.wants_features(request):
+            return
+        if request.params.prompt_logprobs is not None:  # needs every prompt position's logits
             return
         attach = getattr(kv, "attach_prefix", None)
         if attach is None:
@@ -1124,6 +1131,9 @@ class SchedulerCore:
                 log.put(first, result.features)
             drafted = 0
             if rid in chunks:
+                if not request.output and result.prompt_logprobs is not None:
+                    before = request.prompt_logprobs if request.num_prefilled else EMPTY
+                    request.prompt_logprobs = (before or EMPTY) + result.prompt_logprobs
                 request.num_prefilled += chunks[rid]
                 if not request.output:  # a verifier that found the chunk's start cached
                     request.num_cached_prompt_tokens += result.cached_tokens
@@ -1175,6 +1185,10 @@ class SchedulerCore:
                         result.num_accepted if drafted else 0,
                         request.draft_model if drafted else None,
                         logprobs=logprobs,
+                        prompt_logprobs=(
+                            request.prompt_logprobs if new and len(request.output) == len(new)
+                            else None
+                        ),
                     )
                 )
             if request.is_finished:

@@ -98,6 +98,9 @@ class RequestState:
     output: list[int] = field(default_factory=list)
     # the target's log-probabilities of `output` (asked with SamplingParams.logprobs)
     logprobs: TokenLogprobs | None = None
+    # the target's log-probabilities of the prompt's tokens after the first, gathered chunk by
+    # chunk (asked with SamplingParams.prompt_logprobs)
+    prompt_logprobs: TokenLogprobs | None = None
     prefill_tokens: list[int] = field(default_factory=list)  # what the target must prefill
     num_prefilled: int = 0
     # prefix caching: the prompt tokens the target found cached (not computed), for the usage;

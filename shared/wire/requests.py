@@ -156,6 +156,9 @@ class Tokens(WireMessage):
     logprobs: TokenLogprobs | None = None
     # the finishing message's: prompt tokens the target found in its prefix cache
     cached_tokens: int | None = None
+    # the first message's (offset 0), asked with SamplingParams.prompt_logprobs: the target's
+    # log-probabilities of the prompt's tokens after the first; written only when set
+    prompt_logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -187,7 +190,9 @@ class Tokens(WireMessage):
             tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
             tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
             cached_tokens=None if self.cached_tokens is None else int(self.cached_tokens),
-        ) | optional_logprobs_payload(self.logprobs)
+        ) | optional_logprobs_payload(self.logprobs) | optional_logprobs_payload(
+            self.prompt_logprobs, "prompt_logprobs"
+        )
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -207,6 +212,7 @@ class Tokens(WireMessage):
             tpot_ms=fields.optional_number("tpot_ms"),
             logprobs=read_optional_logprobs(fields),
             cached_tokens=fields.optional_integer("cached_tokens"),
+            prompt_logprobs=read_optional_logprobs(fields, "prompt_logprobs"),
         )
 
 

@@ -392,6 +392,9 @@ class VerifiedRequest:
     # only when set)
     logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0
+    # a chunk's: the target's log-probabilities of its prompt tokens (the prompt's first token
+    # has none), asked with SamplingParams.prompt_logprobs; written only when set
+    prompt_logprobs: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -416,7 +419,7 @@ class VerifiedRequest:
             "error": self.error,
         } | _features_payload(self.features) | optional_logprobs_payload(self.logprobs) | (
             {"cached_tokens": int(self.cached_tokens)} if self.cached_tokens else {}
-        )
+        ) | optional_logprobs_payload(self.prompt_logprobs, "prompt_logprobs")
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
@@ -434,6 +437,7 @@ class VerifiedRequest:
             features=fields.optional_f16_matrix("features"),
             logprobs=read_optional_logprobs(fields),
             cached_tokens=fields.integer("cached_tokens", 0, minimum=0),
+            prompt_logprobs=read_optional_logprobs(fields, "prompt_logprobs"),
         )
 
 

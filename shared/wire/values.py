@@ -70,6 +70,8 @@ def _processor_payload(params: SamplingParams) -> dict[str, Any]:
         payload["logit_bias_values"] = pack_floats([b for _, b in params.logit_bias])
     if params.logprobs is not None:
         payload["logprobs"] = int(params.logprobs)
+    if params.prompt_logprobs is not None:
+        payload["prompt_logprobs"] = int(params.prompt_logprobs)
     return payload
 
 
@@ -94,6 +96,7 @@ def read_sampling(fields: PayloadReader) -> SamplingParams:
         min_tokens=fields.integer("min_tokens", 0, minimum=0),
         logit_bias=tuple(zip(bias_ids, bias_values.tolist(), strict=True)),
         logprobs=fields.optional_integer("logprobs"),
+        prompt_logprobs=fields.optional_integer("prompt_logprobs"),
     )
 
 
@@ -127,13 +130,15 @@ def read_optional_history(fields: PayloadReader) -> TokenHistory | None:
     )
 
 
-def optional_logprobs_payload(logprobs: TokenLogprobs | None) -> dict[str, Any]:
-    """{"logprobs": ...} when set: values as float64 bytes, top lists flattened row by row."""
+def optional_logprobs_payload(
+    logprobs: TokenLogprobs | None, key: str = "logprobs"
+) -> dict[str, Any]:
+    """{key: ...} when set: values as float64 bytes, top lists flattened row by row."""
     if logprobs is None:
         return {}
     width = len(logprobs.top_ids[0]) if len(logprobs) else 0
     return {
-        "logprobs": {
+        key: {
             "values": pack_floats(logprobs.logprobs),
             "top_width": width,
             "top_ids": pack_ints([t for row in logprobs.top_ids for t in row]),
@@ -142,8 +147,10 @@ def optional_logprobs_payload(logprobs: TokenLogprobs | None) -> dict[str, Any]:
     }
 
 
-def read_optional_logprobs(fields: PayloadReader) -> TokenLogprobs | None:
-    sub = fields.optional_sub("logprobs")
+def read_optional_logprobs(
+    fields: PayloadReader, key: str = "logprobs"
+) -> TokenLogprobs | None:
+    sub = fields.optional_sub(key)
     if sub is None:
         return None
     values = sub.float_array("values").tolist()
