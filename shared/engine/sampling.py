@@ -31,12 +31,40 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 MIN_TEMPERATURE = 1e-5  # below: greedy (vLLM's epsilon); dividing logits by less overflows
 SEED_BITS = 63
+MAX_STRUCTURED_SPEC_CHARS = 65_536  # a schema, regex or grammar longer than this is refused
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 # Streams of random numbers per (request, step): one for drafting, one for verification.
 DRAFT_STREAM = 0
 VERIFY_STREAM = 1
 GUMBEL_STREAM = 2  # a seeded request's noise, keyed by (seed, output position, GUMBEL_STREAM)
 NOISE_CACHE_SIZE = 64  # positions' noise kept (a 49k vocabulary: 0.4 MB each)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text, compiled by `shared.grammar` (one per request).
+
+    kind: "json_object" (any JSON object; spec ""), "json_schema" (spec: the schema as JSON
+    text), "regex" (spec: the pattern), "choice" (spec: a JSON list of the allowed strings),
+    "grammar" (spec: a Lark grammar as llguidance reads it)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}",
+                param="response_format",
+            )
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidRequestError(
+                f"the {self.kind} is {len(self.spec)} characters; at most "
+                f"{MAX_STRUCTURED_SPEC_CHARS} are accepted",
+                param="response_format",
+            )
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,9 @@ class SamplingParams:
     # `prompt_logprobs` alternatives, read from the prefill forward (vLLM's `prompt_logprobs`);
     # such a request computes its whole prompt (it does not reuse cached prefix blocks)
     prompt_logprobs: int | None = None
+    # the output must follow this grammar (JSON schema, regex, choice, ...); every node of a
+    # draft tree is masked with the grammar state along its path
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:  # vLLM's and SGLang's "off"

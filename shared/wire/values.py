@@ -9,7 +9,13 @@ import numpy as np
 
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.methods import DraftMethod
-from shared.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenHistory
+from shared.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_STRUCTURED_SPEC_CHARS,
+    SamplingParams,
+    StructuredOutput,
+    TokenHistory,
+)
 from shared.engine.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
 
@@ -72,6 +78,9 @@ def _processor_payload(params: SamplingParams) -> dict[str, Any]:
         payload["logprobs"] = int(params.logprobs)
     if params.prompt_logprobs is not None:
         payload["prompt_logprobs"] = int(params.prompt_logprobs)
+    if params.structured is not None:
+        payload["structured_kind"] = params.structured.kind
+        payload["structured_spec"] = params.structured.spec
     return payload
 
 
@@ -97,7 +106,16 @@ def read_sampling(fields: PayloadReader) -> SamplingParams:
         logit_bias=tuple(zip(bias_ids, bias_values.tolist(), strict=True)),
         logprobs=fields.optional_integer("logprobs"),
         prompt_logprobs=fields.optional_integer("prompt_logprobs"),
+        structured=_read_structured(fields),
     )
+
+
+def _read_structured(fields: PayloadReader) -> StructuredOutput | None:
+    kind = fields.optional_text("structured_kind", max_len=32)
+    if kind is None:
+        return None
+    spec = fields.text("structured_spec", "", max_len=MAX_STRUCTURED_SPEC_CHARS)
+    return fields.build(StructuredOutput, kind, spec)
 
 
 # ---- token histories and logprobs --------------------------------------------------------------
@@ -147,9 +165,7 @@ def optional_logprobs_payload(
     }
 
 
-def read_optional_logprobs(
-    fields: PayloadReader, key: str = "logprobs"
-) -> TokenLogprobs | None:
+def read_optional_logprobs(fields: PayloadReader, key: str = "logprobs") -> TokenLogprobs | None:
     sub = fields.optional_sub(key)
     if sub is None:
         return None
