@@ -1,0 +1,1 @@
+"""Structured output: grammars (llguidance) that constrain every node of a draft tree."""
