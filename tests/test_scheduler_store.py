@@ -36,7 +36,7 @@ SUBMIT = Submit(
     "r1",
     (5, 6, 7),
     SamplingParams(max_tokens=9, temperature=0.7, stop_token_ids=(3,)),
-    "augury:out:g1",
+    "augury:{0}:out:g1",
     1234.5,
     priority=2,
     slo_class="urgent",
@@ -122,12 +122,12 @@ async def test_staged_changes_are_written_with_the_messages_and_finished_request
     assert not store.take_staged()  # taken once
     tokens = Tokens("r1", 4, 0, (8, 9, 10))
     await bus.publish_all(
-        [("augury:out:g1", tokens)], also=lambda pipe: store.write_staged(pipe, staged)
+        [("augury:{0}:out:g1", tokens)], also=lambda pipe: store.write_staged(pipe, staged)
     )
     stored, broken, finished = await store.load()
     assert broken == [] and finished == []
     assert [s.submit for s in stored] == [SUBMIT] and stored[0].progress == Progress.of(request)
-    entries = await bus.redis.xrange("augury:out:g1")
+    entries = await bus.redis.xrange("augury:{0}:out:g1")
     assert decode_entry(entries[-1][1]) == tokens
 
     store.stage_progress(request)

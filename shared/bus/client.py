@@ -10,10 +10,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
+from shared.bus.connect import RedisClient, connect
 from shared.settings import RedisSettings
 from shared.wire.base import WireMessage
 from shared.wire.streams import dead_letter_stream
@@ -43,18 +43,15 @@ class Bus:
         self.url = url
         self.settings = settings
         self.consumer_name = consumer_name
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=COMMAND_TIMEOUT_S, decode_responses=False, **settings.credentials
-        )
+        self.redis: RedisClient = connect(url, settings, socket_timeout=COMMAND_TIMEOUT_S)
 
-    def blocking_client(self) -> aioredis.Redis:
+    def blocking_client(self) -> RedisClient:
         """A client with its own pool for one reader's blocking reads (timeout > block time)."""
-        return aioredis.Redis.from_url(
+        return connect(
             self.url,
+            self.settings,
             socket_timeout=self.settings.socket_timeout_s,
-            decode_responses=False,
             max_connections=2,
-            **self.settings.credentials,
         )
 
     async def close(self) -> None:
