@@ -332,6 +332,20 @@ class GatewaySettings(_Group):
     # Without max_tokens a request may run to the end of the context; this lowers that default
     default_max_tokens: PositiveInt | None = None
     max_n: PositiveInt = 16  # completions one request may ask for (`n`)
+    # Cells this gateway routes over (services/gateway/cells.py); empty: service.cell alone. A
+    # new request goes to the live cell with the least queued work; a prompt of at least
+    # affinity_prefix_tokens (0: never) goes where its prefix hashes, unless that cell has more
+    # than affinity_max_extra_load requests over the least loaded one.
+    cells: tuple[KeySafeName, ...] = ()
+    affinity_prefix_tokens: NonNegativeInt = 64
+    affinity_max_extra_load: NonNegativeInt = 4
+
+    @field_validator("cells")
+    @classmethod
+    def _distinct_cells(cls, cells: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(cells)) != len(cells):
+            raise ValueError(f"gateway.cells names a cell twice: {list(cells)}")
+        return cells
 
     @property
     def accepted_api_keys(self) -> list[str]:
