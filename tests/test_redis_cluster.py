@@ -6,34 +6,41 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import random
+import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from services.gateway.app import Gateway
 from services.gateway.cells import CellRouter, RoutingRules, affinity_order
 from shared.bus import Bus, Delivery, Heartbeater, StreamConsumer, live_replicas
 from shared.bus.cell_stats import QueueTimes, publish_scheduler_stats
 from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings, RedisSettings, SettingsError, load_settings
-from shared.wire import Cancel, Submit
+from shared.wire import Cancel, Submit, decode_entry
 from shared.wire.streams import (
+    GATEWAY,
     SCHEDULER,
     candidates_stream,
+    output_stream,
     requests_stream,
     results_stream,
     scheduler_progress_key,
 )
+from tests.conftest import make_tiny_checkpoint
 from tests.redis_cluster import Cluster, redis_cluster
+from tests.test_services_processes import launch, log_tail, service_env, stop
+from tests.test_services_support import plain_greedy
 
 pytestmark = pytest.mark.anyio
 TTL_MS = 600
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +168,147 @@ async def test_the_gateway_routes_by_load_and_prefix_and_drops_a_silent_cell(
         await bus.close()
 
 
-def gateway_settings(cluster: Cluster, cells: list[str]) -> AugurySettings:
-    return load_settings(redis=cluster_settings(cluster).model_dump(), gateway={"cells": cells})
+# ---- two cells end to end through one gateway ---------------------------------------------------
+GATEWAY_REPLICA = "gw"
 
 
-def _unused(path: Path) -> None:  # pragma: no cover - keeps imports honest until the e2e test
-    del path
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaMA with SmolLM2's vocabulary and tokenizer files (the gateway needs a
+    tokenizer; a tiny model keeps the run short on a CPU)."""
+    from shared.model.smollm2 import ensure_smollm2
+
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("cells_target"),
+        seed=0,
+        vocab_size=49152,
+        hidden_size=64,
+        num_layers=2,
+        max_positions=2048,
+        tie=True,
+    )
+    for source in ensure_smollm2().iterdir():
+        if source.name.startswith("tokenizer") or source.suffix == ".jinja":
+            shutil.copy(source, path / source.name)
+    return path
+
+
+async def complete(client: TestClient, prompt: list[int], max_tokens: int) -> tuple[str, str, int]:
+    """A streamed greedy completion of token ids: (request id, text, completion tokens)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = await client.post("/v1/completions", json=body)
+    assert response.status == 200, await response.text()
+    request_id, text, tokens = "", "", 0
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        request_id = event["id"]
+        text += "".join(choice["text"] for choice in event["choices"])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    return request_id, text, tokens
+
+
+async def served_by(bus: Bus, cell: str) -> set[str]:
+    """Request ids that got output from `cell` (its output stream for our gateway)."""
+    entries = await bus.redis.xrange(output_stream(cell, GATEWAY_REPLICA))
+    return {decode_entry(fields).request_id for _, fields in entries}  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    stop(started)
+
+
+@pytest.mark.slow
+async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_scheduler_kill(
+    cluster: Cluster, tiny_with_tokenizer: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Cells on two masters; 60 greedy requests through one gateway, equal to plain greedy.
+    Cell A's scheduler is SIGKILLed while its requests stream: the gateway takes A out of
+    rotation (B serves every new request) and A's requests resume, once A has a scheduler
+    again, where their streams stopped."""
+    from transformers import AutoTokenizer
+
+    target = tiny_with_tokenizer
+    a, b = cells_on_different_nodes(cluster, 2, "cell")
+    rng = random.Random(39)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(3, 12))] for _ in range(60)]
+    lengths = [24 if i < 30 else 8 for i in range(60)]
+    expected = plain_greedy(target, prompts, [SamplingParams(max_tokens=n) for n in lengths])
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    want = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+
+    def env(cell: str) -> dict[str, str]:
+        return service_env(
+            target,
+            target,  # the target drafts for itself
+            cell,
+            AUGURY_REDIS__URL=cluster.url,
+            AUGURY_REDIS__CLUSTER="true",
+            AUGURY_SCHEDULER__LEASE_TTL_MS="2000",
+        )
+
+    for args in (("verifier",), ("drafter", "--name", "d"), ("scheduler",)):
+        processes.append(launch(*args, env=env(a)))
+    scheduler_a = processes[-1]
+    processes.append(launch("all", "--no-gateway", env=env(b)))
+
+    settings = AugurySettings(
+        redis=RedisSettings(url=cluster.url, cluster=True, block_ms=100, heartbeat_ttl_ms=1500),
+        gateway={"cells": [a, b], "affinity_prefix_tokens": 0},
+        service={"cell": a, "replica": GATEWAY_REPLICA},
+    )
+    bus = Bus(cluster.url, settings.redis, GATEWAY_REPLICA)
+    gateway = Gateway(settings, bus, tokenizer, vocab_size=len(tokenizer), max_context=2048)
+    beats = [Heartbeater(bus, service=GATEWAY, cell=cell) for cell in (a, b)]
+    for beat in beats:
+        await beat.start()
+    client = TestClient(TestServer(gateway.app()))
+    await client.start_server()
+    try:
+        deadline = time.monotonic() + 180
+        while gateway.cells.live != {a, b}:  # both schedulers publish once they serve
+            for process in processes:
+                assert process.poll() is None, log_tail(process)
+            assert time.monotonic() < deadline, "the cells never came up"
+            await asyncio.sleep(0.2)
+        first = [asyncio.create_task(complete(client, prompts[i], lengths[i])) for i in range(30)]
+        while not await served_by(bus, a) or not await served_by(bus, b):
+            assert time.monotonic() < deadline, "a cell served nothing"
+            await asyncio.sleep(0.05)
+        assert not all(task.done() for task in first), "finished before the kill"
+        scheduler_a.kill()
+        while gateway.cells.live != {b}:
+            assert time.monotonic() < deadline, "the dead cell stayed in rotation"
+            await asyncio.sleep(0.1)
+        on_a_at_kill = await served_by(bus, a)
+        second = await asyncio.gather(
+            *(complete(client, prompts[i], lengths[i]) for i in range(30, 60))
+        )
+        assert await served_by(bus, a) == on_a_at_kill  # nothing new went to the dead cell
+        assert {rid for rid, _, _ in second} <= await served_by(bus, b)
+        processes.append(launch("scheduler", env=env(a)))  # A's requests resume with it
+        results = [*await asyncio.gather(*first), *second]
+    finally:
+        await client.close()
+        for beat in beats:
+            await beat.stop()
+        await bus.close()
+    assert scheduler_a.wait() == -signal.SIGKILL
+    processes.remove(scheduler_a)
+    for i, (_, text, tokens) in enumerate(results):
+        assert (text, tokens) == (want[i], lengths[i]), i
+    first_ids = {rid for rid, _, _ in results[:30]}
+    assert first_ids & on_a_at_kill and first_ids - on_a_at_kill  # both cells served

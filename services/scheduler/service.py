@@ -734,7 +734,11 @@ class SchedulerService:
         async with self._write_lock:
             while messages or staged:
                 try:
-                    await self.bus.publish_all(messages, also=store if staged else None)
+                    await self.bus.publish_all(
+                        messages,
+                        also=store if staged else None,
+                        slot_key=self.store.submits_key,
+                    )
                     return
                 except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                     log.warning(
