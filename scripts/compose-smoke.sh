@@ -140,6 +140,9 @@ say "compose up --wait (models load and measure on start: minutes on a small CPU
 PROJECT_UP=1
 compose up -d --no-build --wait --wait-timeout 900 >>"$LOG" 2>&1 || {
   compose ps -a >>"$LOG" 2>&1; compose logs --tail 40 >>"$LOG" 2>&1
+  for c in $(compose ps -aq); do
+    docker inspect -f '{{.Name}} {{json .State.Health}}' "$c" >>"$LOG" 2>&1
+  done
   say "FAILED: the stack did not come up healthy (see $LOG)"; exit 1; }
 compose ps >>"$LOG"
 address=$(compose port --index 1 gateway 8000)

@@ -23,7 +23,13 @@ from services.gateway.cells import CellRouter, RoutingRules, affinity_order
 from shared.bus import Bus, Delivery, Heartbeater, StreamConsumer, live_replicas
 from shared.bus.cell_stats import QueueTimes, publish_scheduler_stats
 from shared.engine.sampling import SamplingParams
-from shared.settings import AugurySettings, RedisSettings, SettingsError, load_settings
+from shared.settings import (
+    AugurySettings,
+    GatewaySettings,
+    RedisSettings,
+    SettingsError,
+    load_settings,
+)
 from shared.wire import Cancel, Submit, decode_entry
 from shared.wire.streams import (
     GATEWAY,
@@ -196,6 +202,7 @@ def tiny_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def complete(client: TestClient, prompt: list[int], max_tokens: int) -> tuple[str, str, int]:
     """A streamed greedy completion of token ids: (request id, text, completion tokens)."""
     body = {
+        "model": GatewaySettings().model_name,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -286,6 +293,9 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
             await asyncio.sleep(0.2)
         first = [asyncio.create_task(complete(client, prompts[i], lengths[i])) for i in range(30)]
         while not await served_by(bus, a) or not await served_by(bus, b):
+            for task in first:
+                if task.done():
+                    task.result()  # a failed request fails the test here, with its reason
             assert time.monotonic() < deadline, "a cell served nothing"
             await asyncio.sleep(0.05)
         assert not all(task.done() for task in first), "finished before the kill"
