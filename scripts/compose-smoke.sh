@@ -138,6 +138,9 @@ bash scripts/compose-env.sh >>"$LOG"
 compose() { "$COMPOSE_BIN" -f compose.yaml -f compose.cpu.yaml "$@"; }
 say "compose up --wait (models load and measure on start: minutes on a small CPU)"
 PROJECT_UP=1
+# Docker 20.10 fills a new named volume from the image in every container that starts on it at
+# once, and the second mkdir fails ("file exists"): one container fills augury-cache first
+compose run --rm --no-deps --entrypoint true verifier >>"$LOG" 2>&1
 compose up -d --no-build --wait --wait-timeout 900 >>"$LOG" 2>&1 || {
   compose ps -a >>"$LOG" 2>&1; compose logs --tail 40 >>"$LOG" 2>&1
   for c in $(compose ps -aq); do
