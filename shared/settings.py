@@ -414,6 +414,10 @@ NOT_SETTINGS = frozenset(
         "AUGURY_REDIS_MAXMEMORY",
         "AUGURY_FUZZ_SCALE",
         "AUGURY_TEST_REDIS_URL",
+        # the compose files' own (scripts/compose-smoke.sh sets them for Compose)
+        "AUGURY_GATEWAYS",
+        "AUGURY_IMAGE",
+        "AUGURY_PROJECT",
     }
 )
 
