@@ -18,6 +18,9 @@
 #                  index (default /opt/wheels); empty: PyTorch's CPU index on the internet
 #   AUGURY_TORCH   the torch requirement (default torch==2.13.0+cpu)
 #   KEEP_IMAGES    1: keep the daemon's data root (the images) for the next run
+#   REBUILD        1: build augury:cpu again (from the layers kept) though it exists
+#   SMOKE_HEALTH_TIMEOUT  e.g. 30s: a longer timeout for every healthcheck (the files give 5 s,
+#                  which a machine busy with other work can exceed while the models load)
 #
 # The base image is Debian bookworm (python3 3.11, pip) made by mmdebstrap and imported, with
 # this host's CA certificates added (a TLS-intercepting proxy's CA included), so pip and apt
@@ -108,7 +111,7 @@ if ! docker image inspect augury-redis:local >/dev/null 2>&1; then
     >"$ctx/Dockerfile"
   docker build --network host -t augury-redis:local "$ctx" >>"$LOG" 2>&1
 fi
-if ! docker image inspect augury:cpu >/dev/null 2>&1; then
+if [ "${REBUILD:-0}" = 1 ] || ! docker image inspect augury:cpu >/dev/null 2>&1; then
   torch_index=()
   if [ -n "$TORCH_WHEELS" ]; then
     # a one-package index over loopback (the build shares the host's network)
@@ -135,7 +138,18 @@ export AUGURY_GATEWAYS=1 AUGURY_REDIS_MAXMEMORY=256mb
 AUGURY_REDIS_PORT=${AUGURY_REDIS_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 export AUGURY_REDIS_PORT
 bash scripts/compose-env.sh >>"$LOG"
-compose() { "$COMPOSE_BIN" -f compose.yaml -f compose.cpu.yaml "$@"; }
+files=(-f compose.yaml -f compose.cpu.yaml)
+if [ -n "${SMOKE_HEALTH_TIMEOUT:-}" ]; then
+  # a loaded machine: each healthcheck may take this long (the files' own: 5 s)
+  {
+    echo "services:"
+    for service in redis verifier drafter-a scheduler gateway; do
+      echo "  $service: {healthcheck: {timeout: $SMOKE_HEALTH_TIMEOUT}}"
+    done
+  } >"$SMOKE_DIR/compose.health.yaml"
+  files+=(-f "$SMOKE_DIR/compose.health.yaml")
+fi
+compose() { "$COMPOSE_BIN" "${files[@]}" "$@"; }
 say "compose up --wait (models load and measure on start: minutes on a small CPU)"
 PROJECT_UP=1
 # Docker 20.10 fills a new named volume from the image in every container that starts on it at
@@ -154,8 +168,9 @@ say "gateway 1 on $address"
 ask() {  # a streamed chat completion; prints the text, fails on no [DONE]
   curl -sfN --max-time 300 "http://$address/v1/chat/completions" -H 'Content-Type: application/json' \
     -d '{"model":"SmolLM2-135M-Instruct","stream":true,"max_tokens":16,"temperature":0,
-         "messages":[{"role":"user","content":"Name three colours."}]}' >"$SMOKE_DIR/$1.sse"
-  grep -q '^data: \[DONE\]' "$SMOKE_DIR/$1.sse"
+         "messages":[{"role":"user","content":"Name three colours."}]}' >"$SMOKE_DIR/$1.sse" \
+    || return 1
+  grep -q '^data: \[DONE\]' "$SMOKE_DIR/$1.sse" || return 1
   python3 - "$SMOKE_DIR/$1.sse" <<'EOF'
 import json, sys
 text = ""
@@ -171,14 +186,16 @@ first=$(ask first) || { say "FAILED: no streamed answer"; exit 1; }
 say "streamed answer: $first"
 
 scheduler=$(compose ps -q scheduler)
-say "SIGKILL the scheduler container; the restart policy brings it back"
-docker kill --signal KILL "$scheduler" >>"$LOG"
+# a crash, not `docker kill` (which Docker counts as a manual stop: no restart)
+say "SIGKILL the scheduler's process; the restart policy brings it back"
+kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$scheduler")"
 for _ in $(seq 120); do
-  [ "$(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$scheduler")" != "0 true" ] \
-    && [ "$(docker inspect -f '{{.State.Running}}' "$scheduler")" = true ] && break
+  [ "$(docker inspect -f '{{.RestartCount}} {{.State.Running}}' "$scheduler")" = "1 true" ] && break
   sleep 1
 done
-say "scheduler: $(docker inspect -f 'restarts={{.RestartCount}} running={{.State.Running}}' "$scheduler")"
+state=$(docker inspect -f 'restarts={{.RestartCount}} running={{.State.Running}}' "$scheduler")
+say "scheduler: $state"
+[ "$state" = "restarts=1 running=true" ] || { say "FAILED: the scheduler was not restarted"; exit 1; }
 second=$(ask second) || { say "FAILED: no answer after the restart"; exit 1; }
 say "streamed answer after the restart: $second"
 [ "$first" = "$second" ] || { say "FAILED: greedy answers differ"; exit 1; }

@@ -379,6 +379,10 @@ async def serve_until_signalled(stack: Stack) -> int:
             waits.append(asyncio.ensure_future(stack.lease_lost.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gateway = stack.gateway
+        if gateway is not None and gateway.done() and not gateway.cancelled():
+            if gateway.exception() is not None:
+                log.error("the gateway failed", exc_info=gateway.exception())
         log.info("stopping")
         for wait in waits:
             if wait is not stack.gateway:
