@@ -380,9 +380,9 @@ async def serve_until_signalled(stack: Stack) -> int:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gateway = stack.gateway
-        if gateway is not None and gateway.done() and not gateway.cancelled():
-            if gateway.exception() is not None:
-                log.error("the gateway failed", exc_info=gateway.exception())
+        ended = gateway is not None and gateway.done() and not gateway.cancelled()
+        if ended and gateway.exception() is not None:  # type: ignore[union-attr]
+            log.error("the gateway failed", exc_info=gateway.exception())  # type: ignore[union-attr]
         log.info("stopping")
         for wait in waits:
             if wait is not stack.gateway:
