@@ -218,6 +218,7 @@ async def complete(client: TestClient, prompt: list[int], max_tokens: int) -> tu
         if not line.startswith("data: {"):
             continue
         event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, event
         request_id = event["id"]
         text += "".join(choice["text"] for choice in event["choices"])
         if event.get("usage"):
