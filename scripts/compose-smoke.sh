@@ -60,6 +60,7 @@ cleanup() {
       done
     done
     ip link show docker0 >/dev/null 2>&1 && ip link delete docker0
+    umount "$SMOKE_DIR/exec/netns/default" 2>/dev/null  # the daemon's network namespace
     [ -n "${FORWARD_BEFORE:-}" ] && echo "$FORWARD_BEFORE" > /proc/sys/net/ipv4/ip_forward
     [ "${KEEP_IMAGES:-0}" = 1 ] || rm -rf "$SMOKE_DIR/data"
   fi
