@@ -275,7 +275,9 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
 
     settings = AugurySettings(
         redis=RedisSettings(url=cluster.url, cluster=True, block_ms=100, heartbeat_ttl_ms=1500),
-        gateway={"cells": [a, b], "affinity_prefix_tokens": 0},
+        # the dead cell's clients wait for its next scheduler, which starts only after the
+        # second batch: on a busy 2-core machine that can pass the default 120 s
+        gateway={"cells": [a, b], "affinity_prefix_tokens": 0, "output_idle_timeout_s": 900},
         service={"cell": a, "replica": GATEWAY_REPLICA},
     )
     bus = Bus(cluster.url, settings.redis, GATEWAY_REPLICA)
