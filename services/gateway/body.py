@@ -386,7 +386,9 @@ def parse_generation(
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1
-    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat)
+    sampling = _sampling(
+        body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat
+    )
     if len(prompt_ids) + sampling.max_tokens > max_context:
         raise APIError(
             400,
@@ -541,7 +543,9 @@ def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", "stop")
+        raise bad_request(
+            f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", "stop"
+        )
     if not all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
         raise bad_request(
             f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop"
