@@ -30,7 +30,8 @@ RUN apt-get update \
 
 # torch first and pinned, so no dependency pulls another build over it.
 RUN if [ "$TORCH_VARIANT" = "cpu" ]; then \
-        python3 -m pip install ${AUGURY_TORCH} --index-url "$TORCH_CPU_INDEX"; \
+        python3 -m pip install ${AUGURY_TORCH} --index-url "$TORCH_CPU_INDEX" \
+            --extra-index-url "${PIP_INDEX_URL:-https://pypi.org/simple}"; \
     else \
         python3 -m pip install ${AUGURY_TORCH}; \
     fi

@@ -9,8 +9,8 @@ TRACE is a trace file (`.jsonl`, Azure `.csv`, ShareGPT `.json` with `--rate`; s
 `bench/load/readers.py`) or the traffic the gateways recorded (`AUGURY_GATEWAY__RECORD_REQUESTS`),
 named by a Redis URL with the stream as a query parameter:
 
-    redis://host:6379/0?stream=augury:0:recorded
-    unix:///run/redis.sock?db=0&stream=augury:0:recorded
+    redis://host:6379/0?stream=augury:{0}:recorded
+    unix:///run/redis.sock?db=0&stream=augury:{0}:recorded
 
 Without `stream`, the stream is `augury:<cell>:recorded` of `AUGURY_SERVICE__CELL` (default 0).
 Requests that give only lengths get prompts of those lengths, built from the datasets with the

@@ -43,7 +43,7 @@ KEY_PREFIX = "augury"  # shared.wire.streams.PREFIX (that package imports torch)
 def heartbeat_match(cell: str, service: str, replica_prefix: str) -> str:
     """SCAN MATCH pattern of the heartbeat keys (`shared.wire.streams.heartbeat_key`) of a
     service's replicas whose names start with `replica_prefix`."""
-    return f"{KEY_PREFIX}:{cell}:hb:{service}:{replica_prefix}*"
+    return f"{KEY_PREFIX}:{{{cell}}}:hb:{service}:{replica_prefix}*"
 
 
 def host_prefix(host: str | None = None) -> str:

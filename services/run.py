@@ -49,7 +49,7 @@ from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, ModelProfile
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
-from shared.wire.streams import PREFIX
+from shared.wire.streams import cell_prefix
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ async def target_reference(
 def verifier_lease_key(cell: str) -> str:
     """Names the one verifier of the cell (its verify stream is one consumer group whose
     consumers would split the requests, each holding the KV of only some)."""
-    return f"{PREFIX}:{cell}:verifier:lease"
+    return f"{cell_prefix(cell)}:verifier:lease"
 
 
 async def take_verifier_lease(stack: Stack, bus: Bus) -> None:
@@ -379,6 +379,10 @@ async def serve_until_signalled(stack: Stack) -> int:
             waits.append(asyncio.ensure_future(stack.lease_lost.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gateway = stack.gateway
+        ended = gateway is not None and gateway.done() and not gateway.cancelled()
+        if ended and gateway.exception() is not None:  # type: ignore[union-attr]
+            log.error("the gateway failed", exc_info=gateway.exception())  # type: ignore[union-attr]
         log.info("stopping")
         for wait in waits:
             if wait is not stack.gateway:

@@ -59,6 +59,11 @@ class RedisSettings(_Group):
     claim_idle_ms: PositiveInt = 30_000  # XAUTOCLAIM min idle: above the slowest handler
     max_deliveries: PositiveInt = 5  # then the entry goes to the dead-letter stream
     heartbeat_ttl_ms: Annotated[int, Field(ge=100)] = 10_000
+    # Redis Cluster: `url` names one node (redis:// or rediss://, database 0) and the client
+    # learns the others from it; `cluster_nodes` ("host:port") are more nodes to start from,
+    # in case that one is down. Every key of a cell shares one hash slot (shared/wire/streams.py).
+    cluster: bool = False
+    cluster_nodes: tuple[Annotated[str, Field(pattern=r"^[^\s:/]+:\d{1,5}$")], ...] = ()
 
     @field_validator("url")
     @classmethod
@@ -66,6 +71,18 @@ class RedisSettings(_Group):
         if url is not None and not url.startswith(REDIS_URL_SCHEMES):
             raise ValueError(f"must start with one of {', '.join(REDIS_URL_SCHEMES)}")
         return url
+
+    @model_validator(mode="after")
+    def _cluster_has_nodes(self) -> RedisSettings:
+        if not self.cluster:
+            if self.cluster_nodes:
+                raise ValueError("redis.cluster_nodes needs redis.cluster=true")
+            return self
+        if self.url is None or self.url.startswith("unix://"):
+            raise ValueError("redis.cluster needs redis.url (redis:// or rediss://) of one node")
+        if re.search(r"://[^/?]*/([1-9]\d*)", self.url):
+            raise ValueError("a Redis Cluster has database 0 only: end redis.url with /0 or /")
+        return self
 
     @property
     def credentials(self) -> dict[str, str]:
@@ -315,6 +332,20 @@ class GatewaySettings(_Group):
     # Without max_tokens a request may run to the end of the context; this lowers that default
     default_max_tokens: PositiveInt | None = None
     max_n: PositiveInt = 16  # completions one request may ask for (`n`)
+    # Cells this gateway routes over (services/gateway/cells.py); empty: service.cell alone. A
+    # new request goes to the live cell with the least queued work; a prompt of at least
+    # affinity_prefix_tokens (0: never) goes where its prefix hashes, unless that cell has more
+    # than affinity_max_extra_load requests over the least loaded one.
+    cells: tuple[KeySafeName, ...] = ()
+    affinity_prefix_tokens: NonNegativeInt = 64
+    affinity_max_extra_load: NonNegativeInt = 4
+
+    @field_validator("cells")
+    @classmethod
+    def _distinct_cells(cls, cells: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(cells)) != len(cells):
+            raise ValueError(f"gateway.cells names a cell twice: {list(cells)}")
+        return cells
 
     @property
     def accepted_api_keys(self) -> list[str]:
@@ -383,6 +414,10 @@ NOT_SETTINGS = frozenset(
         "AUGURY_REDIS_MAXMEMORY",
         "AUGURY_FUZZ_SCALE",
         "AUGURY_TEST_REDIS_URL",
+        # the compose files' own (scripts/compose-smoke.sh sets them for Compose)
+        "AUGURY_GATEWAYS",
+        "AUGURY_IMAGE",
+        "AUGURY_PROJECT",
     }
 )
 

@@ -415,14 +415,16 @@ async def test_a_new_gateway_is_found_by_its_own_heartbeat_and_unknown_streams_c
         assert directory.live == frozenset() and scans == 1
         async with Heartbeater(gateway, service=GATEWAY, cell=cell):
             # it began beating after the last refresh: its first Submit still finds it
-            assert await directory.is_live(output_stream("gateway-a"))
-            assert directory.live == {output_stream("gateway-a")}
+            assert await directory.is_live(output_stream(cell, "gateway-a"))
+            assert directory.live == {output_stream(cell, "gateway-a")}
             for i in range(50):  # made-up gateway names: one key lookup each, no scan
-                assert not await directory.is_live(output_stream(f"ghost-{i}"))
+                assert not await directory.is_live(output_stream(cell, f"ghost-{i}"))
             assert scans == 1
+            # its stream of another cell: that cell's scheduler answers it, not this one
+            assert not await directory.is_live(output_stream("other", "gateway-a"))
         await directory.refresh()  # the gateway stopped: the next refresh forgets it
         assert directory.live == frozenset()
-        assert not await directory.is_live(output_stream("gateway-a"))
+        assert not await directory.is_live(output_stream(cell, "gateway-a"))
     finally:
         await scheduler.close()
         await gateway.close()

@@ -895,19 +895,47 @@ def test_from_entry_of_the_wrong_class_is_refused() -> None:
 
 
 def test_stream_names() -> None:
-    assert names.requests_stream("0") == "augury:0:requests"
-    assert names.draft_stream("0", "tiny", "h-1") == "augury:0:draft:tiny:h-1"
-    assert names.candidates_stream("0") == "augury:0:candidates"
-    assert names.verify_stream("0") == "augury:0:verify"
-    assert names.results_stream("0") == "augury:0:results"
-    assert names.output_stream("gw-1") == "augury:out:gw-1"
-    assert names.dead_letter_stream("augury:0:verify") == "augury:0:verify:dead"
-    assert names.heartbeat_key("0", "drafter", "h-1") == "augury:0:hb:drafter:h-1"
+    assert names.requests_stream("0") == "augury:{0}:requests"
+    assert names.draft_stream("0", "tiny", "h-1") == "augury:{0}:draft:tiny:h-1"
+    assert names.candidates_stream("0") == "augury:{0}:candidates"
+    assert names.verify_stream("0") == "augury:{0}:verify"
+    assert names.results_stream("0") == "augury:{0}:results"
+    assert names.output_stream("0", "gw-1") == "augury:{0}:out:gw-1"
+    assert names.dead_letter_stream("augury:{0}:verify") == "augury:{0}:verify:dead"
+    assert names.heartbeat_key("0", "drafter", "h-1") == "augury:{0}:hb:drafter:h-1"
 
 
-def test_only_gateway_output_streams_are_reply_targets() -> None:
-    from shared.wire.streams import is_output_stream, output_stream
+def test_every_key_of_a_cell_is_in_the_cells_hash_slot() -> None:
+    from redis.crc import key_slot
 
-    assert is_output_stream(output_stream("gw-1"))
-    for name in ("augury:out:", "augury:0:requests", "other", "augury:out:a:b", "x:augury:out:g"):
-        assert not is_output_stream(name), name
+    cell = "c7"
+    keys = [
+        names.requests_stream(cell),
+        names.draft_stream(cell, "tiny", "h-1"),
+        names.candidates_stream(cell),
+        names.verify_stream(cell),
+        names.results_stream(cell),
+        names.output_stream(cell, "gw-1"),
+        names.dead_letter_stream(names.verify_stream(cell)),
+        names.heartbeat_key(cell, "drafter", "h-1"),
+        names.scheduler_lease_key(cell),
+        names.scheduler_output_key(cell, "r1"),
+        names.scheduler_finished_key(cell),
+        names.profile_key(cell, "target"),
+    ]
+    assert {key_slot(key.encode()) for key in keys} == {key_slot(cell.encode())}
+
+
+def test_only_gateway_output_streams_of_the_cell_are_reply_targets() -> None:
+    from shared.wire.streams import output_stream, output_stream_replica
+
+    assert output_stream_replica("0", output_stream("0", "gw-1")) == "gw-1"
+    for name in (
+        output_stream("1", "gw-1"),
+        "augury:{0}:out:",
+        "augury:{0}:requests",
+        "other",
+        "augury:{0}:out:a:b",
+        "x:augury:{0}:out:g",
+    ):
+        assert output_stream_replica("0", name) is None, name

@@ -329,9 +329,9 @@ async def test_a_failing_redis_never_fails_the_request() -> None:
 
 
 def test_trace_urls_keep_unix_sockets_and_other_parameters() -> None:
-    assert split_trace_url("unix:///run/redis.sock?db=1&stream=augury:0:recorded") == (
+    assert split_trace_url("unix:///run/redis.sock?db=1&stream=augury:{0}:recorded") == (
         "unix:///run/redis.sock?db=1",
-        "augury:0:recorded",
+        "augury:{0}:recorded",
     )
     assert split_trace_url("redis://h:6379/0") == ("redis://h:6379/0", None)
 

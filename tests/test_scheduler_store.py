@@ -36,7 +36,7 @@ SUBMIT = Submit(
     "r1",
     (5, 6, 7),
     SamplingParams(max_tokens=9, temperature=0.7, stop_token_ids=(3,)),
-    "augury:out:g1",
+    "augury:{0}:out:g1",
     1234.5,
     priority=2,
     slo_class="urgent",
@@ -122,19 +122,21 @@ async def test_staged_changes_are_written_with_the_messages_and_finished_request
     assert not store.take_staged()  # taken once
     tokens = Tokens("r1", 4, 0, (8, 9, 10))
     await bus.publish_all(
-        [("augury:out:g1", tokens)], also=lambda pipe: store.write_staged(pipe, staged)
+        [("augury:{0}:out:g1", tokens)], also=lambda pipe: store.write_staged(pipe, staged)
     )
     stored, broken, finished = await store.load()
     assert broken == [] and finished == []
     assert [s.submit for s in stored] == [SUBMIT] and stored[0].progress == Progress.of(request)
-    entries = await bus.redis.xrange("augury:out:g1")
+    entries = await bus.redis.xrange("augury:{0}:out:g1")
     assert decode_entry(entries[-1][1]) == tokens
 
     store.stage_progress(request)
     store.stage_finished("r1")  # finishing drops the progress staged beside it
     staged = store.take_staged()
     assert staged.progress == {}
-    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+    await bus.publish_all(
+        [], also=lambda pipe: store.write_staged(pipe, staged), slot_key=store.submits_key
+    )
     stored, broken, finished = await store.load()
     assert stored == [] and finished == ["r1"]
     assert not await bus.redis.exists(scheduler_output_key(cell, "r1"))
@@ -156,12 +158,16 @@ async def test_a_step_stores_only_what_it_added_and_a_successor_reads_it_all(bus
         assert staged.accepted_lengths["r1"].values == [accepted]
         # a transaction retried after its reply was lost writes the same bytes again
         for _ in range(2 if write_twice else 1):
-            await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+            await bus.publish_all(
+                [], also=lambda pipe: store.write_staged(pipe, staged), slot_key=store.submits_key
+            )
 
     store.stage_progress(request)  # the first stage carries everything so far
     first = store.take_staged()
     assert first.output["r1"].values == [8, 9, 10] and first.accepted_lengths["r1"].values == [2, 0]
-    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, first))
+    await bus.publish_all(
+        [], also=lambda pipe: store.write_staged(pipe, first), slot_key=store.submits_key
+    )
     for i in range(40):
         await step([100 + 3 * i, 101 + 3 * i, 102 + 3 * i], i % 4, write_twice=i % 7 == 0)
     # two steps staged before one write go out as one contiguous append
@@ -173,7 +179,9 @@ async def test_a_step_stores_only_what_it_added_and_a_successor_reads_it_all(bus
     store.stage_progress(request)
     staged = store.take_staged()
     assert staged.output["r1"].values == [1, 2, 3]
-    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+    await bus.publish_all(
+        [], also=lambda pipe: store.write_staged(pipe, staged), slot_key=store.submits_key
+    )
 
     successor = RequestStore(bus, cell)
     [stored], _, _ = await successor.load()
@@ -185,7 +193,9 @@ async def test_a_step_stores_only_what_it_added_and_a_successor_reads_it_all(bus
     successor.stage_progress(resumed)
     staged = successor.take_staged()
     assert staged.output["r1"] == Appended(len(request.output), [77])
-    await bus.publish_all([], also=lambda pipe: successor.write_staged(pipe, staged))
+    await bus.publish_all(
+        [], also=lambda pipe: successor.write_staged(pipe, staged), slot_key=successor.submits_key
+    )
     [again], _, _ = await RequestStore(bus, cell).load()
     assert again.progress.output == request.output + [77]
 
@@ -195,7 +205,9 @@ async def test_a_broken_record_is_reported_and_the_rest_still_load(bus: Bus) -> 
     store = RequestStore(bus, cell)
     store.stage_submit(SUBMIT, Resolved(11, None, None))
     staged = store.take_staged()
-    await bus.publish_all([], also=lambda pipe: store.write_staged(pipe, staged))
+    await bus.publish_all(
+        [], also=lambda pipe: store.write_staged(pipe, staged), slot_key=store.submits_key
+    )
     await bus.redis.hset(store.submits_key, "bad", b"\xc1")
     stored, broken, _ = await store.load()
     assert [s.submit.request_id for s in stored] == ["r1"] and broken == ["bad"]

@@ -121,7 +121,7 @@ async def test_a_submit_naming_a_foreign_stream_is_dropped(
         assert await redis.exists(victim) == 0
         assert "intruder" not in stack.scheduler.core.requests
         # a gateway's stream name, but no such gateway is alive: nobody could read the answer
-        ghost = output_stream("ghost")
+        ghost = output_stream("foreign", "ghost")
         await client.bus.publish(
             requests_stream("foreign"),
             Submit("haunted", tuple(PROMPT), SamplingParams(max_tokens=4), ghost, 0.0),

@@ -213,7 +213,7 @@ async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_sto
             assert await client.bus.redis.get(lease) not in (None, holder)
             assert await client.bus.redis.hlen(scheduler_submits_key(cell)) == 0
             assert await client.bus.redis.hlen(scheduler_progress_key(cell)) == 0
-            left = [k async for k in client.bus.redis.scan_iter(f"augury:{cell}:scheduler:*")]
+            left = [k async for k in client.bus.redis.scan_iter(f"augury:{{{cell}}}:scheduler:*")]
             assert sorted(k.decode().rsplit(":", 1)[-1] for k in left) == ["finished", "lease"]
         finally:
             await client.close()

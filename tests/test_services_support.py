@@ -85,7 +85,7 @@ class Client:
     def __init__(self, url: str, settings: AugurySettings, name: str) -> None:
         self.bus = Bus(url, settings.redis, name)
         self.cell = settings.service.cell
-        self.reply_to = output_stream(name)
+        self.reply_to = output_stream(self.cell, name)
         self.heartbeat = Heartbeater(self.bus, service=GATEWAY, cell=self.cell)
         self.outcomes: dict[str, Outcome] = {}
         self._last = "0-0"

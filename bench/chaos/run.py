@@ -135,16 +135,16 @@ def redis_server(url: str | None) -> Iterator[str]:
 
 
 async def forget_cell(url: str, cell: str) -> None:
-    """Delete the run's keys from a shared Redis: its cell and its gateways' output streams."""
+    """Delete the run's keys from a shared Redis: its cell's (its gateways' output streams too)."""
     from shared.bus import Bus
     from shared.settings import RedisSettings
+    from shared.wire.streams import cell_pattern
 
     bus = Bus(url, RedisSettings(url=url), f"{cell}-cleanup")
     try:
-        for pattern in (f"augury:{cell}:*", f"augury:out:{cell}-*"):
-            keys = [key async for key in bus.redis.scan_iter(pattern, 500)]
-            if keys:
-                await bus.redis.delete(*keys)
+        keys = [key async for key in bus.redis.scan_iter(cell_pattern(cell), 500)]
+        if keys:
+            await bus.redis.delete(*keys)
     finally:
         await bus.close()
 

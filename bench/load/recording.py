@@ -9,8 +9,8 @@ one), and `max_tokens` is left unset so that a replay with `ignore_eos` generate
 A recording is named by a Redis URL with the stream as a query parameter, which `split_trace_url`
 takes apart:
 
-    redis://host:6379/0?stream=augury:0:recorded
-    unix:///run/redis.sock?db=0&stream=augury:0:recorded
+    redis://host:6379/0?stream=augury:{0}:recorded
+    unix:///run/redis.sock?db=0&stream=augury:{0}:recorded
 """
 
 from __future__ import annotations

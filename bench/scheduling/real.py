@@ -80,11 +80,12 @@ async def read_cell(cell: str) -> tuple[dict[str, int], dict[str, ModelProfile]]
     from shared.bus.preemptions import read_preemptions
     from shared.bus.profiles import read_profiles
     from shared.settings import RedisSettings
+    from shared.wire.streams import cell_pattern
 
     bus = Bus(REDIS_URL, RedisSettings(url=REDIS_URL), "bench-scheduling")
     try:
         found = dict(await read_preemptions(bus, cell)), await read_profiles(bus, cell)
-        keys = [key async for key in bus.redis.scan_iter(f"augury:{cell}:*", 200)]
+        keys = [key async for key in bus.redis.scan_iter(cell_pattern(cell), 200)]
         if keys:  # the run's streams and hashes: nothing else reads them
             await bus.redis.delete(*keys)
         return found

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from services.gateway.app import Gateway
+from services.gateway.app import Gateway, routing_rules
 from shared.bus import Bus, Heartbeater, redis_url
 from shared.settings import AugurySettings, load_settings
 from shared.wire.streams import GATEWAY
@@ -35,15 +35,20 @@ async def serve(settings: AugurySettings, url: str) -> None:
     runner = web.AppRunner(gateway.app())
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway.host, settings.gateway.port)
-    heartbeat = Heartbeater(
-        bus,
-        service=GATEWAY,
-        cell=settings.service.cell,
-        model=settings.gateway.model_name,
-        capacity=settings.gateway.max_concurrent_requests,
-        in_flight=lambda: gateway.active,
-    )
-    await heartbeat.start()  # before the first request: schedulers answer live gateways only
+    # one heartbeat in each cell it routes to: a scheduler answers its cell's live gateways only
+    heartbeats = [
+        Heartbeater(
+            bus,
+            service=GATEWAY,
+            cell=cell,
+            model=settings.gateway.model_name,
+            capacity=settings.gateway.max_concurrent_requests,
+            in_flight=lambda: gateway.active,
+        )
+        for cell in routing_rules(settings).cells
+    ]
+    for heartbeat in heartbeats:
+        await heartbeat.start()  # before the first request
     await site.start()
     logging.getLogger(__name__).info(
         "gateway %s on %s:%d", bus.consumer_name, settings.gateway.host, settings.gateway.port
@@ -51,7 +56,8 @@ async def serve(settings: AugurySettings, url: str) -> None:
     try:
         await asyncio.Event().wait()
     finally:
-        await heartbeat.stop()
+        for heartbeat in heartbeats:
+            await heartbeat.stop()
         await runner.cleanup()
         await bus.close()
 

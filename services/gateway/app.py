@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
+from services.gateway.cells import CellRouter, RoutingRules
 from services.gateway.choices import (
     Choice,
     ChoiceDelta,
@@ -77,7 +78,8 @@ class Gateway:
         self.max_context = max_context
         self.model_name = settings.gateway.model_name
         self.metrics = GatewayMetrics()
-        self.outputs = OutputRouter(bus)
+        self.cells = CellRouter(bus, routing_rules(settings))
+        self.outputs = OutputRouter(bus, self.cells.cells)
         self.recorder = Recorder(bus, settings.gateway, settings.service.cell, self.metrics)
         self.active = 0
         self.draining = False
@@ -103,12 +105,14 @@ class Gateway:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        await self.cells.start()
         await self.outputs.start()
 
     async def _stop(self, app: web.Application) -> None:
         self.draining = True
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
         await self.outputs.stop()
+        await self.cells.stop()
         await self.recorder.stop()
 
     @web.middleware
@@ -182,11 +186,16 @@ class Gateway:
         request_id = f"ready-{uuid.uuid4().hex}"
         queue = self.outputs.open(request_id)
         prompt = tuple(self.tokenizer.encode("Hi", add_special_tokens=False)) or (0,)
+        cell = self.cells.assign([request_id], prompt)
         submit = Submit(
-            request_id, prompt, SamplingParams(max_tokens=1), self.outputs.stream, time.time()
+            request_id,
+            prompt,
+            SamplingParams(max_tokens=1),
+            self.outputs.stream_of(cell),
+            time.time(),
         )
         try:
-            await self.bus.publish(requests_stream(self.settings.service.cell), submit)
+            await self.bus.publish(requests_stream(cell), submit)
             async with asyncio.timeout(self.settings.gateway.ready_timeout_s):
                 message = await queue.get()
             return isinstance(message, Tokens) and bool(message.token_ids)
@@ -196,6 +205,7 @@ class Gateway:
             return False
         finally:
             self.outputs.close(request_id)
+            self.cells.release(request_id)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         try:
@@ -255,6 +265,7 @@ class Gateway:
         outcome = Outcome()
         for choice in choices:
             choice.queue = self.outputs.open(choice.request_id)
+        self.cells.assign([choice.request_id for choice in choices], gen.prompt_ids)
         self.metrics.running.inc()
         # n > 1 with prefix caching: choices 1.. wait for choice 0's prefill (its first token),
         # so that they find its prompt's full blocks cached instead of computing them again
@@ -330,12 +341,15 @@ class Gateway:
         progress = choice.progress
         self.outputs.close(choice.request_id)
         self.recorder.record(gen, progress, arrival_time=arrival_time, failed=outcome.failed)
-        if progress.finish is None:
-            self.metrics.aborted.inc()  # the client left (or the stream failed)
-            if choice.submitted:
-                await self._cancel(choice.request_id)
-        else:
-            self._record_finished(gen, progress, prompt=choice.index == 0)
+        try:
+            if progress.finish is None:
+                self.metrics.aborted.inc()  # the client left (or the stream failed)
+                if choice.submitted:
+                    await self._cancel(choice.request_id)
+            else:
+                self._record_finished(gen, progress, prompt=choice.index == 0)
+        finally:
+            self.cells.release(choice.request_id)
 
     async def _parse(self, request: web.Request, *, chat: bool) -> GenerationRequest:
         try:
@@ -370,7 +384,7 @@ class Gateway:
             request_id=request_id,
             prompt=gen.prompt_ids,
             sampling=sampling,
-            reply_to=self.outputs.stream,
+            reply_to=self.outputs.stream_of(self.cells.cell_of(request_id)),
             arrival_time=time.time(),
             priority=gen.priority,
             tpot_slo_ms=gen.tpot_slo_ms,
@@ -380,7 +394,7 @@ class Gateway:
             app=gen.app,
         )
         try:
-            await self.bus.publish(requests_stream(self.settings.service.cell), submit)
+            await self.bus.publish(requests_stream(self.cells.cell_of(request_id)), submit)
         except (RedisError, OSError):
             log.exception("could not submit %s", request_id)
             raise APIError(
@@ -389,7 +403,8 @@ class Gateway:
 
     async def _cancel(self, request_id: str) -> None:
         try:
-            await self.bus.publish(requests_stream(self.settings.service.cell), Cancel(request_id))
+            stream = requests_stream(self.cells.cell_of(request_id))
+            await self.bus.publish(stream, Cancel(request_id))
         except (RedisError, OSError):
             log.warning("could not cancel %s", request_id)
 
@@ -659,3 +674,12 @@ async def until_disconnected(
         except StopAsyncIteration:
             return
         yield delta
+
+
+def routing_rules(settings: AugurySettings) -> RoutingRules:
+    gateway = settings.gateway
+    return RoutingRules(
+        cells=gateway.cells or (settings.service.cell,),
+        affinity_prefix_tokens=gateway.affinity_prefix_tokens,
+        affinity_max_extra_load=gateway.affinity_max_extra_load,
+    )

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from shared.bus import Bus, live_replicas
 from shared.bus.heartbeat import refresh_forever
-from shared.wire.streams import GATEWAY, heartbeat_key, output_stream
+from shared.wire.streams import GATEWAY, heartbeat_key, output_stream, output_stream_replica
 
 
 class GatewayDirectory:
@@ -29,18 +29,20 @@ class GatewayDirectory:
 
     async def refresh(self) -> None:
         beats = await live_replicas(self.bus, self.cell, GATEWAY)
-        self.live = frozenset(output_stream(beat.replica) for beat in beats)
+        self.live = frozenset(output_stream(self.cell, beat.replica) for beat in beats)
         if self._on_refresh is not None:
             await self._on_refresh()
 
     async def is_live(self, stream: str) -> bool:
-        """Whether `stream` (an output stream's name) is a live gateway's. One not known yet is
+        """Whether `stream` is a live gateway's output stream of this cell. One not known yet is
         looked up by its own heartbeat key, a single EXISTS: a gateway's first request may come
         before this directory's next refresh, and a stream of made-up names must not cost a
         scan of every heartbeat each."""
         if stream in self.live:
             return True
-        replica = stream.removeprefix(output_stream(""))
+        replica = output_stream_replica(self.cell, stream)
+        if replica is None:
+            return False
         if not await self.bus.redis.exists(heartbeat_key(self.cell, GATEWAY, replica)):
             return False
         self.live = self.live | {stream}

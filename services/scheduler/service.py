@@ -81,7 +81,6 @@ from shared.wire.streams import (
     SCHEDULER,
     candidates_stream,
     draft_stream,
-    is_output_stream,
     requests_stream,
     results_stream,
     scheduler_lease_key,
@@ -336,9 +335,7 @@ class SchedulerService:
         if rid in self.core.requests or rid in self._finished:
             return  # a redelivered Submit
         # never write where a Submit says at will: only to a live gateway's output stream
-        if not is_output_stream(submit.reply_to) or not await self.gateways.is_live(
-            submit.reply_to
-        ):
+        if not await self.gateways.is_live(submit.reply_to):
             log.warning(
                 "dropping %s: reply_to %r is no live gateway's output stream", rid, submit.reply_to
             )
@@ -737,7 +734,11 @@ class SchedulerService:
         async with self._write_lock:
             while messages or staged:
                 try:
-                    await self.bus.publish_all(messages, also=store if staged else None)
+                    await self.bus.publish_all(
+                        messages,
+                        also=store if staged else None,
+                        slot_key=self.store.submits_key,
+                    )
                     return
                 except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                     log.warning(

@@ -322,13 +322,13 @@ class RequestStore:
     async def load(self) -> tuple[list[StoredRequest], list[str], list[str]]:
         """The stored requests by arrival, the ids that cannot be read back, and the latest
         finished ids (oldest first). What is loaded counts as staged: the next steps append."""
-        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe = await self.bus.transaction(self.submits_key)
         pipe.hgetall(self.submits_key)
         pipe.hgetall(self.progress_key)
         pipe.zrange(self.finished_key, 0, -1)
         submits, progress, finished = await pipe.execute()
         rids = [raw_id.decode() for raw_id in progress]
-        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe = await self.bus.transaction(self.submits_key)
         for rid in rids:
             pipe.get(scheduler_output_key(self.cell, rid))
             pipe.get(scheduler_accepted_key(self.cell, rid))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from shared.bus.client import Bus, raise_if_cancelled
-from shared.wire.streams import PREFIX
+from shared.wire.streams import cell_prefix
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +31,19 @@ COUNT = "count"
 
 
 def scheduler_stats_key(cell: str) -> str:
-    return f"{PREFIX}:{cell}:stats:scheduler"
+    return f"{cell_prefix(cell)}:stats:scheduler"
 
 
 def queue_time_key(cell: str) -> str:
-    return f"{PREFIX}:{cell}:stats:queue_time"
+    return f"{cell_prefix(cell)}:stats:queue_time"
 
 
 def kv_usage_key(cell: str, role: str, replica: str) -> str:
-    return f"{PREFIX}:{cell}:stats:kv:{role}:{replica}"
+    return f"{cell_prefix(cell)}:stats:kv:{role}:{replica}"
 
 
 def kv_usage_pattern(cell: str) -> str:
-    return f"{PREFIX}:{cell}:stats:kv:*"
+    return f"{cell_prefix(cell)}:stats:kv:*"
 
 
 @dataclass

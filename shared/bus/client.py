@@ -10,10 +10,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
+from shared.bus.connect import RedisClient, SlotTransactions, connect
 from shared.settings import RedisSettings
 from shared.wire.base import WireMessage
 from shared.wire.streams import dead_letter_stream
@@ -43,21 +43,24 @@ class Bus:
         self.url = url
         self.settings = settings
         self.consumer_name = consumer_name
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=COMMAND_TIMEOUT_S, decode_responses=False, **settings.credentials
+        self.redis: RedisClient = connect(url, settings, socket_timeout=COMMAND_TIMEOUT_S)
+        self._transactions = SlotTransactions(self.redis)
+
+    def blocking_client(self) -> RedisClient:
+        """A client with its own pool for one reader's blocking reads (timeout > block time)."""
+        return connect(
+            self.url,
+            self.settings,
+            socket_timeout=self.settings.socket_timeout_s,
+            max_connections=2,
         )
 
-    def blocking_client(self) -> aioredis.Redis:
-        """A client with its own pool for one reader's blocking reads (timeout > block time)."""
-        return aioredis.Redis.from_url(
-            self.url,
-            socket_timeout=self.settings.socket_timeout_s,
-            decode_responses=False,
-            max_connections=2,
-            **self.settings.credentials,
-        )
+    async def transaction(self, key: str) -> Pipeline:
+        """A MULTI/EXEC pipeline for keys in `key`'s hash slot (a cell's keys share one)."""
+        return await self._transactions.pipeline(key)
 
     async def close(self) -> None:
+        await self._transactions.aclose()
         await self.redis.aclose()
 
     # ---- writing -------------------------------------------------------------------------------
@@ -73,12 +76,17 @@ class Bus:
         messages: Sequence[tuple[str, WireMessage]],
         *,
         also: Callable[[Pipeline], None] | None = None,
+        slot_key: str | None = None,
     ) -> list[str]:
         """Several XADDs in one round trip (not atomic: a redelivery re-sends the rest).
 
         `also` queues more commands on the same pipeline; then all of it is one MULTI/EXEC,
-        written entirely or not at all."""
-        pipe = self.redis.pipeline(transaction=also is not None)
+        written entirely or not at all, and every key must be in the hash slot of `slot_key`
+        (default: the first message's stream)."""
+        if also is None:
+            pipe = self.redis.pipeline(transaction=False)
+        else:
+            pipe = await self.transaction(slot_key or messages[0][0])
         for stream, message in messages:
             pipe.xadd(
                 stream, message.to_entry(), maxlen=self.settings.stream_maxlen, approximate=True
@@ -121,7 +129,7 @@ class Bus:
                 DEAD_DELIVERIES: deliveries,
             }
         )
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = await self.transaction(stream)
         pipe.xadd(
             dead_letter_stream(stream),
             letter,

@@ -19,12 +19,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.bus.client import Bus
+from shared.bus.connect import RedisClient
 from shared.wire.base import WireMessage, decode_entry
 from shared.wire.codec import ProtocolError
 
@@ -108,7 +108,7 @@ class StreamConsumer:
         self._slot_freed = asyncio.Event()
         self._claim_cursor = dict.fromkeys(self.streams, "0-0")
         self._ghosts_seen = False
-        self._reader_client: aioredis.Redis | None = None
+        self._reader_client: RedisClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._workers: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()

@@ -59,7 +59,7 @@ class Heartbeater:
         )
 
     async def beat(self) -> None:
-        pipe = self.bus.redis.pipeline(transaction=True)
+        pipe = await self.bus.transaction(self.key)
         pipe.delete(self.key)
         pipe.hset(self.key, mapping=self.current().to_entry())
         pipe.pexpire(self.key, self.bus.settings.heartbeat_ttl_ms)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from shared.bus.client import Bus
 from shared.scheduling.cost_model import CostProfile, ModelProfile
-from shared.wire.streams import PREFIX, profile_key, profile_pattern
+from shared.wire.streams import cell_prefix, profile_key, profile_pattern
 
 TARGET = "target"
 
@@ -26,7 +26,7 @@ async def read_profiles(bus: Bus, cell: str) -> dict[str, ModelProfile]:
     if not keys:
         return {}
     values = await bus.redis.mget(keys)
-    prefix = f"{PREFIX}:{cell}:profile:"
+    prefix = f"{cell_prefix(cell)}:profile:"
     out = {}
     for key, value in zip(keys, values, strict=True):
         if value is None:
@@ -50,7 +50,7 @@ def assemble(profiles: dict[str, ModelProfile]) -> CostProfile | None:
 
 # ---- which profile is in force -----------------------------------------------------------------
 def profile_status_key(cell: str, role: str) -> str:
-    return f"{PREFIX}:{cell}:profile-status:{role}"
+    return f"{cell_prefix(cell)}:profile-status:{role}"
 
 
 async def publish_profile_status(
