@@ -235,6 +235,7 @@ def to_sim_requests(
                 tpot_slo_ms=r.tpot_slo_ms,
                 priority=r.priority,
                 prompt_tokens=tuple(ids) if ids is not None else None,
+                hash_ids=r.hash_ids,
             )
         )
     return out
