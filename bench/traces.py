@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,26 @@ def _synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         app_per_kind=args.app_per_kind,
     )
+    if args.system_prompt_tokens is not None and args.target is None:
+        raise ValueError("--system-prompt-tokens needs --target (to count its tokens)")
     if args.target is not None:
-        requests = PromptBuilder(_tokenizer(args.target), seed=args.seed).fill(requests)
+        builder = PromptBuilder(_tokenizer(args.target), seed=args.seed)
+        requests = builder.fill(requests)
+        if args.system_prompt_tokens is not None:
+            system = builder.text("chat", args.system_prompt_tokens)
+            requests = with_system_prompt(requests, system)
     return _write(args.out, requests)
+
+
+def with_system_prompt(requests: Sequence[TraceRequest], system: str) -> list[TraceRequest]:
+    """Every request with the same system message in front (a shared prompt prefix, as an
+    application's instructions make one: what prefix caching computes once)."""
+    out = []
+    for request in requests:
+        turns = request.messages or (("user", request.prompt or ""),)
+        messages = (("system", system), *turns)
+        out.append(replace(request, messages=messages, prompt=None, input_length=None))
+    return out
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -227,6 +245,13 @@ def _add_synth(commands: Any) -> None:
         help="how requests get SLO classes (default: %(default)s)",
     )
     _add_target(p, "build prompt texts for --input-length/--input-range with this tokenizer")
+    p.add_argument(
+        "--system-prompt-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="put one system message of about N tokens in front of every request (a shared "
+        "prefix; needs --target)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--out", type=Path, required=True, help="trace to write (.jsonl)")
     p.set_defaults(run=_synth)
