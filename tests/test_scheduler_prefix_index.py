@@ -15,6 +15,7 @@ import pytest
 
 from services.scheduler.service import verify_entries
 from shared.engine.sampling import SamplingParams
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
@@ -166,3 +167,17 @@ def test_index_names_blocks_as_the_verifier_does() -> None:
     assert not index.pending_at(tokens, 8)  # the chunk ends inside that block
     index.clear_pending(7)
     assert not index.pending_at(tokens, 0)
+
+
+def test_the_engine_computes_a_prefix_shared_by_requests_arriving_together_once(
+    tiny_target_dir: Path, prompts: tuple[list[int], list[int], list[int]]
+) -> None:
+    _, a, b = prompts
+    verifier = make_verifier(tiny_target_dir)
+    engine = SpecEngine(verifier, eos_token_ids=verifier.runner.cfg.eos_token_ids)
+    params = SamplingParams(max_tokens=3)
+    outputs = engine.generate([a, b], [params, params])
+    assert [o.output for o in outputs] == plain_greedy(tiny_target_dir, [a, b], [params] * 2)
+    assert [o.num_cached_prompt_tokens for o in outputs] == [0, 40]
+    decoded = sum(len(o.output) - 1 for o in outputs)
+    assert verifier.runner.num_tokens_forwarded - decoded == len(a) + len(b) - 40

@@ -519,10 +519,10 @@ class SchedulerCore:
                 batch.swap_in.append(request)
                 self._admit(request)
                 continue  # it decodes from the next micro-batch on
-            self._attach_prefix(request, kv)
             cached = self._expected_hit(request, kv)
             if cached is None:  # its next blocks are being computed: it reuses them next step
                 continue
+            self._attach_prefix(request, kv)
             chunk = min(room + cached, len(request.prefill_tokens) - request.num_prefilled)
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, chunk)
@@ -577,11 +577,12 @@ class SchedulerCore:
         None when the block after them is in a chunk in flight, so that a prefix shared by
         requests arriving together is computed once."""
         index = self.prefix_index
-        if index is None or getattr(kv, "attach_prefix", None) is not None:
+        if index is None:
             return 0
         tokens, start = request.prefill_tokens, request.num_prefilled
         hit = 0
-        if not self.wants_features(request) and request.params.prompt_logprobs is None:
+        looks_up = not self.wants_features(request) and request.params.prompt_logprobs is None
+        if looks_up and getattr(kv, "attach_prefix", None) is None:
             hit = index.cached_tokens(tokens, start, len(tokens))
         return None if index.pending_at(tokens, start + hit) else hit
 
