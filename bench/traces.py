@@ -24,6 +24,7 @@ from bench.load.arrivals import PROCESSES
 from bench.load.prompts import TRACE_KINDS, PromptBuilder, synthesize
 from bench.load.readers import CountTokens, read_trace, write_trace
 from bench.load.trace import TraceError, TraceRequest
+from bench.sim.prefix import MOONCAKE_BLOCK
 from shared.datasets import KINDS
 
 _DEFAULT_TARGET = "default"  # --target without a directory: the SmolLM2 target
@@ -127,9 +128,27 @@ def _convert(args: argparse.Namespace) -> int:
         limit=args.limit,
         count_tokens=_counter(tokenizer) if tokenizer is not None else None,
     )
+    if args.hash_block_tokens is not None:
+        requests = scale_hash_blocks(requests, args.hash_block_tokens)
     if tokenizer is not None:
-        requests = PromptBuilder(tokenizer, seed=args.seed).fill(requests)
+        block = args.hash_block_tokens or MOONCAKE_BLOCK
+        requests = PromptBuilder(tokenizer, seed=args.seed, hash_block=block).fill(requests)
     return _write(args.out, requests)
+
+
+def scale_hash_blocks(requests: Sequence[TraceRequest], block: int) -> list[TraceRequest]:
+    """Requests with `hash_ids` made to `block` tokens per id instead of Mooncake's 512 (input
+    lengths scaled, kept within their ids' blocks): the same sharing in shorter prompts."""
+    out = []
+    for request in requests:
+        ids, length = request.hash_ids, request.input_length
+        if not ids or length is None:
+            out.append(request)
+            continue
+        scaled = round(length * block / MOONCAKE_BLOCK)
+        scaled = min(len(ids) * block, max((len(ids) - 1) * block + 1, scaled))
+        out.append(replace(request, input_length=scaled))
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -271,6 +290,13 @@ def _add_convert(commands: Any) -> None:
         p,
         "give requests with only a length a prompt text of that many tokens under this target's "
         "chat template (and measure ShareGPT answers in its tokens)",
+    )
+    p.add_argument(
+        "--hash-block-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="Mooncake hash_ids: N tokens per id instead of 512 (input lengths scaled; "
+        "with --target, prompt texts share what the ids share)",
     )
     p.set_defaults(run=_convert)
 
