@@ -170,7 +170,12 @@ class Simulator:
             ),
             selector=make_selector(config.selector, config.slo),
             cost=cost,
-            prefix_index=PrefixIndex(config.block_size) if config.prefix_caching else None,
+            # the core's index as large as the cache it mirrors (it forgets no more than that)
+            prefix_index=(
+                PrefixIndex(config.block_size, max_blocks=config.prefix_cache_blocks)
+                if config.prefix_caching
+                else None
+            ),
         )
         # the simulated verifier's prefix cache, and its count of prompt tokens (vLLM's queries
         # and hits; a recomputed request's tokens count again)
