@@ -335,8 +335,9 @@ class SchedulerCore:
         prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.config = config
-        # an executor whose KV view cannot attach prefixes (the scheduler service): the
-        # verifier's cached blocks as the core last saw them
+        # the verifier's cached and pending blocks as the core sees them: what a chunk is
+        # charged (where the KV view cannot attach prefixes: the scheduler service), and which
+        # requests wait for a shared prefix that a chunk in flight computes
         self.prefix_index = prefix_index
         self.policy = policy or FCFS()
         self.chooser = chooser or FixedDraftModel()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from shared.model.prefix_cache import BlockHash, block_hashes
 
 DEFAULT_MAX_BLOCKS = 1 << 16
-MEMO_SIZE = 4096  # sequences whose names are kept
+MEMO_SIZE = 1024  # sequences whose names are kept
 
 
 class PrefixIndex:
