@@ -3,10 +3,15 @@ simulated verifier's cache as the trace says they share, and only uncached token
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from bench.load.readers import read_trace, write_trace
+from bench.load.trace import TraceError, TraceRequest
 from bench.sim.prefix import hashed_prompt, trace_hit_rate
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from bench.traces import scale_hash_blocks, with_system_prompt
 from tests.test_simulator import VERIFY_MS, chain_recording, made_up_cost
 
 # (arrival s, input length, hash ids): r1 and r2 arrive together and share r0's first block;
@@ -57,3 +62,29 @@ def test_hashed_prompts_share_exactly_their_blocks() -> None:
     assert len(a) == 700 and a[:512] == b[:512] and a[512:600] != b[512:]
     with pytest.raises(ValueError, match="hash_ids"):
         hashed_prompt((0,), 700, 1000)
+
+
+def test_traces_keep_hash_ids_and_scale_them(tmp_path: Path) -> None:
+    requests = [
+        TraceRequest(0.0, input_length=1100, output_length=4, hash_ids=(0, 1, 2)),
+        TraceRequest(1.0, input_length=600, output_length=4, hash_ids=(0, 3)),
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, requests)
+    assert read_trace(path) == requests
+    scaled = scale_hash_blocks(requests, 32)
+    assert [r.input_length for r in scaled] == [69, 38]  # within 2 and 3 blocks of 32
+    assert [r.hash_ids for r in scaled] == [(0, 1, 2), (0, 3)]
+    with pytest.raises(TraceError, match="hash_ids"):
+        path.write_text('{"timestamp": 0, "input_length": 5, "hash_ids": [1, "x"]}\n')
+        read_trace(path)
+
+
+def test_a_system_prompt_goes_in_front_of_every_request() -> None:
+    requests = [TraceRequest(0.0, prompt="a"), TraceRequest(1.0, messages=(("user", "b"),))]
+    out = with_system_prompt(requests, "rules")
+    assert [r.messages for r in out] == [
+        (("system", "rules"), ("user", "a")),
+        (("system", "rules"), ("user", "b")),
+    ]
+    assert all(r.prompt is None and r.input_length is None for r in out)
