@@ -123,6 +123,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="more time per micro-batch outside the forwards: this times the square root of "
         "its decoding requests (python -m bench.sim.calibrate measures both)",
     )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="model the verifier's prefix cache (shared prompt prefixes, Mooncake hash_ids)",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks", type=int, default=1 << 20, help="the cache's 16-token blocks"
+    )
     parser.add_argument("--label", help="label of this run in comparisons")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -235,6 +243,7 @@ def to_sim_requests(
                 tpot_slo_ms=r.tpot_slo_ms,
                 priority=r.priority,
                 prompt_tokens=tuple(ids) if ids is not None else None,
+                hash_ids=r.hash_ids,
             )
         )
     return out
@@ -272,6 +281,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         shared_device=shared,
         step_overhead_ms=args.step_overhead_ms,
         request_overhead_ms=args.request_overhead_ms,
+        prefix_caching=args.prefix_caching,
+        prefix_cache_blocks=args.prefix_cache_blocks,
     )
     try:
         simulator = Simulator(config, cost, acceptance)
@@ -293,6 +304,13 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     }
     summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)
     print(f"simulated {len(records)} requests in {wall:.1f} s ({device})", file=sys.stderr)
+    if args.prefix_caching:
+        rate = simulator.cached_prompt_tokens / max(1, simulator.prompt_tokens)
+        print(
+            f"prefix cache: {simulator.cached_prompt_tokens} of {simulator.prompt_tokens} "
+            f"prefilled prompt tokens found cached ({rate:.1%})",
+            file=sys.stderr,
+        )
     return summary
 
 

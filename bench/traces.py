@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from bench.load.arrivals import PROCESSES
 from bench.load.prompts import TRACE_KINDS, PromptBuilder, synthesize
 from bench.load.readers import CountTokens, read_trace, write_trace
 from bench.load.trace import TraceError, TraceRequest
+from bench.sim.prefix import MOONCAKE_BLOCK
 from shared.datasets import KINDS
 
 _DEFAULT_TARGET = "default"  # --target without a directory: the SmolLM2 target
@@ -94,9 +96,26 @@ def _synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         app_per_kind=args.app_per_kind,
     )
+    if args.system_prompt_tokens is not None and args.target is None:
+        raise ValueError("--system-prompt-tokens needs --target (to count its tokens)")
     if args.target is not None:
-        requests = PromptBuilder(_tokenizer(args.target), seed=args.seed).fill(requests)
+        builder = PromptBuilder(_tokenizer(args.target), seed=args.seed)
+        requests = builder.fill(requests)
+        if args.system_prompt_tokens is not None:
+            system = builder.text("chat", args.system_prompt_tokens)
+            requests = with_system_prompt(requests, system)
     return _write(args.out, requests)
+
+
+def with_system_prompt(requests: Sequence[TraceRequest], system: str) -> list[TraceRequest]:
+    """Every request with the same system message in front (a shared prompt prefix, as an
+    application's instructions make one: what prefix caching computes once)."""
+    out = []
+    for request in requests:
+        turns = request.messages or (("user", request.prompt or ""),)
+        messages = (("system", system), *turns)
+        out.append(replace(request, messages=messages, prompt=None, input_length=None))
+    return out
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -109,9 +128,27 @@ def _convert(args: argparse.Namespace) -> int:
         limit=args.limit,
         count_tokens=_counter(tokenizer) if tokenizer is not None else None,
     )
+    if args.hash_block_tokens is not None:
+        requests = scale_hash_blocks(requests, args.hash_block_tokens)
     if tokenizer is not None:
-        requests = PromptBuilder(tokenizer, seed=args.seed).fill(requests)
+        block = args.hash_block_tokens or MOONCAKE_BLOCK
+        requests = PromptBuilder(tokenizer, seed=args.seed, hash_block=block).fill(requests)
     return _write(args.out, requests)
+
+
+def scale_hash_blocks(requests: Sequence[TraceRequest], block: int) -> list[TraceRequest]:
+    """Requests with `hash_ids` made to `block` tokens per id instead of Mooncake's 512 (input
+    lengths scaled, kept within their ids' blocks): the same sharing in shorter prompts."""
+    out = []
+    for request in requests:
+        ids, length = request.hash_ids, request.input_length
+        if not ids or length is None:
+            out.append(request)
+            continue
+        scaled = round(length * block / MOONCAKE_BLOCK)
+        scaled = min(len(ids) * block, max((len(ids) - 1) * block + 1, scaled))
+        out.append(replace(request, input_length=scaled))
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -227,6 +264,13 @@ def _add_synth(commands: Any) -> None:
         help="how requests get SLO classes (default: %(default)s)",
     )
     _add_target(p, "build prompt texts for --input-length/--input-range with this tokenizer")
+    p.add_argument(
+        "--system-prompt-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="put one system message of about N tokens in front of every request (a shared "
+        "prefix; needs --target)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--out", type=Path, required=True, help="trace to write (.jsonl)")
     p.set_defaults(run=_synth)
@@ -246,6 +290,13 @@ def _add_convert(commands: Any) -> None:
         p,
         "give requests with only a length a prompt text of that many tokens under this target's "
         "chat template (and measure ShareGPT answers in its tokens)",
+    )
+    p.add_argument(
+        "--hash-block-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="Mooncake hash_ids: N tokens per id instead of 512 (input lengths scaled; "
+        "with --target, prompt texts share what the ids share)",
     )
     p.set_defaults(run=_convert)
 

@@ -176,3 +176,25 @@ def test_a_resumed_request_keeps_its_cached_token_count() -> None:
     progress = Progress([], 3, cached_prompt_tokens=24)
     back = decode_progress(encode_progress(progress), b"", b"")
     assert back.cached_prompt_tokens == 24
+
+
+async def test_requests_arriving_together_share_their_prefix_through_the_services(
+    server: EmbeddedRedis, tiny_target_dir: Path
+) -> None:
+    """Two requests with a 40-token shared prefix submitted at once: the scheduler service's
+    core holds the second back while the first's chunk computes the prefix, then charges it only
+    the rest; the verifier computes the prefix once."""
+    models = ModelPaths(tiny_target_dir, {"d": tiny_target_dir})
+    params = SamplingParams(max_tokens=4)
+    shared = [(7 * i + 3) % 90 + 5 for i in range(40)]
+    prompts = [shared + [50, 51, 52], shared + [60, 61]]
+    async with running(server.url, "prefix-together", models, scheduler=CHAIN) as (stack, client):
+        verifier = stack.verifier
+        assert verifier is not None
+        before = verifier.runner.cache.prefix.hits
+        for i, prompt in enumerate(prompts):
+            await client.submit(f"s{i}", prompt, params)
+        await client.wait(["s0", "s1"], timeout_s=120)
+        outputs = [client.outcomes[f"s{i}"].tokens for i in range(2)]
+        assert outputs == plain_greedy(tiny_target_dir, prompts, [params] * 2)
+        assert verifier.runner.cache.prefix.hits - before == 40  # the second found all of it

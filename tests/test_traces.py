@@ -44,7 +44,7 @@ def test_jsonl_reads_mooncake_lines_and_our_fields(tmp_path: Path) -> None:
     requests = read_trace(path)
     assert requests == [  # sorted by arrival: the file's timestamps go backwards once
         TraceRequest(arrival_s=0.2505, prompt="Hi", max_tokens=8, temperature=0.7),
-        TraceRequest(arrival_s=1.5, input_length=700, output_length=30),
+        TraceRequest(arrival_s=1.5, input_length=700, output_length=30, hash_ids=(1, 2, 3)),
         TraceRequest(
             arrival_s=3.0,
             messages=(("user", "Why?"),),

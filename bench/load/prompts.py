@@ -49,8 +49,9 @@ _ADJUST_STEPS = 8  # re-measurements of a cut text before settling for the close
 class PromptBuilder:
     """Builds user messages of a given templated token length from dataset texts."""
 
-    def __init__(self, tokenizer: Any, seed: int = 0) -> None:
+    def __init__(self, tokenizer: Any, seed: int = 0, hash_block: int = 512) -> None:
         self.tokenizer = tokenizer
+        self.hash_block = hash_block  # tokens per hash id (Mooncake: 512)
         self._rng = np.random.default_rng(seed)
         self._ids: dict[str, list[list[int]]] = {}  # kind -> token ids of each dataset text
         self._overhead = self.templated_length("")
@@ -66,6 +67,10 @@ class PromptBuilder:
         for request in requests:
             if request.input_length is None or request.prompt is not None or request.messages:
                 out.append(request)
+                continue
+            if request.hash_ids:  # shared blocks, shared text: the message alone says it
+                text = self.hashed_text(request.hash_ids, request.input_length)
+                out.append(replace(request, messages=(("user", text),), input_length=None))
                 continue
             kind = request.kind or next(kinds)
             text = self.text(kind, request.input_length)
@@ -92,6 +97,23 @@ class PromptBuilder:
             n = min(len(ids), max(1, n + input_length - got))
         assert best is not None
         return best[1]
+
+    def hashed_text(self, hash_ids: Sequence[int], input_length: int) -> str:
+        """A user message of about `input_length` templated tokens made of one chat text of
+        `hash_block` tokens per id, drawn from the id: requests whose ids agree on a prefix
+        agree on that prefix of text (Mooncake's `hash_ids`, `bench/sim/prefix.py`)."""
+        texts = self._kind_ids("chat")
+        ids: list[int] = []
+        for hash_id in hash_ids:
+            start = int(np.random.default_rng(hash_id).integers(len(texts)))
+            block: list[int] = []
+            for i in itertools.count(start):
+                block += texts[i % len(texts)]
+                if len(block) >= self.hash_block:
+                    break
+            ids += block[: self.hash_block]
+        wanted = max(1, input_length - self._overhead)
+        return self.tokenizer.decode(ids[:wanted], clean_up_tokenization_spaces=False)
 
     def templated_length(self, text: str) -> int:
         """Tokens of `text` as one user message, chat template and generation prompt included."""

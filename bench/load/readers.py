@@ -106,9 +106,20 @@ def parse_request(obj: Any) -> TraceRequest:
         max_tokens=_count(obj, "max_tokens"),
         temperature=_number(obj, "temperature"),
         app=_text(obj, "app"),
+        hash_ids=_hash_ids(obj.get("hash_ids")),
     )
     _check_complete(request)
     return request
+
+
+def _hash_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise ValueError("hash_ids must be a list of non-negative integers")
+    return tuple(value)
 
 
 def request_to_json(request: TraceRequest) -> dict[str, Any]:
@@ -133,6 +144,8 @@ def request_to_json(request: TraceRequest) -> dict[str, Any]:
         value = getattr(request, name)
         if value is not None:
             obj[name] = value
+    if request.hash_ids is not None:
+        obj["hash_ids"] = list(request.hash_ids)
     if request.messages is not None:
         obj["messages"] = [{"role": role, "content": text} for role, text in request.messages]
     if request.priority != 0:

@@ -23,6 +23,8 @@ class TraceRequest:
     max_tokens: int | None = None  # None: output_length
     temperature: float | None = None  # None: greedy (0.0)
     app: str | None = None  # the application key sent as `augury.app`
+    # Mooncake's prefix block hashes (512 tokens a block): equal ids, equal prefix blocks
+    hash_ids: tuple[int, ...] | None = None
 
     @property
     def num_output_tokens(self) -> int | None:

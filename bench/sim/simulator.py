@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, Session
+from bench.sim.prefix import hashed_prompt
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import TokenTree
@@ -47,6 +48,7 @@ from shared.scheduling.core import (
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
+from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
 from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
@@ -89,6 +91,11 @@ class SimConfig:
     # the scheduler service's DEBUG log by `bench.sim.calibrate`
     step_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
+    # prefix caching (`bench/sim/prefix.py`): the verifier's cache of `block_size`-token blocks
+    # (at most `prefix_cache_blocks`, least recently used out) and the core's index of it
+    prefix_caching: bool = False
+    block_size: int = 16
+    prefix_cache_blocks: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,9 @@ class SimRequest:
     # the cap the request carries, as a client's max_tokens (at least num_output_tokens); None:
     # num_output_tokens, which tells the scheduler the length (only where nothing predicts it)
     max_tokens: int | None = None
+    # Mooncake's prefix block hashes: the prompt's tokens are drawn from them (with
+    # `prompt_tokens` None), so that requests share what the trace says they share
+    hash_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < self.num_output_tokens:
@@ -154,15 +164,28 @@ class Simulator:
                 planner=config.planner,  # type: ignore[arg-type]
                 fast_switching=config.fast_switching,
             ),
-            policy=make_policy(
-                config.policy, config.length_predictor, config.laps, self._lengths
-            ),
+            policy=make_policy(config.policy, config.length_predictor, config.laps, self._lengths),
             chooser=make_chooser(
                 config.draft_chooser, list(config.drafts), config.lbss, config.oracle
             ),
             selector=make_selector(config.selector, config.slo),
             cost=cost,
+            # the core's index as large as the cache it mirrors (it forgets no more than that)
+            prefix_index=(
+                PrefixIndex(config.block_size, max_blocks=config.prefix_cache_blocks)
+                if config.prefix_caching
+                else None
+            ),
         )
+        # the simulated verifier's prefix cache, and its count of prompt tokens (vLLM's queries
+        # and hits; a recomputed request's tokens count again)
+        self.verifier_cache = (
+            PrefixIndex(config.block_size, max_blocks=config.prefix_cache_blocks)
+            if config.prefix_caching
+            else None
+        )
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.core.set_drafters({name: ["sim"] for name in config.drafts})
         self.records: dict[str, RequestRecord] = {}
         self._kinds: dict[str, str | None] = {}
@@ -213,6 +236,10 @@ class Simulator:
         params = SamplingParams(max_tokens=cap)
         self._lengths[rid] = request.num_output_tokens
         prompt = request.prompt_tokens or (PROMPT_TOKEN,) * request.num_prompt_tokens
+        if request.prompt_tokens is None and request.hash_ids is not None:
+            prompt = hashed_prompt(
+                request.hash_ids, request.num_prompt_tokens, self.config.vocab_size
+            )
         state = RequestState(
             rid,
             list(prompt),
@@ -271,7 +298,9 @@ class Simulator:
         self._warm(batch, now)
         trees = self.core.select_trees(batch, drafted, draft_done)
         results = self._verify(batch, trees, sessions)
-        num_tokens = batch.prefill_tokens + sum(t.num_nodes for t in trees.values())
+        # what the core expected cached and the verifier did not find: computed all the same
+        missed = sum(n - results[rid].cached_tokens for rid, n in batch.prefill_cached.items())
+        num_tokens = batch.prefill_tokens + missed + sum(t.num_nodes for t in trees.values())
         ms = self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
         ms += max(0.0, self.overhead_ms(len(batch.decode)))
         done = self._occupy("verifier", draft_done, ms)
@@ -334,7 +363,10 @@ class Simulator:
         for request, chunk in batch.prefill:
             is_last = request.num_prefilled + chunk == len(request.prefill_tokens)
             tokens = (BONUS_TOKEN,) if is_last else ()
-            results[request.request_id] = StepResult(request.request_id, request.step, tokens)
+            cached = self._prefill_cached(request, chunk)
+            results[request.request_id] = StepResult(
+                request.request_id, request.step, tokens, cached_tokens=cached
+            )
         for request in batch.decode:
             rid = request.request_id
             tree = trees[rid]
@@ -345,6 +377,21 @@ class Simulator:
             tokens = self._committed(request, accepted + 1)  # only their number matters
             results[rid] = StepResult(rid, request.step, tokens, min(accepted, len(tokens) - 1))
         return results
+
+    def _prefill_cached(self, request: RequestState, chunk: int) -> int:
+        """The chunk's first tokens the verifier finds cached (as `Verifier.step` looks them
+        up); its blocks are cached from then on."""
+        start, tokens = request.num_prefilled, request.prefill_tokens
+        self.prompt_tokens += chunk
+        cache = self.verifier_cache
+        if cache is None:
+            return 0
+        cached = 0
+        if not self.core.wants_features(request):
+            cached = cache.cached_tokens(tokens, start, start + chunk)
+        cache.insert(tokens, start + chunk)
+        self.cached_prompt_tokens += cached
+        return cached
 
     def _committed(self, request: RequestState, count: int) -> tuple[int, ...]:
         """`count` tokens the target commits, ending with EOS where they reach the recorded

@@ -52,6 +52,7 @@ from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.core import (
     MicroBatch,
     Release,
+    SchedulerCore,
     StepOutput,
     StepResult,
     draft_request,
@@ -130,6 +131,45 @@ def _slo_statistics(out: StepOutput, request: RequestState | None) -> dict[str, 
         "tpot_ms": request.tpot_ms,
         "cached_tokens": request.num_cached_prompt_tokens,
     }
+
+
+def verify_entries(
+    core: SchedulerCore, batch: MicroBatch, trees: dict[str, TokenTree]
+) -> tuple[VerifyRequest, ...]:
+    """The verifier's entries for a micro-batch: each decoding request's tree, each prefilling
+    request's chunk (with the tokens the verifier is expected to find cached: it computes only
+    what it does not find)."""
+    entries = [
+        VerifyRequest(
+            request_id=r.request_id,
+            step=r.step,
+            sampling=r.params,
+            seed=r.seed,
+            max_new_tokens=r.tokens_left,
+            tree=trees[r.request_id],
+            context_len=r.num_tokens - 1,
+            want_features=core.wants_features(r),
+            history=request_history(r, core.config.eos_token_ids),
+        )
+        for r in batch.decode
+    ]
+    for r, chunk in batch.prefill:
+        start = r.num_prefilled
+        entries.append(
+            VerifyRequest(
+                request_id=r.request_id,
+                step=r.step,
+                sampling=r.params,
+                seed=r.seed,
+                max_new_tokens=r.tokens_left,
+                chunk=tuple(r.prefill_tokens[start : start + chunk]),
+                chunk_start=start,
+                chunk_is_last=start + chunk == len(r.prefill_tokens),
+                want_features=core.wants_features(r),
+                history=request_history(r, core.config.eos_token_ids),
+            )
+        )
+    return tuple(entries)
 
 
 class SchedulerService:
@@ -571,37 +611,7 @@ class SchedulerService:
     def _verify_entries(
         self, batch: MicroBatch, trees: dict[str, TokenTree]
     ) -> tuple[VerifyRequest, ...]:
-        entries = [
-            VerifyRequest(
-                request_id=r.request_id,
-                step=r.step,
-                sampling=r.params,
-                seed=r.seed,
-                max_new_tokens=r.tokens_left,
-                tree=trees[r.request_id],
-                context_len=r.num_tokens - 1,
-                want_features=self.core.wants_features(r),
-                history=request_history(r, self.core.config.eos_token_ids),
-            )
-            for r in batch.decode
-        ]
-        for r, chunk in batch.prefill:
-            start = r.num_prefilled
-            entries.append(
-                VerifyRequest(
-                    request_id=r.request_id,
-                    step=r.step,
-                    sampling=r.params,
-                    seed=r.seed,
-                    max_new_tokens=r.tokens_left,
-                    chunk=tuple(r.prefill_tokens[start : start + chunk]),
-                    chunk_start=start,
-                    chunk_is_last=start + chunk == len(r.prefill_tokens),
-                    want_features=self.core.wants_features(r),
-                    history=request_history(r, self.core.config.eos_token_ids),
-                )
-            )
-        return tuple(entries)
+        return verify_entries(self.core, batch, trees)
 
     async def _verify(self, job: VerifyJob) -> VerifyResult:
         answer = self._results.expect(job.micro_batch_id)

@@ -41,6 +41,7 @@ from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.factory import resolve_merge
 from shared.scheduling.ordering import make_policy
+from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.scheduling.tree_selection import make_selector
@@ -154,6 +155,9 @@ class SpecEngine:
             ),
             selector=make_selector(self.config.tree_selection, self.config.slo),
             cost=cost,
+            # the verifier attaches cached prefixes itself (`RunnerKV`); the index holds back a
+            # request whose prefix another's chunk is computing, so that it is computed once
+            prefix_index=(PrefixIndex(runner.cache.block_size) if runner.prefix_caching else None),
         )
         self.core.set_drafters({name: ["local"] for name in self.drafters})
         self.kv = RunnerKV(verifier)

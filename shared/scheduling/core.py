@@ -40,6 +40,7 @@ from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraf
 from shared.scheduling.features import FeatureLog
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, is_shared_device
 from shared.scheduling.ordering import FCFS, PolicyContext, SchedulingPolicy
+from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.replicas import LeastLoadedSticky, ReplicaMatcher
 from shared.scheduling.request import (
     AcceptanceStats,
@@ -176,6 +177,9 @@ class MicroBatch:
     # model-free partners (`batch.merge` plans of a model-free draft): the tree each proposed,
     # merged or only scored (its counterfactual acceptance), by request id
     model_free_trees: dict[str, TokenTree] = field(default_factory=dict)
+    # prompt chunks' tokens the verifier is expected to find cached (request id -> count):
+    # sent with the chunk but not charged to the budget (`PrefixIndex`)
+    prefill_cached: dict[str, int] = field(default_factory=dict)
     is_observed: bool = False
 
     @property
@@ -190,7 +194,8 @@ class MicroBatch:
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefill)
+        """Prompt tokens the verifier computes (less those expected cached)."""
+        return sum(n for _, n in self.prefill) - sum(self.prefill_cached.values())
 
     @property
     def is_empty(self) -> bool:
@@ -327,8 +332,13 @@ class SchedulerCore:
         selector: TreeSelector | None = None,
         cost: CostModel | None = None,
         first_batch_id: int = 1,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self.config = config
+        # the verifier's cached and pending blocks as the core sees them: what a chunk is
+        # charged (where the KV view cannot attach prefixes: the scheduler service), and which
+        # requests wait for a shared prefix that a chunk in flight computes
+        self.prefix_index = prefix_index
         self.policy = policy or FCFS()
         self.chooser = chooser or FixedDraftModel()
         self.matcher = matcher or LeastLoadedSticky()
@@ -510,8 +520,11 @@ class SchedulerCore:
                 batch.swap_in.append(request)
                 self._admit(request)
                 continue  # it decodes from the next micro-batch on
+            cached = self._expected_hit(request, kv)
+            if cached is None:  # its next blocks are being computed: it reuses them next step
+                continue
             self._attach_prefix(request, kv)
-            chunk = min(room, len(request.prefill_tokens) - request.num_prefilled)
+            chunk = min(room + cached, len(request.prefill_tokens) - request.num_prefilled)
             if kv is not None:
                 need = kv.blocks_needed(request.request_id, chunk)
                 # an admitted request's next chunk may preempt later admissions (else partial
@@ -529,7 +542,8 @@ class SchedulerCore:
                 free -= need
             request.kv = "resident"
             batch.prefill.append((request, chunk))
-            room -= chunk
+            self._expect_blocks(batch, request, chunk, cached)
+            room -= chunk - cached
             count += 1
             if is_new:
                 self._admit(request)
@@ -557,6 +571,33 @@ class SchedulerCore:
         request.num_prefilled = hit
         if not request.output:
             request.num_cached_prompt_tokens = hit
+
+    def _expected_hit(self, request: RequestState, kv: KVView | None) -> int | None:
+        """The tokens of a request's next chunk the verifier should find cached (by the prefix
+        index; 0 where the KV view attaches prefixes itself, or the verifier looks nothing up);
+        None when the block after them is in a chunk in flight, so that a prefix shared by
+        requests arriving together is computed once."""
+        index = self.prefix_index
+        if index is None:
+            return 0
+        tokens, start = request.prefill_tokens, request.num_prefilled
+        hit = 0
+        looks_up = not self.wants_features(request) and request.params.prompt_logprobs is None
+        if looks_up and getattr(kv, "attach_prefix", None) is None:
+            hit = index.cached_tokens(tokens, start, len(tokens))
+        return None if index.pending_at(tokens, start + hit) else hit
+
+    def _expect_blocks(
+        self, batch: MicroBatch, request: RequestState, chunk: int, cached: int
+    ) -> None:
+        if self.prefix_index is None:
+            return
+        start = request.num_prefilled
+        if cached:
+            batch.prefill_cached[request.request_id] = cached
+        self.prefix_index.mark_pending(
+            batch.id, request.prefill_tokens, start + cached, start + chunk
+        )
 
     def _pick_decoding(
         self, decoding: list[RequestState], limit: int, num_micro_batches: int
@@ -1106,6 +1147,8 @@ class SchedulerCore:
         """Commit a verified micro-batch: tokens, stops, statistics, feedback to the policies."""
         chunks = {r.request_id: n for r, n in batch.prefill}
         elapsed_ms = 1000 * (now - batch.started)
+        if self.prefix_index is not None:
+            self.prefix_index.clear_pending(batch.id)
         shares = self._cost_shares(batch)
         outputs: list[StepOutput] = []
         self._end_batch(batch)
@@ -1137,6 +1180,8 @@ class SchedulerCore:
                 request.num_prefilled += chunks[rid]
                 if not request.output:  # a verifier that found the chunk's start cached
                     request.num_cached_prompt_tokens += result.cached_tokens
+                if self.prefix_index is not None:  # the verifier named the chunk's blocks
+                    self.prefix_index.insert(request.prefill_tokens, request.num_prefilled)
             else:
                 tree = batch.trees.get(rid)
                 drafted = tree.num_nodes - 1 if tree is not None else 0
@@ -1259,6 +1304,8 @@ class SchedulerCore:
         its requests may already be in flight in another micro-batch."""
         if not batch.is_observed:
             self._end_batch(batch)
+            if self.prefix_index is not None:
+                self.prefix_index.clear_pending(batch.id)
             for request in batch.members:
                 request.in_flight = False
 
@@ -1391,6 +1438,9 @@ class SchedulerCore:
         if request in self.waiting:
             self.waiting.remove(request)
         self._kv_full = False
+        if self.prefix_index is not None and error is None and not request.is_prefilling:
+            # the verifier keeps its committed tokens' blocks (all but the last one emitted)
+            self.prefix_index.insert(request.all_tokens, request.num_tokens - 1)
         self._releases.append(Release(rid, True))
         self._release_draft(request)
         self.chooser.forget(rid)

@@ -10,6 +10,7 @@ from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import make_chooser
 from shared.scheduling.ordering import make_policy
+from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.replicas import make_matcher
 from shared.scheduling.tree_selection import make_selector
 from shared.settings import AugurySettings, SpeculationSettings
@@ -96,4 +97,10 @@ def build_core(
         selector=make_selector(config.tree_selection, config.slo),
         cost=cost,
         first_batch_id=first_batch_id,
+        # the verifier's prefix cache, as far as the core can tell from token ids
+        prefix_index=(
+            PrefixIndex(settings.engine.block_size)
+            if settings.engine.enable_prefix_caching
+            else None
+        ),
     )
