@@ -17,6 +17,14 @@ from shared.engine.sampling import StructuredOutput
 from shared.errors import InvalidRequestError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON as models write it on one line: ", " and ": " between items, no other whitespace. Keys
+# and punctuation are then forced by the schema (drafted for free); a schema's own
+# "x-guidance" options override these.
+JSON_OPTIONS: llguidance.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def grammar_text(structured: StructuredOutput) -> str:
@@ -30,9 +38,11 @@ def _grammar_text(kind: str, spec: str) -> str:
         return llguidance.grammar_from("choice", _choices(spec))
     try:
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                ANY_JSON_OBJECT, defaults=JSON_OPTIONS
+            )
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         return llguidance.LLMatcher.grammar_from_lark(spec)
