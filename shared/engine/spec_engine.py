@@ -116,23 +116,25 @@ class SpecEngine:
         clock: Callable[[], float] = time.monotonic,
         observer: StepObserver | None = None,
         tokenizer: Any | None = None,
+        grammar: GrammarBook | None = None,
     ) -> None:
         """`tokenizer` (a transformers fast tokenizer): each request's output is also
         detokenized as it is committed (`texts`), requests may give stop strings, and
         structured output (`SamplingParams.structured`) is on: one `GrammarBook` masks the
-        verifier's and the model drafts' rows."""
+        verifier's and the model drafts' rows (`grammar` gives one built otherwise)."""
         self.verifier = verifier
         self.tokenizer = tokenizer
         if isinstance(drafter, (Drafter, ModelFreeDrafter)):
             drafter = {drafter.name: drafter}
         self.drafters: dict[str, AnyDrafter] = dict(drafter or {})
-        self.grammar: GrammarBook | None = None
-        if tokenizer is not None:
-            self.grammar = GrammarBook.from_hf(tokenizer, eos_token_ids)
-            verifier.grammar = self.grammar
+        if grammar is None and tokenizer is not None:
+            grammar = GrammarBook.from_hf(tokenizer, eos_token_ids)
+        self.grammar = grammar
+        if grammar is not None:
+            verifier.grammar = grammar
             for d in self.drafters.values():
                 if isinstance(d, Drafter):
-                    d.grammar = self.grammar
+                    d.grammar = grammar
         model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
         has_models = len(model_free) < len(self.drafters)
         self.config = config or EngineConfig()

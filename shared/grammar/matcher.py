@@ -27,6 +27,7 @@ import torch
 from shared.engine.sampling import StructuredOutput
 from shared.grammar.spec import grammar_text
 
+COMPILED_CACHE_SIZE = 64  # compiled grammars kept per process (copied for each request)
 MAX_FORCED_RUN = 64  # forced tokens drafted in one go at most
 # bounded compilation and mask computation (llguidance's defaults are 5-10x these)
 PARSER_LIMITS = dict(
@@ -179,6 +180,7 @@ class GrammarBook:
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         self.stats = GrammarStats()
         self._requests: dict[str, RequestGrammar] = {}
+        self._compiled: dict[StructuredOutput, llguidance.LLMatcher] = {}
 
     @classmethod
     def from_hf(cls, hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> GrammarBook:
@@ -188,14 +190,20 @@ class GrammarBook:
         self._requests.pop(request_id, None)
 
     def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher (the grammar text is cached; llguidance caches nothing across
-        matchers, so this takes the compile time, bounded by `PARSER_LIMITS`)."""
-        started = time.perf_counter()
-        matcher = llguidance.LLMatcher(
-            self.tokenizer, grammar_text(structured), log_level=0, limits=self.limits
-        )
-        self.stats.compile_seconds += time.perf_counter() - started
-        return matcher
+        """A fresh matcher at the grammar's start: a copy of the one compiled for the same
+        constraint before (compiling takes milliseconds, bounded by `PARSER_LIMITS`; the
+        last `COMPILED_CACHE_SIZE` constraints are kept)."""
+        template = self._compiled.pop(structured, None)
+        if template is None:
+            started = time.perf_counter()
+            template = llguidance.LLMatcher(
+                self.tokenizer, grammar_text(structured), log_level=0, limits=self.limits
+            )
+            self.stats.compile_seconds += time.perf_counter() - started
+        self._compiled[structured] = template  # most recently used last
+        while len(self._compiled) > COMPILED_CACHE_SIZE:
+            del self._compiled[next(iter(self._compiled))]
+        return template.deep_copy()
 
     def request(
         self, request_id: str, structured: StructuredOutput, output: Sequence[int]

@@ -66,6 +66,12 @@ def _choices(spec: str) -> str:
 
 def check_structured(structured: StructuredOutput) -> None:
     """Raise InvalidRequestError naming what is wrong when the grammar does not compile."""
+    _check(structured.kind, structured.spec)
+
+
+@functools.lru_cache(maxsize=256)  # a grammar that does not compile raises: not cached
+def _check(kind: str, spec: str) -> None:
+    structured = StructuredOutput(kind, spec)
     grammar = grammar_text(structured)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
