@@ -15,9 +15,11 @@ never accepted, and its own row must not be all -inf.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -26,6 +28,8 @@ import torch
 
 from shared.engine.sampling import StructuredOutput
 from shared.grammar.spec import grammar_text
+
+log = logging.getLogger(__name__)
 
 COMPILED_CACHE_SIZE = 64  # compiled grammars kept per process (copied for each request)
 MAX_FORCED_RUN = 64  # forced tokens drafted in one go at most
@@ -269,3 +273,64 @@ class GrammarBook:
         if bits is None or not bits.any():
             return "the grammar allows no next token"
         return None
+
+
+class CheckpointGrammar:
+    """A service's `GrammarBook`, built with the tokenizer of `checkpoint` at its first
+    structured request (on the model thread, off the event loop; ~1-2 s), so services that
+    never see one pay nothing. Without a usable tokenizer every structured request ends with a
+    `grammar_dead_end` naming why."""
+
+    def __init__(self, checkpoint: Path, eos_token_ids: Sequence[int]) -> None:
+        self.checkpoint = checkpoint
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._book: GrammarBook | None = None
+        self._problem: str | None = None
+
+    def book(self) -> GrammarBook | None:
+        if self._book is None and self._problem is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+                self._book = GrammarBook.from_hf(tokenizer, self.eos_token_ids)
+            except (OSError, ValueError, TypeError) as error:
+                self._problem = f"no usable tokenizer in {self.checkpoint}: {error}"
+                log.warning("structured output is off: %s", self._problem)
+        return self._book
+
+    def allowed(
+        self,
+        request_id: str,
+        structured: StructuredOutput,
+        output: Sequence[int],
+        paths: Sequence[Sequence[int]],
+        width: int,
+    ) -> torch.Tensor:
+        book = self.book()
+        if book is None:
+            return torch.ones(len(paths), width, dtype=torch.bool)
+        return book.allowed(request_id, structured, output, paths, width)
+
+    def forced(
+        self,
+        request_id: str,
+        structured: StructuredOutput,
+        output: Sequence[int],
+        path: Sequence[int],
+        limit: int = MAX_FORCED_RUN,
+    ) -> list[int]:
+        book = self.book()
+        return [] if book is None else book.forced(request_id, structured, output, path, limit)
+
+    def dead_end(
+        self, request_id: str, structured: StructuredOutput, output: Sequence[int]
+    ) -> str | None:
+        book = self.book()
+        if book is None:
+            return self._problem
+        return book.dead_end(request_id, structured, output)
+
+    def free(self, request_id: str) -> None:
+        if self._book is not None:
+            self._book.free(request_id)
