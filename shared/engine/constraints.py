@@ -37,6 +37,10 @@ class NodeConstraints(Protocol):
         """The run of at most `limit` tokens the grammar forces after `output` and `path`."""
         ...
 
+    def canonical(self, tokens: Sequence[int]) -> list[int]:
+        """The tokenizer's own tokenization of the tokens' text."""
+        ...
+
     def dead_end(
         self, request_id: str, structured: StructuredOutput, output: Sequence[int]
     ) -> str | None:

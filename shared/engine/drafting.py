@@ -234,7 +234,10 @@ class Drafter:
 
     def _add_forced(self, t: _Growing, node: int, method: DraftMethod) -> bool:
         """Add the run of tokens the grammar forces after `node` as its certain children;
-        whether there was one (the node is then not grown by the draft model)."""
+        whether there was one (the node is then not grown by the draft model).
+
+        A drafted (not sampled) node and its run are retokenized as the tokenizer would write
+        their text: a draft's '"' before a forced ',' becomes the '",' the target writes."""
         structured = t.req.sampling.structured
         if structured is None or self.grammar is None or t.req.history is None:
             return False
@@ -243,6 +246,10 @@ class Drafter:
         run = self.grammar.forced(
             t.req.request_id, structured, t.req.history.output, t.path(node), limit
         )
+        if run and node > 0 and t.proposal_of[node] == DETERMINISTIC:
+            merged = self.grammar.canonical([t.tokens[node], *run])
+            if merged[0] != t.tokens[node] and len(merged) <= len(run) + 1:
+                t.tokens[node], run = merged[0], merged[1:]
         for token in run:
             node = t.add(node, token, 0.0)
         return bool(run)

@@ -262,6 +262,18 @@ class GrammarBook:
             return []
         return state.forced_run(path, limit, self.stats)
 
+    def canonical(self, tokens: Sequence[int]) -> list[int]:
+        """The tokenizer's own tokenization of the tokens' text (end-of-sequence ids at the
+        end kept as they are): what a model trained on that tokenizer writes."""
+        tail = len(tokens)
+        while tail > 0 and int(tokens[tail - 1]) in self.eos:
+            tail -= 1
+        body = [int(t) for t in tokens[:tail]]
+        if len(body) < 2:
+            return [int(t) for t in tokens]
+        text = self.tokenizer.decode_bytes(body)
+        return [*self.tokenizer.tokenize_bytes(text), *(int(t) for t in tokens[tail:])]
+
     def dead_end(
         self, request_id: str, structured: StructuredOutput, output: Sequence[int]
     ) -> str | None:
@@ -330,6 +342,10 @@ class CheckpointGrammar:
         if book is None:
             return self._problem
         return book.dead_end(request_id, structured, output)
+
+    def canonical(self, tokens: Sequence[int]) -> list[int]:
+        book = self.book()
+        return [int(t) for t in tokens] if book is None else book.canonical(tokens)
 
     def free(self, request_id: str) -> None:
         if self._book is not None:
