@@ -36,6 +36,7 @@ from shared.bus.profiles import (
     publish_profile_status,
     read_profiles,
 )
+from shared.grammar.matcher import CheckpointGrammar
 from shared.model.cost_profiles import (
     CACHE_DIR,
     QUICK_MAX_TOKENS,
@@ -235,6 +236,7 @@ async def start_verifier(
     if runner is None:
         runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
     service = VerifierService(bus, runner, cell=settings.service.cell, model=models.target.name)
+    service.verifier.grammar = CheckpointGrammar(models.target, runner.cfg.eos_token_ids)
     await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
     await service.start()
     stack.verifier = service
@@ -279,6 +281,8 @@ async def start_drafter(
     service = DrafterService(
         stack.bus(replica), runner, model=name, cell=stack.settings.service.cell
     )
+    # structured output: the draft reads the target's tokenizer (drafts share its vocabulary)
+    service.drafter.grammar = CheckpointGrammar(models.target, runner.cfg.eos_token_ids)
     await publish_own_profile(
         stack, service.bus, runner, name, draft_role(name), target_dir=models.target
     )

@@ -61,6 +61,8 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
 
     def forget(self, request_id: str) -> None:
         self.drafter.free(request_id)
+        if self.drafter.grammar is not None:
+            self.drafter.grammar.free(request_id)
         self._answers.pop(request_id, None)
 
     def answer(self, job: DraftJob) -> CandidateTrees:

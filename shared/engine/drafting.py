@@ -19,6 +19,12 @@ Every frontier row's logits go through the request's logits processors with the 
 node's own path (`shared.engine.processors`), as the target's do when verifying; a seeded request
 scores them with its Gumbel noise (`coupled_scores`) and drafts as greedy does on the scores.
 
+Under a grammar (`SamplingParams.structured`, `self.grammar` set) every frontier row is masked
+with its node's grammar state, so the draft proposes only allowed tokens; and where the grammar
+forces a run of tokens after a node (the root included), the run is added as certain children
+(log q = 0) with no draft forward: the node is not forwarded, and the draft model neither reads
+nor proposes a forced token. Its next step appends them with the other committed tokens.
+
 Four ways to pick children, all batched: a chain of k; SpecInfer's static expansion <k1..km>;
 AdaServe's beam of depth d and width w (§4.3 step 1); and the CMU thesis's throughput-optimal
 dynamic tree under a token budget with size, depth and width limits across the batch (§3.1).
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shared.engine.constraints import NodeConstraints
 from shared.engine.methods import DraftMethod
 from shared.engine.processors import coupled_scores, process_logits
 from shared.engine.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
@@ -107,6 +114,7 @@ class Drafter:
         self.output_ids = runner.model.output_token_ids  # [num_out] full-vocab ids
         self.is_feature_level = bool(runner.cfg.feature_size)
         self.column_of = _column_of(self.output_ids)  # [V] full id -> column; None: the same
+        self.grammar: NodeConstraints | None = None  # structured output's masks and forced runs
 
     def free(self, request_id: str) -> None:
         self.runner.free_request(request_id)
@@ -195,8 +203,8 @@ class Drafter:
             for r in requests
         ]
         for tree, root in zip(trees, roots, strict=True):
-            if not root:
-                tree.frontier = []  # nothing to grow from: the root alone
+            if not root or self._add_forced(tree, 0, method):
+                tree.frontier = []  # nothing to grow from (or forced): no draft proposal
                 continue
             self._take_logits(tree, root[0])
             if self.is_feature_level:
@@ -208,7 +216,8 @@ class Drafter:
             else:
                 added = {id(t): self._grow_layer(t, method, layer) for t in active}
             for t in trees:
-                t.frontier = [n for n in added.get(id(t), []) if n not in t.pruned]
+                kept = [n for n in added.get(id(t), []) if n not in t.pruned]
+                t.frontier = [n for n in kept if not self._add_forced(t, n, method)]
             if layer == method.num_layers:
                 break
             self._forward_frontier([t for t in trees if t.frontier and layer < t.max_depth])
@@ -222,6 +231,28 @@ class Drafter:
         room = self.runner.max_context - self.num_committed(req.request_id)
         depth = min(method.num_layers, max(room, 0))
         return min(depth, req.max_depth) if req.max_depth else depth
+
+    def _add_forced(self, t: _Growing, node: int, method: DraftMethod) -> bool:
+        """Add the run of tokens the grammar forces after `node` as its certain children;
+        whether there was one (the node is then not grown by the draft model).
+
+        A drafted (not sampled) node and its run are retokenized as the tokenizer would write
+        their text: a draft's '"' before a forced ',' becomes the '",' the target writes."""
+        structured = t.req.sampling.structured
+        if structured is None or self.grammar is None or t.req.history is None:
+            return False
+        context_room = self.runner.max_context - self.num_committed(t.req.request_id)
+        limit = min(t.room(method), context_room - t.depth[node] - 1)
+        run = self.grammar.forced(
+            t.req.request_id, structured, t.req.history.output, t.path(node), limit
+        )
+        if run and node > 0 and t.proposal_of[node] == DETERMINISTIC:
+            merged = self.grammar.canonical([t.tokens[node], *run])
+            if merged[0] != t.tokens[node] and len(merged) <= len(run) + 1:
+                t.tokens[node], run = merged[0], merged[1:]
+        for token in run:
+            node = t.add(node, token, 0.0)
+        return bool(run)
 
     def _forward_frontier(self, trees: list[_Growing]) -> None:
         if not trees:
@@ -245,15 +276,24 @@ class Drafter:
         """Hold the frontier's [len(frontier), num_out] logits, processed per node's path (a
         seeded request's: its Gumbel-perturbed scores)."""
         params = t.req.sampling
-        if params.has_processors:
+        if params.has_processors or params.structured is not None:
             paths = [t.path(node) for node in t.frontier]
-            logits = process_logits(logits, params, t.req.history, paths, self.column_of)
+            allowed = self._allowed(t, paths)
+            logits = process_logits(logits, params, t.req.history, paths, self.column_of, allowed)
         if params.is_coupled:
             if t.req.history is None:
                 raise ValueError(f"request {t.req.request_id}: a seeded draft needs its history")
             positions = [t.req.history.output_len + t.depth[node] for node in t.frontier]
             logits = coupled_scores(logits, params, positions, self.output_ids)
         t.frontier_logits = logits
+
+    def _allowed(self, t: _Growing, paths: list[list[int]]) -> torch.Tensor | None:
+        structured = t.req.sampling.structured
+        if structured is None or self.grammar is None or t.req.history is None:
+            return None
+        width = int(self.output_ids.max()) + 1
+        output = t.req.history.output
+        return self.grammar.allowed(t.req.request_id, structured, output, paths, width)
 
     # ---- child selection -----------------------------------------------------------------------
     def _log_q(self, t: _Growing) -> torch.Tensor:

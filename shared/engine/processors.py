@@ -13,6 +13,10 @@ is below `min_tokens`; logit_bias is added; repetition_penalty divides positive 
 negative) logits of tokens seen in the prompt or output; frequency_penalty subtracts
 count x penalty and presence_penalty subtracts the penalty once, both over output tokens.
 
+A grammar (`SamplingParams.structured`) gives each row the tokens its node's grammar state
+allows (`allowed`, computed by `shared.grammar`): every other token's logit becomes -inf, after
+the processors above, so both sides sample the target's masked distribution.
+
 Drafts may have a reduced output head: `column_of[full id]` is the logits column of each token
 (-1 where the head has none); None means columns are token ids.
 """
@@ -78,11 +82,12 @@ def process_logits(
     history: TokenHistory | None,
     paths: Sequence[Sequence[int]],  # [N] each row's draft tokens after the committed output
     column_of: torch.Tensor | None = None,  # [V] long: full id -> column, -1 where none
+    allowed: torch.Tensor | None = None,  # [N, V'] bool by full id: the grammar's tokens per row
 ) -> torch.Tensor:
-    """[N, C] float32 logits after min_tokens, logit_bias and the penalties (the input itself
-    when the request has no processor)."""
+    """[N, C] float32 logits after min_tokens, logit_bias, the penalties and the grammar's mask
+    (the input itself when the request has none of these)."""
     if not params.has_processors:
-        return logits
+        return logits if allowed is None else mask_logits(logits.float(), allowed, column_of)
     if len(paths) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows but {len(paths)} paths")
     if history is None and (params.needs_counts or params.min_tokens):
@@ -122,7 +127,27 @@ def process_logits(
         if blocked and bool(keep.any()):
             rows = torch.tensor(blocked, dtype=torch.long, device=device)
             x[rows[:, None], cols[keep][None, :]] = float("-inf")
-    return x
+    return x if allowed is None else mask_logits(x, allowed, column_of)
+
+
+def mask_logits(
+    logits: torch.Tensor, allowed: torch.Tensor, column_of: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, C] logits with -inf where `allowed` ([N, V'] bool by full token id; ids past V' are
+    not allowed) is False; a reduced head's columns read their token's entry."""
+    num_cols = logits.shape[1]
+    allowed = allowed.to(logits.device)
+    if column_of is None:
+        keep = torch.zeros(allowed.shape[0], num_cols, dtype=torch.bool, device=logits.device)
+        width = min(num_cols, allowed.shape[1])
+        keep[:, :width] = allowed[:, :width]
+    else:
+        ids = torch.full((num_cols,), -1, dtype=torch.long, device=logits.device)
+        has = (column_of >= 0).nonzero().flatten()
+        ids[column_of[has]] = has
+        inside = (ids >= 0) & (ids < allowed.shape[1])
+        keep = allowed[:, ids.clamp(0, allowed.shape[1] - 1)] & inside[None, :]
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def coupled_scores(

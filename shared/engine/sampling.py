@@ -172,9 +172,15 @@ class SamplingParams:
         return self.needs_counts or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
+    def needs_output(self) -> bool:
+        """Whether drafting and verification read the committed output itself (the penalties'
+        counts, a grammar's state)."""
+        return self.needs_counts or self.structured is not None
+
+    @property
     def needs_history(self) -> bool:
         """Whether drafting and verification need the request's `TokenHistory`."""
-        return self.needs_counts or self.min_tokens > 0 or self.is_coupled
+        return self.needs_output or self.min_tokens > 0 or self.is_coupled
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
@@ -211,8 +217,9 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 class TokenHistory:
     """What a request's processors and seeded noise read, sent with each step when
     `SamplingParams.needs_history`: the committed output's length (the output position the
-    root's next token takes), the output itself (penalties only), the prompt's distinct ids
-    (repetition penalty only) and the ids min_tokens masks (EOS unless ignore_eos, stop ids)."""
+    root's next token takes), the output itself (penalties and grammars only), the prompt's
+    distinct ids (repetition penalty only) and the ids min_tokens masks (EOS unless ignore_eos,
+    stop ids)."""
 
     output_len: int
     output: tuple[int, ...] = ()
@@ -240,7 +247,7 @@ def token_history(
     repeats = params.repetition_penalty != 1.0
     return TokenHistory(
         output_len=len(output),
-        output=tuple(output) if params.needs_counts else (),
+        output=tuple(output) if params.needs_output else (),
         prompt=tuple(sorted(set(prompt))) if repeats else (),
         end_ids=end_ids,
     )

@@ -24,6 +24,8 @@ from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.tree import TokenTree
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError, OutOfKVMemoryError
+from shared.grammar.matcher import GrammarBook
+from shared.grammar.spec import check_structured
 from shared.model.kv_cache import SwappedKV
 from shared.scheduling.core import (
     CoreConfig,
@@ -115,14 +117,25 @@ class SpecEngine:
         clock: Callable[[], float] = time.monotonic,
         observer: StepObserver | None = None,
         tokenizer: Any | None = None,
+        grammar: GrammarBook | None = None,
     ) -> None:
         """`tokenizer` (a transformers fast tokenizer): each request's output is also
-        detokenized as it is committed (`texts`), and requests may give stop strings."""
+        detokenized as it is committed (`texts`), requests may give stop strings, and
+        structured output (`SamplingParams.structured`) is on: one `GrammarBook` masks the
+        verifier's and the model drafts' rows (`grammar` gives one built otherwise)."""
         self.verifier = verifier
         self.tokenizer = tokenizer
         if isinstance(drafter, (Drafter, ModelFreeDrafter)):
             drafter = {drafter.name: drafter}
         self.drafters: dict[str, AnyDrafter] = dict(drafter or {})
+        if grammar is None and tokenizer is not None:
+            grammar = GrammarBook.from_hf(tokenizer, eos_token_ids)
+        self.grammar = grammar
+        if grammar is not None:
+            verifier.grammar = grammar
+            for d in self.drafters.values():
+                if isinstance(d, Drafter):
+                    d.grammar = grammar
         model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
         has_models = len(model_free) < len(self.drafters)
         self.config = config or EngineConfig()
@@ -215,6 +228,8 @@ class SpecEngine:
             raise OutOfKVMemoryError(
                 f"request needs {need} KV blocks, more than the cache's {runner.cache.num_blocks}"
             )
+        if params.structured is not None:
+            self._check_structured(params)
         if draft_model is not None and draft_model not in self.drafters:
             raise InvalidRequestError(
                 f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
@@ -245,6 +260,23 @@ class SpecEngine:
         if text is not None:
             self.texts[request_id] = text
         return request_id
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """Refuse a grammar that does not compile (within the parser's limits) or an engine
+        without a tokenizer to apply one."""
+        assert params.structured is not None
+        if self.grammar is None:
+            raise InvalidRequestError(
+                "structured output needs the engine's tokenizer (SpecEngine(..., tokenizer=...))",
+                param="response_format",
+            )
+        check_structured(params.structured)
+        matcher = self.grammar.compile(params.structured)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"invalid {params.structured.kind}: {matcher.get_error()}",
+                param="response_format",
+            )
 
     def _output_text(self, stop: Sequence[str], include: bool) -> OutputText | None:
         if isinstance(stop, str):
@@ -356,6 +388,7 @@ class SpecEngine:
                 logprobs=v.logprobs,
                 cached_tokens=v.cached_tokens,
                 prompt_logprobs=v.prompt_logprobs,
+                error=v.error,
             )
             for v in verified
         }

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from shared.engine.constraints import GRAMMAR_DEAD_END, NodeConstraints
 from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.processors import coupled_scores, process_logits, tree_paths
 from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
@@ -38,9 +39,16 @@ def verified(entry: VerifyRequest, emitted: Sequence[int], num_accepted: int) ->
     )
 
 
+def _samples(entry: VerifyRequest) -> bool:
+    """Whether the entry picks a token (a tree, or a prompt's last chunk)."""
+    return entry.tree is not None or entry.chunk_is_last
+
+
 class Verifier:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, grammar: NodeConstraints | None = None) -> None:
         self.runner = runner
+        # structured output: every row is masked with its node's grammar state
+        self.grammar = grammar
         # prompt_logprobs requests between chunks: the last row of the chunk before, which
         # predicts the next chunk's first token
         self._last_rows: dict[str, torch.Tensor] = {}
@@ -48,6 +56,32 @@ class Verifier:
     def free(self, request_id: str) -> None:
         self._last_rows.pop(request_id, None)
         self.runner.free_request(request_id)
+        if self.grammar is not None:
+            self.grammar.free(request_id)
+
+    def _dead_end(self, e: VerifyRequest) -> str | None:
+        """Why a structured entry cannot pick a token (None: it can, or it is unconstrained)."""
+        structured = e.sampling.structured
+        if structured is None or not _samples(e):
+            return None
+        if self.grammar is None:
+            return f"{GRAMMAR_DEAD_END}: this verifier has no tokenizer for structured output"
+        why = self.grammar.dead_end(e.request_id, structured, self._output(e))
+        return None if why is None else f"{GRAMMAR_DEAD_END}: {why}"
+
+    @staticmethod
+    def _output(e: VerifyRequest) -> tuple[int, ...]:
+        if e.history is None:
+            raise ValueError(f"request {e.request_id}: structured output needs its history")
+        return e.history.output
+
+    def _allowed(self, e: VerifyRequest, paths: Sequence[Sequence[int]], width: int):
+        """[len(paths), width] bool: the grammar's tokens per row (None: unconstrained)."""
+        if e.sampling.structured is None or self.grammar is None:
+            return None
+        return self.grammar.allowed(
+            e.request_id, e.sampling.structured, self._output(e), paths, width
+        )
 
     def attach_prefix(self, request_id: str, prompt: Sequence[int]) -> int:
         """Admission: the prompt tokens the prefix cache already holds for this new request,
@@ -59,6 +93,20 @@ class Verifier:
 
     @torch.inference_mode()
     def step(self, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
+        """Verify the entries; a structured entry whose grammar allows no next token answers
+        a `grammar_dead_end` error instead (its request ends) and runs nothing."""
+        ended = {e.request_id: why for e in entries if (why := self._dead_end(e)) is not None}
+        if ended:
+            runnable = [e for e in entries if e.request_id not in ended]
+            done = {r.request_id: r for r in self._step(runnable)} if runnable else {}
+            return [
+                done.get(e.request_id)
+                or VerifiedRequest(e.request_id, e.step, error=ended[e.request_id])
+                for e in entries
+            ]
+        return self._step(entries)
+
+    def _step(self, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
         items = []
         skipped: dict[str, int] = {}  # chunk tokens found in the prefix cache, not computed
         for e in entries:
@@ -137,7 +185,8 @@ class Verifier:
 
     def _first_token(self, e: VerifyRequest, logits: torch.Tensor) -> int:
         """The token after a prompt's last chunk, from its [1, V] logits."""
-        logits = process_logits(logits, e.sampling, e.history, [[]])
+        allowed = self._allowed(e, [[]], logits.shape[1])
+        logits = process_logits(logits, e.sampling, e.history, [[]], allowed=allowed)
         if e.sampling.is_coupled:
             assert e.history is not None
             return int(coupled_scores(logits, e.sampling, [e.history.output_len])[0].argmax())
@@ -148,9 +197,12 @@ class Verifier:
         """Verify a tree on its [num_nodes, V] logits, each node's row processed with its own
         path; a seeded request verifies its Gumbel-perturbed scores as greedy does."""
         assert e.tree is not None
-        paths = tree_paths(e.tree.parents, e.tree.tokens) if e.sampling.has_processors else []
-        if e.sampling.has_processors:
-            logits = process_logits(logits, e.sampling, e.history, paths)
+        constrained = e.sampling.structured is not None
+        paths = []
+        if e.sampling.has_processors or constrained:
+            paths = tree_paths(e.tree.parents, e.tree.tokens)
+            allowed = self._allowed(e, paths, logits.shape[1])
+            logits = process_logits(logits, e.sampling, e.history, paths, allowed=allowed)
         if e.sampling.is_coupled:
             assert e.history is not None
             depths = e.tree.depths().tolist()

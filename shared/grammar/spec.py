@@ -17,6 +17,14 @@ from shared.engine.sampling import StructuredOutput
 from shared.errors import InvalidRequestError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON as models write it on one line: ", " and ": " between items, no other whitespace. Keys
+# and punctuation are then forced by the schema (drafted for free); a schema's own
+# "x-guidance" options override these.
+JSON_OPTIONS: llguidance.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def grammar_text(structured: StructuredOutput) -> str:
@@ -30,9 +38,11 @@ def _grammar_text(kind: str, spec: str) -> str:
         return llguidance.grammar_from("choice", _choices(spec))
     try:
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                ANY_JSON_OBJECT, defaults=JSON_OPTIONS
+            )
         if kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
         return llguidance.LLMatcher.grammar_from_lark(spec)
@@ -56,6 +66,12 @@ def _choices(spec: str) -> str:
 
 def check_structured(structured: StructuredOutput) -> None:
     """Raise InvalidRequestError naming what is wrong when the grammar does not compile."""
+    _check(structured.kind, structured.spec)
+
+
+@functools.lru_cache(maxsize=256)  # a grammar that does not compile raises: not cached
+def _check(kind: str, spec: str) -> None:
+    structured = StructuredOutput(kind, spec)
     grammar = grammar_text(structured)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:

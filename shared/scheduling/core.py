@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from shared.engine.constraints import GRAMMAR_DEAD_END
 from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.model_free import MODEL_FREE_METHOD, counterfactual_accepted
@@ -1231,7 +1232,8 @@ class SchedulerCore:
                         request.draft_model if drafted else None,
                         logprobs=logprobs,
                         prompt_logprobs=(
-                            request.prompt_logprobs if new and len(request.output) == len(new)
+                            request.prompt_logprobs
+                            if new and len(request.output) == len(new)
                             else None
                         ),
                     )
@@ -1389,6 +1391,8 @@ class SchedulerCore:
     def _failed(self, request: RequestState, error: str) -> StepOutput | None:
         """Out of KV or out of sync: recompute later. Anything else fails the request."""
         kind = error.split(":")[0]
+        if kind == GRAMMAR_DEAD_END:  # the output so far is kept; nothing may follow it
+            return self._finished_output(request, "abort", error, GRAMMAR_DEAD_END)
         if kind == "out_of_kv_memory" and self.running == [request]:
             message = "the request needs more KV memory than the verifier has, even alone"
             return self._finished_output(request, "abort", message, "context_length_exceeded")

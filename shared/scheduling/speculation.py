@@ -211,6 +211,7 @@ def node_scores(tree: TokenTree, max_depth: int) -> list[tuple[float, int, int]]
 
     A sampled node's inclusion may not depend on its own token (that would bias multi-step
     speculative sampling), so sampled siblings are scored by their parent's path probability.
+    A certain node (path probability 1: tokens a grammar forces) is taken past `max_depth`.
     """
     if tree.num_nodes == 1:
         return []
@@ -218,7 +219,7 @@ def node_scores(tree: TokenTree, max_depth: int) -> list[tuple[float, int, int]]
     depth = tree.depths()
     out = []
     for node in range(1, tree.num_nodes):
-        if depth[node] > max_depth:
+        if depth[node] > max_depth and lp[node] < 0.0:
             continue
         sampled = tree.proposal_of[node] != DETERMINISTIC
         score = lp[tree.parents[node]] if sampled else lp[node]
@@ -238,7 +239,8 @@ def take_best_first(
     for rid, tree in trees.items():
         shift = math.log(weight.get(rid, 1.0))
         for score, depth, node in node_scores(tree, max_depth.get(rid, 1 << 30)):
-            heap.append((-(score + shift), depth, node, rid))
+            # certain nodes (forced by a grammar) are not scaled by the draft's calibration
+            heap.append((-(score + shift if score < 0.0 else 0.0), depth, node, rid))
     heapq.heapify(heap)
     kept: dict[str, list[int]] = {rid: [0] for rid in trees}
     taken: dict[str, set[int]] = {rid: {0} for rid in trees}
@@ -268,7 +270,10 @@ def select_by_goodput(
     probs: list[float] = []
     for rid, tree in trees.items():
         c = calibration.get(rid, 1.0)
-        probs += [min(1.0, c * math.exp(s)) for s, _, _ in node_scores(tree, max_depth[rid])]
+        probs += [
+            min(1.0, c * math.exp(s)) if s < 0.0 else 1.0
+            for s, _, _ in node_scores(tree, max_depth[rid])
+        ]
     probs.sort(reverse=True)
     roots = len(trees) + prefill_tokens
     room = max(0, budget - roots)

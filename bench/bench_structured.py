@@ -1,0 +1,221 @@
+"""Structured output: constrained decoding with speculation against constrained plain decoding.
+
+    python -m bench.bench_structured --model-set smollm2 --reps 3 --out structured.json
+    python -m bench.bench_structured --model-set qwen2.5-coder --target-dtype bfloat16
+    python -m bench.bench_structured --quick        # a correctness run, not a measurement
+
+The prompts (`bench/data/structured_prompts.json`) are JSON extraction with a schema each and
+tool calls constrained to a union of five functions' argument schemas. Every set runs greedy
+through the chat template, single stream (one request at a time) and at concurrency 8, plain and
+speculative interleaved per repetition on one target model. It prints, per set and concurrency,
+the speedup (plain seconds / speculative seconds), tokens per target forward, the grammar's mask
+time per output token and its share of the step time; and checks that speculative outputs equal
+plain ones and validate against their schemas (jsonschema).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).parent / "data" / "structured_prompts.json"
+KV_BYTES = 512 << 20
+
+
+@dataclass
+class Run:
+    outputs: list[list[int]]
+    seconds: float
+    tokens: int
+    target_forwards: int
+    mask_seconds: float
+    masks: int
+    forced_tokens: int
+
+
+def load_prompts(tokenizer: Any, quick: bool) -> dict[str, list[tuple[list[int], str]]]:
+    """Per set, (prompt ids through the chat template, schema text)."""
+    data = json.loads(DATA.read_text())
+    sets = {}
+    for name, items in data.items():
+        items = items[:2] if quick else items
+        sets[name] = [
+            (
+                list(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": item["prompt"]}],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                ),
+                json.dumps(item["schema"]),
+            )
+            for item in items
+        ]
+    return sets
+
+
+def run_set(engine: Any, prompts: list[tuple[list[int], str]], concurrency: int, max_tokens: int):
+    """Every prompt greedily, at most `concurrency` at a time (continuous batching)."""
+    from shared.engine.sampling import SamplingParams, StructuredOutput
+
+    grammar = engine.grammar.stats
+    before = (grammar.mask_seconds, grammar.masks, grammar.forced_tokens)
+    forwards = engine.stats.num_target_forwards
+    ids: list[str] = []
+    pending = list(prompts)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and sum(1 for i in ids if engine.requests[i].finish_reason is None) < (
+            concurrency
+        ):
+            prompt, schema = pending.pop(0)
+            params = SamplingParams(
+                max_tokens=max_tokens, structured=StructuredOutput("json_schema", schema)
+            )
+            ids.append(engine.add_request(prompt, params))
+        engine.step()
+    seconds = time.perf_counter() - start
+    outputs = [engine.requests.pop(i).output for i in ids]
+    return Run(
+        outputs,
+        seconds,
+        sum(len(o) for o in outputs),
+        engine.stats.num_target_forwards - forwards,
+        grammar.mask_seconds - before[0],
+        grammar.masks - before[1],
+        grammar.forced_tokens - before[2],
+    )
+
+
+def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer, and a plain and a speculative engine on one target model."""
+    from transformers import AutoTokenizer
+
+    from shared.engine.drafting import Drafter
+    from shared.engine.methods import DraftMethod
+    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.verifier import Verifier
+    from shared.model import load_model
+    from shared.model.model_set import model_set_drafts, model_set_target
+    from shared.model.precision import check_target_dtype
+    from shared.model.quantized import uses_int8
+    from shared.model.runner import ModelRunner
+
+    target_dir = model_set_target(args.model_set)
+    drafts = model_set_drafts(args.model_set, served=True)
+    draft_name = args.draft or next(iter(drafts))
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    dtype = check_target_dtype(args.target_dtype, "cpu", setting="--target-dtype")
+    target = load_model(target_dir, dtype=dtype)
+    draft = load_model(drafts[draft_name], target_path=target_dir, int8=uses_int8("auto", "cpu"))
+    methods = {
+        "chain": DraftMethod("chain", k=4),
+        "dynamic": DraftMethod("dynamic", budget=16, max_size=16, max_depth=6, max_width=4),
+    }
+    eos = target.cfg.eos_token_ids
+    config = EngineConfig(planner=args.planner, max_running=8)
+    engines = {
+        "plain": SpecEngine(
+            Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
+            config=config,
+            eos_token_ids=eos,
+            tokenizer=tokenizer,
+        ),
+        "spec": SpecEngine(
+            Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
+            Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES), name=draft_name),
+            methods[args.method],
+            config,
+            eos_token_ids=eos,
+            tokenizer=tokenizer,
+        ),
+    }
+    return tokenizer, engines
+
+
+def check(tokenizer: Any, plain: Run, spec: Run, prompts: list[tuple[list[int], str]]) -> int:
+    """Outputs that differ from plain decoding's or do not validate (0: none)."""
+    import jsonschema
+
+    bad = 0
+    for out_plain, out_spec, (_, schema) in zip(plain.outputs, spec.outputs, prompts, strict=True):
+        try:
+            document = json.loads(tokenizer.decode(out_spec, skip_special_tokens=True))
+            jsonschema.validate(document, json.loads(schema))
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            bad += 1  # a document cut by --max-tokens counts here too
+            continue
+        bad += out_plain != out_spec
+    return bad
+
+
+def summary(name: str, concurrency: int, plain: list[Run], spec: list[Run]) -> dict[str, Any]:
+    def total(runs: list[Run], key: str) -> float:
+        return sum(getattr(r, key) for r in runs)
+
+    spec_seconds = total(spec, "seconds")
+    return {
+        "set": name,
+        "concurrency": concurrency,
+        "speedup": round(total(plain, "seconds") / spec_seconds, 3),
+        "plain_tokens_per_s": round(total(plain, "tokens") / total(plain, "seconds"), 2),
+        "spec_tokens_per_s": round(total(spec, "tokens") / spec_seconds, 2),
+        "tokens_per_forward": round(total(spec, "tokens") / total(spec, "target_forwards"), 3),
+        "forced_tokens_share": round(total(spec, "forced_tokens") / total(spec, "tokens"), 3),
+        "mask_us_per_token": round(1e6 * total(spec, "mask_seconds") / total(spec, "tokens"), 1),
+        "mask_share_of_step": round(total(spec, "mask_seconds") / spec_seconds, 4),
+        "plain_mask_share_of_step": round(
+            total(plain, "mask_seconds") / total(plain, "seconds"), 4
+        ),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-set", default="smollm2", help="smollm2 or qwen2.5-coder")
+    parser.add_argument("--draft", help="a draft of the set (default: the set's served default)")
+    parser.add_argument("--method", choices=["chain", "dynamic"], default="dynamic")
+    parser.add_argument("--planner", default="fixed", help="EngineConfig.planner")
+    parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2 prompts a set, 1 rep, 2 at once")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.max_tokens, args.concurrency = 1, 96, [2]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer, engines = build_engines(args)
+    sets = load_prompts(tokenizer, args.quick)
+    rows, bad = [], 0
+    for name, prompts in sets.items():
+        for concurrency in args.concurrency:
+            runs: dict[str, list[Run]] = {"plain": [], "spec": []}
+            for _ in range(args.reps):  # interleaved: drift in the machine hits both alike
+                for mode in ("plain", "spec"):
+                    runs[mode].append(run_set(engines[mode], prompts, concurrency, args.max_tokens))
+                bad += check(tokenizer, runs["plain"][-1], runs["spec"][-1], prompts)
+            row = summary(name, concurrency, runs["plain"], runs["spec"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"outputs differing from plain decoding or failing their schema: {bad}")
+    if args.out:
+        result = {"model_set": args.model_set, "method": args.method, "rows": rows, "bad": bad}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
