@@ -28,6 +28,7 @@ FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for functi
 MAX_TOOLS = 128  # OpenAI's limit
 CHOICES = ("none", "auto", "required")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -197,4 +198,7 @@ def _call_schema(function: Function, arguments_key: str) -> dict[str, Any]:
         },
         "required": ["name", arguments_key],
         "additionalProperties": False,
+        # llguidance's JSON allows any whitespace between tokens by default: a model may then
+        # write whitespace until max_tokens; calls are written compact, as templates show them
+        "x-guidance": COMPACT_JSON,
     }
