@@ -49,7 +49,8 @@ def parse_structured(body: Mapping[str, Any]) -> tuple[StructuredOutput, str] | 
     found: list[tuple[StructuredOutput, str]] = []
     response_format = _response_format(body.get("response_format"))
     if response_format is not None:
-        found.append((response_format, "response_format"))
+        schema = response_format.kind == "json_schema"
+        found.append((response_format, f"response_format{'.json_schema.schema' * schema}"))
     for field, kind in GUIDED_KINDS.items():
         if body.get(field) is not None:
             found.append((_build(kind, body[field], field), field))
