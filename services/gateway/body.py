@@ -23,6 +23,10 @@ out into n requests (see choices.py); `echo` (completions) puts the prompt's tex
 alone, as vLLM answers). vLLM's `prompt_logprobs: N` (chat and completions) asks for them alone.
 vLLM's extension fields that Augury does not implement are refused by name (VLLM_UNIMPLEMENTED).
 
+`response_format` and vLLM's `guided_*` fields constrain the output (structured.py); chat's
+`tools`, `tool_choice` and `parallel_tool_calls` are in tools.py, and messages with tool calls
+and tool results in messages.py (docs/structured-output-api.md).
+
 The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
 speculation statistics, and `slo_class`, `tpot_slo_ms` (resolved), `tpot_ms` (measured by the
 scheduler) and `slo_met` (null without an objective or with fewer than 2 tokens).
