@@ -57,7 +57,7 @@ WEATHER = {
 }
 PERSON_ASK = [{"role": "user", "content": "Describe a person as JSON: name, age, role, city."}]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-MAX_TOKENS = 96
+MAX_TOKENS = 160
 
 
 @pytest.fixture

@@ -291,3 +291,16 @@ def test_forced_calls_parse_and_validate(
             assert [c.name for c in calls] == ["add"]
         counts.add(len(calls))
     assert counts == {1} if not parallel or isinstance(tool_choice, dict) else max(counts) > 1
+
+
+def test_a_llama3_style_template_means_json_calls(smollm2_tokenizer: Any) -> None:
+    tokenizer = copy.copy(smollm2_tokenizer)
+    # reads neither tools nor tool calls, but names the ipython role as Llama 3.1's does
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}{# ipython #}"
+    )
+    assert template_features(tokenizer).call_format == LLAMA3_JSON
+    text = tokenizer.decode(list(render_chat(tokenizer, CONVERSATION, [WEATHER])))
+    assert text.startswith("<system># Tools") and '"parameters": <arguments' in text
+    assert '<assistant>{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
