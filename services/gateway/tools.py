@@ -68,8 +68,8 @@ def parse_tools(body: Mapping[str, Any], chat: bool) -> Tools | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not chat:
-        for name in ("tools", "tool_choice", "parallel_tool_calls"):
-            if body.get(name) is not None:
+        for name, neutral in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+            if body.get(name) not in neutral:
                 raise bad_request(f"{name} is for chat completions", name)
         return None
     if parallel is None:
