@@ -321,3 +321,35 @@ async def test_the_sdk_sees_bad_tools_as_bad_requests(running: Running) -> None:
             tools=[WEATHER],  # type: ignore[list-item]
             tool_choice={"type": "function", "function": {"name": "launch"}},
         )
+
+
+async def test_forced_call_arguments_stream_in_pieces(running: Running) -> None:
+    _, scheduler, sdk = running
+    scheduler.reply = CALLS  # two tokens per message from the scheduler
+    async with sdk.chat.completions.stream(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[WEATHER, ADD],  # type: ignore[list-item]
+        tool_choice="required",
+    ) as stream:
+        chunks = [event.chunk async for event in stream if event.type == "chunk"]
+        final = await stream.get_final_completion()
+    pieces = [
+        call
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].delta.tool_calls
+        for call in chunk.choices[0].delta.tool_calls
+    ]
+    first = [p for p in pieces if p.index == 0]
+    assert first[0].id is not None and first[0].function is not None
+    assert first[0].function.name == "get_weather"
+    fragments = [p.function.arguments for p in first[1:] if p.function is not None]
+    assert len(fragments) > 1 and all(p.id is None for p in first[1:])  # as it was written
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert "".join(f or "" for f in fragments) == calls[0].function.arguments
+    assert [json.loads(c.function.arguments) for c in calls] == [
+        {"city": "Paris", "unit": "c"},
+        {"a": 2, "b": [3]},
+    ]

@@ -110,44 +110,79 @@ def test_llama3_json_calls() -> None:
     assert parse_tool_calls("{ not a call", LLAMA3_JSON) == ("{ not a call", [])
 
 
+FORCED_HERMES = HERMES_TEXT.removeprefix("Let me look.\n")
+FORCED_LLAMA3 = (
+    '{"name": "get_weather", "parameters": {"city": "a \\"}{\\" b", "unit": "c"}}; '
+    '{"name": "add", "parameters": {"a": 1, "b": [2, {"c": []}]}}'
+)
+
+
+def assembled(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool calls put together by index, as clients do."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        for piece in delta.get("tool_calls", ()):
+            call = calls.setdefault(piece["index"], {"name": None, "arguments": "", "id": None})
+            if "id" in piece:
+                assert call["id"] is None and piece["type"] == "function"  # opened once
+                assert piece["function"]["arguments"] == ""
+                call["id"], call["name"] = piece["id"], piece["function"]["name"]
+            else:
+                assert call["id"] is not None  # name and id first
+                call["arguments"] += piece["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
 @pytest.mark.parametrize(
-    ("text", "call_format"),
+    ("text", "call_format", "incremental"),
     [
-        (HERMES_TEXT, HERMES),
-        ("a <tool_ca b <tool_call>\n{]\n</tool_call> c", HERMES),
-        ('{"name": "add", "parameters": {"a": 1, "b": []}}', LLAMA3_JSON),
+        (HERMES_TEXT, HERMES, False),
+        ("a <tool_ca b <tool_call>\n{]\n</tool_call> c", HERMES, False),
+        ('{"name": "add", "parameters": {"a": 1, "b": []}}', LLAMA3_JSON, False),
+        (FORCED_HERMES, HERMES, True),
+        (FORCED_HERMES.removesuffix("</tool_call>")[:-9], HERMES, True),  # cut off
+        (FORCED_LLAMA3, LLAMA3_JSON, True),
     ],
 )
-def test_streamed_pieces_make_the_whole_answer(text: str, call_format: str) -> None:
+def test_streamed_pieces_make_the_whole_answer(
+    text: str, call_format: str, incremental: bool
+) -> None:
     """Any split of the text into deltas gives the non-streamed answer's content and calls."""
-    whole_content, whole_calls = parse_tool_calls(text, call_format)
+    whole_content, whole_calls = parse_tool_calls(text, call_format, incremental=incremental)
     rng = random.Random(7)
     for _ in range(40):
-        parser = ToolCallParser(call_format)
+        parser = ToolCallParser(call_format, incremental)
         cuts = sorted(rng.sample(range(1, len(text)), k=min(6, len(text) - 1)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        parsed = [parser.push(piece) for piece in pieces] + [parser.finish()]
-        deltas = stream_deltas(parser, parsed)
+        deltas = stream_deltas([parser.push(piece) for piece in pieces] + [parser.finish()])
         content = "".join(d.get("content", "") for d in deltas)
         assert (content or None) == whole_content
-        assert [(c.name, c.arguments) for c in parser.calls] == [
+        calls = assembled(deltas)
+        assert [(c["id"], c["name"], c["arguments"]) for c in calls] == [
+            (c.id, c.name, c.arguments) for c in parser.calls
+        ]
+        assert [(c["name"], c["arguments"]) for c in calls] == [
             (c.name, c.arguments) for c in whole_calls
         ]
-        # each call: index, id, type and name with empty arguments, then its arguments
-        calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-        for index, call in enumerate(parser.calls):
-            opening, arguments = calls[2 * index], calls[2 * index + 1]
-            assert opening == {
-                "index": index,
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": ""},
-            }
-            assert arguments == {"index": index, "function": {"arguments": call.arguments}}
+    if incremental and text == FORCED_LLAMA3:
+        arguments = [json.loads(c.arguments) for c in whole_calls]
+        assert arguments == [{"city": 'a "}{" b', "unit": "c"}, {"a": 1, "b": [2, {"c": []}]}]
+
+
+def test_forced_arguments_stream_as_they_are_written() -> None:
+    parser = ToolCallParser(HERMES, incremental=True)
+    first = parser.push('<tool_call>\n{"name": "add", "arguments": {"a": 1')
+    assert [type(e).__name__ for e in first.events] == ["CallOpened", "Arguments"]
+    assert stream_deltas([first])[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1'
+    rest = parser.push(', "b": []}}\n</tool_call>')
+    assert stream_deltas([rest]) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ', "b": []}'}}]}
+    ]
+    assert parser.finish().events == () and parser.calls[0].arguments == '{"a": 1, "b": []}'
 
 
 def test_tool_message_is_openais() -> None:
-    message, called = tool_message(HERMES_TEXT.removeprefix("Let me look.\n"), HERMES)
+    message, called = tool_message(FORCED_HERMES, HERMES, incremental=False)
     assert called and message["content"] is None and message["role"] == "assistant"
     assert [m["function"]["name"] for m in message["tool_calls"]] == ["get_weather", "add"]
     assert all(m["type"] == "function" for m in message["tool_calls"])
@@ -283,7 +318,7 @@ def test_forced_calls_parse_and_validate(
     counts = set()
     for seed in range(2):
         text = random_walk(smollm2_tokenizer, ll_tokenizer, grammar, seed)
-        content, calls = parse_tool_calls(text, call_format)
+        content, calls = parse_tool_calls(text, call_format, incremental=True)
         assert content is None and calls, text
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

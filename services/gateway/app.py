@@ -494,7 +494,7 @@ class Gateway:
             if gen.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if gen.tools is not None:
-                    message, called = tool_message(text, gen.call_format)
+                    message, called = tool_message(text, gen.call_format, gen.tools.forced)
                     finish = finish_reason(finish, called)
                 answer: dict[str, Any] = {
                     "index": choice.index,
@@ -582,7 +582,12 @@ class Gateway:
             return {"prompt_logprobs": self._vllm_prompt_logprobs(gen, choice.progress)}
 
         # chat with tools: each choice's output parsed into content and calls as it comes
-        parsers = {c.index: ToolCallParser(gen.call_format) for c in choices if gen.tools}
+        tools = gen.tools
+        parsers = {
+            c.index: ToolCallParser(gen.call_format, tools.forced)
+            for c in choices
+            if tools is not None
+        }
 
         def chat_deltas(delta: ChoiceDelta) -> list[dict[str, Any]]:
             """The delta objects of a chat choice's new text (one, maybe empty, at least)."""
@@ -592,7 +597,7 @@ class Gateway:
             pieces = [parser.push(delta.text)]
             if delta.finish_reason:
                 pieces.append(parser.finish())
-            return stream_deltas(parser, pieces) or [{}]
+            return stream_deltas(pieces) or [{}]
 
         def choice_event(
             delta: ChoiceDelta, content: dict[str, Any] | None = None, last: bool = True
@@ -624,7 +629,8 @@ class Gateway:
 
         try:
             if gen.chat:
-                role = {"role": "assistant", "content": ""}
+                # with tools, as OpenAI: no content until some comes (maybe none: calls alone)
+                role = {"role": "assistant", "content": None if gen.tools else ""}
                 for choice in choices:
                     opening = {"index": choice.index, "delta": role, "finish_reason": None}
                     await send_event(response, chunk([opening]))

@@ -9,16 +9,20 @@ Two formats:
   {...}}` (`arguments` is read too), or several separated by `;`; an output that does not
   start with `{` is content.
 
-`ToolCallParser` turns text deltas into content deltas and whole calls. A call is released once
-it is complete and parses (its id and name, then its arguments), so what a stream shows equals
-what a non-streamed answer shows; a call that never completes or does not parse is released as
-content at the end. Whitespace-only content next to calls is dropped, so an output of calls
-alone has no content.
+`ToolCallParser` turns text deltas into events: content, a call opened (index, id, name) and
+pieces of its arguments. A model writing freely (`tool_choice: auto`) has each call released
+once it is complete and parses (arguments re-serialized), and a call that never completes or
+does not parse is content; a forced call (`incremental`: the grammar guarantees its shape) is
+opened once its name is written and its arguments (the model's own text) stream as they are
+written. A whole answer is parsed the same way, so a stream shows what a non-streamed answer
+shows. Whitespace-only content next to calls is dropped: an output of calls alone has no
+content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,11 +49,39 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
-class ParsedText:
-    """What one piece of output text made: content, and calls completed in it."""
+class Content:
+    text: str
 
-    content: str = ""
-    calls: tuple[ToolCall, ...] = ()
+
+@dataclass(frozen=True)
+class CallOpened:
+    """A call's start: its index in the choice, id and name (its arguments follow)."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """A piece of the arguments of the call at `index` (the pieces join to its arguments)."""
+
+    index: int
+    text: str
+
+
+Event = Content | CallOpened | Arguments
+
+
+@dataclass(frozen=True)
+class ParsedText:
+    """What one piece of output text made, in order."""
+
+    events: tuple[Event, ...] = ()
+
+    @property
+    def content(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, Content))
 
 
 def new_call_id() -> str:
@@ -102,14 +134,70 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+CALL_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+@dataclass
+class _OpenCall:
+    """A call being streamed as it is written: `{"name": ..., "arguments": ` seen, then its
+    arguments' JSON text scanned up to the brace that closes them."""
+
+    index: int
+    id: str
+    name: str
+    start: int  # where the arguments begin in the call's text
+    scanned: int = 0  # arguments' characters taken
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    closed: bool = False  # the arguments' closing brace was taken
+    arguments: str = ""
+
+    def take(self, text: str) -> str:
+        """The arguments' new characters in the call's `text` so far."""
+        piece = []
+        for char in text[self.start + self.scanned :]:
+            if self.closed:
+                break
+            self.scanned += 1
+            if not self.depth and not piece and not self.arguments and char.isspace():
+                continue
+            piece.append(char)
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                self.closed = self.depth <= 0
+        fragment = "".join(piece)
+        self.arguments += fragment
+        return fragment
+
+
 @dataclass
 class ToolCallParser:
-    """One choice's output, split into content and tool calls as it arrives."""
+    """One choice's output, split into content and tool calls as it arrives.
+
+    `incremental` (forced calls, whose shape the grammar guarantees): a call is opened as soon
+    as its name is written and its arguments stream as they are written; otherwise a call is
+    released whole once it is complete and parses."""
 
     format: str = HERMES
+    incremental: bool = False
     calls: list[ToolCall] = field(default_factory=list)  # every call released so far
     _buffer: str = ""  # text not released yet: a possible tag, or a call being written
     _in_call: bool = False  # hermes: inside <tool_call>
+    _open: _OpenCall | None = None  # incremental: the call being written
     _whitespace: str = ""  # content whitespace held until more content shows it is content
     _mode: str = "undecided"  # llama3_json: "undecided", "calls" (buffer all) or "content"
 
@@ -119,91 +207,144 @@ class ToolCallParser:
 
     def push(self, text: str) -> ParsedText:
         if self.format == LLAMA3_JSON:
-            return self._push_llama3(text)
+            return ParsedText(tuple(self._push_llama3(text)))
         self._buffer += text
-        content, calls = "", []
+        events: list[Event] = []
         while True:
             if self._in_call:
                 end = self._buffer.find(CLOSE_TAG)
+                if self.incremental:
+                    events += self._stream_call(self._buffer if end < 0 else self._buffer[:end])
                 if end < 0:
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE_TAG) :]
                 self._in_call = False
-                call = read_call(body)
-                if call is None:  # not a call after all: its text is content
-                    content += self._content(OPEN_TAG + body + CLOSE_TAG)
-                else:
-                    content += self._call(call, calls)
+                events += self._close_call(body)
                 continue
             start = self._buffer.find(OPEN_TAG)
             if start < 0:
                 held = _held_prefix(self._buffer, OPEN_TAG)
                 cut = len(self._buffer) - held
-                content += self._content(self._buffer[:cut])
+                events += self._content(self._buffer[:cut])
                 self._buffer = self._buffer[cut:]
                 break
-            content += self._content(self._buffer[:start])
+            events += self._content(self._buffer[:start])
             self._buffer = self._buffer[start + len(OPEN_TAG) :]
             self._in_call = True
-        return ParsedText(content, tuple(calls))
+        return ParsedText(tuple(events))
 
     def finish(self) -> ParsedText:
-        """The rest at the end of the output: an unfinished call is content."""
+        """The rest at the end of the output: an unfinished call is content (an opened one
+        stays a call, its arguments cut where the output ended)."""
         if self.format == LLAMA3_JSON:
-            return self._finish_llama3()
-        rest = (OPEN_TAG if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
-        content = self._content(rest)
-        self._whitespace = ""
-        return ParsedText(content)
+            return ParsedText(tuple(self._finish_llama3()))
+        events: list[Event] = []
+        if self._open is not None:
+            self._release_open()
+        else:
+            events += self._content((OPEN_TAG if self._in_call else "") + self._buffer)
+        self._buffer, self._in_call, self._whitespace = "", False, ""
+        return ParsedText(tuple(events))
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _content(self, text: str) -> str:
+    def _content(self, text: str) -> list[Event]:
         """Content to release now: held whitespace goes out only before more content."""
         if not text:
-            return ""
+            return []
         text = self._whitespace + text
         body = text.rstrip()
         self._whitespace = text[len(body) :]
-        return body
+        return [Content(body)] if body else []
 
-    def _call(self, call: ToolCall, calls: list[ToolCall]) -> str:
+    def _whole_call(self, call: ToolCall) -> list[Event]:
         self._whitespace = ""  # whitespace between content and a call is not content
+        index = len(self.calls)
         self.calls.append(call)
-        calls.append(call)
-        return ""
+        return [CallOpened(index, call.id, call.name), Arguments(index, call.arguments)]
 
-    def _push_llama3(self, text: str) -> ParsedText:
+    def _stream_call(self, text: str) -> list[Event]:
+        """Incremental: open the call once its name is written, then its new arguments."""
+        events: list[Event] = []
+        if self._open is None:
+            header = CALL_HEADER.match(text)
+            if header is None:
+                return []
+            try:
+                name = json.loads(header.group(1))
+            except json.JSONDecodeError:
+                return []
+            self._whitespace = ""
+            self._open = _OpenCall(len(self.calls), new_call_id(), name, header.end())
+            events.append(CallOpened(self._open.index, self._open.id, name))
+        fragment = self._open.take(text)
+        if fragment:
+            events.append(Arguments(self._open.index, fragment))
+        return events
+
+    def _close_call(self, body: str) -> list[Event]:
+        if self._open is not None:
+            self._release_open()
+            return []
+        call = read_call(body)
+        if call is None:  # not a call after all: its text is content
+            return self._content(OPEN_TAG + body + CLOSE_TAG)
+        return self._whole_call(call)
+
+    def _release_open(self) -> None:
+        assert self._open is not None
+        self.calls.append(ToolCall(self._open.id, self._open.name, self._open.arguments))
+        self._open = None
+
+    def _push_llama3(self, text: str) -> list[Event]:
         if self._mode == "content":
-            return ParsedText(self._content(text))
+            return self._content(text)
         self._buffer += text
         if self._mode == "undecided":
             stripped = self._buffer.lstrip()
             if not stripped:
-                return ParsedText()
+                return []
             self._mode = "calls" if stripped.startswith("{") else "content"
             if self._mode == "content":
                 rest, self._buffer = self._buffer, ""
-                return ParsedText(self._content(rest.lstrip()))
-        return ParsedText()
+                return self._content(rest.lstrip())
+        return self._stream_llama3() if self.incremental else []
 
-    def _finish_llama3(self) -> ParsedText:
+    def _stream_llama3(self) -> list[Event]:
+        """Incremental llama3_json: calls one after another, `; ` between them."""
+        events: list[Event] = []
+        while True:
+            if self._open is None:  # between calls: the separator
+                self._buffer = self._buffer.lstrip().removeprefix(";")
+            events += self._stream_call(self._buffer)
+            if self._open is None or not self._open.closed:
+                return events
+            rest = self._buffer[self._open.start + self._open.scanned :]
+            end = rest.find("}")
+            if end < 0:
+                return events
+            self._release_open()
+            self._buffer = rest[end + 1 :]
+
+    def _finish_llama3(self) -> list[Event]:
         text, self._buffer = self._buffer, ""
         self._whitespace = ""
-        if self._mode != "calls":
-            return ParsedText()
+        if self._open is not None:
+            self._release_open()
+            return []
+        if self._mode != "calls" or not text.strip():
+            return []
         pieces = _split_json_values(text)
         calls = [read_call(piece) for piece in pieces or []]
         if not calls or any(call is None for call in calls):
-            return ParsedText(text.strip())
-        found = [call for call in calls if call is not None]
-        self.calls.extend(found)
-        return ParsedText("", tuple(found))
+            return [Content(text.strip())]
+        return [event for call in calls if call is not None for event in self._whole_call(call)]
 
 
-def parse_tool_calls(text: str, format: str = HERMES) -> tuple[str | None, list[ToolCall]]:
-    """A whole output's content (None when there is none) and tool calls."""
-    parser = ToolCallParser(format)
-    first, last = parser.push(text), parser.finish()
-    content = first.content + last.content
-    return content or None, [*first.calls, *last.calls]
+def parse_tool_calls(
+    text: str, format: str = HERMES, *, incremental: bool = False
+) -> tuple[str | None, list[ToolCall]]:
+    """A whole output's content (None when there is none) and tool calls, as a stream parsed
+    with the same options shows them."""
+    parser = ToolCallParser(format, incremental)
+    content = parser.push(text).content + parser.finish().content
+    return content or None, parser.calls
