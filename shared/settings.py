@@ -332,6 +332,10 @@ class GatewaySettings(_Group):
     # Without max_tokens a request may run to the end of the context; this lowers that default
     default_max_tokens: PositiveInt | None = None
     max_n: PositiveInt = 16  # completions one request may ask for (`n`)
+    # tool calls: the format the model writes them in ("auto": read from its chat template)
+    tool_call_format: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # response_format / guided_* / a forced tool call: longest a grammar may take to compile
+    structured_compile_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     # Cells this gateway routes over (services/gateway/cells.py); empty: service.cell alone. A
     # new request goes to the live cell with the least queued work; a prompt of at least
     # affinity_prefix_tokens (0: never) goes where its prefix hashes, unless that cell has more

@@ -318,10 +318,10 @@ async def test_openai_client_conformance(running: tuple[TestClient, StandInSched
             "/v1/chat/completions",
             {
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "xml"},
             },
             400,
-            "response_format",
+            "response_format.type",
         ),
         # limits: a draft name the scheduler could not take, an unbounded stop list
         (

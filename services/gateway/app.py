@@ -43,12 +43,15 @@ from services.gateway.metrics import GatewayMetrics, export_profile_statuses, ex
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
+from services.gateway.structured import check_compiles
+from services.gateway.tool_output import finish_reason, stream_deltas, tool_message
 from shared.bus import Bus
 from shared.bus.cell_stats import read_cell_stats
 from shared.bus.preemptions import read_preemptions
 from shared.bus.profiles import read_profile_statuses, read_profiles
 from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
+from shared.text.tool_calls import ToolCallParser
 from shared.wire import Cancel, FinishReason, Submit, Tokens
 from shared.wire.streams import requests_stream
 
@@ -85,6 +88,8 @@ class Gateway:
         self.draining = False
         # one thread: the tokenizer is not shared across threads, and the loop stays free
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # grammars compile here, so that a slow one holds neither the loop nor tokenizing
+        self._compiling = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._probing = asyncio.Lock()
         self._ready_at = -math.inf  # when a readiness probe last went through
 
@@ -111,6 +116,7 @@ class Gateway:
     async def _stop(self, app: web.Application) -> None:
         self.draining = True
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self._compiling.shutdown(wait=False, cancel_futures=True)
         await self.outputs.stop()
         await self.cells.stop()
         await self.recorder.stop()
@@ -356,6 +362,7 @@ class Gateway:
             body = await request.json()
         except ValueError:  # not JSON, not UTF-8, or an integer of more digits than Python reads
             raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        call_format = self.settings.gateway.tool_call_format
         parse = functools.partial(
             parse_generation,
             body,
@@ -369,9 +376,16 @@ class Gateway:
             slo_classes=tuple(self.settings.scheduler.slo.classes),
             default_max_tokens=self.settings.gateway.default_max_tokens,
             max_n=self.settings.gateway.max_n,
+            call_format=None if call_format == "auto" else call_format,
         )
         # templating and tokenizing a long prompt must not stall every other stream
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
+        gen = await asyncio.get_running_loop().run_in_executor(self._tokenizing, parse)
+        structured = gen.sampling.structured
+        if structured is not None:
+            field = gen.structured_field or "response_format"
+            timeout_s = self.settings.gateway.structured_compile_timeout_s
+            await check_compiles(structured, field, self._compiling, timeout_s)
+        return gen
 
     async def _submit_choice(self, gen: GenerationRequest, choice: Choice) -> None:
         choice.submitted = True  # before: a failed publish is still cancelled on the way out
@@ -493,9 +507,13 @@ class Gateway:
             if echoed is not None and logprobs is not None:
                 logprobs = joined(echoed, logprobs)
             if gen.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if gen.tools is not None:
+                    message, called = tool_message(text, gen.call_format, gen.tools.forced)
+                    finish = finish_reason(finish, called)
                 answer: dict[str, Any] = {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 }
@@ -578,14 +596,37 @@ class Gateway:
             prompt_sent.add(choice.index)
             return {"prompt_logprobs": self._vllm_prompt_logprobs(gen, choice.progress)}
 
-        def choice_event(delta: ChoiceDelta) -> dict[str, Any]:
-            index, text, finish = delta.choice.index, delta.text, delta.finish_reason
-            logprobs = choice_logprobs_now(delta.choice)
+        # chat with tools: each choice's output parsed into content and calls as it comes
+        tools = gen.tools
+        parsers = {
+            c.index: ToolCallParser(gen.call_format, tools.forced)
+            for c in choices
+            if tools is not None
+        }
+
+        def chat_deltas(delta: ChoiceDelta) -> list[dict[str, Any]]:
+            """The delta objects of a chat choice's new text (one, maybe empty, at least)."""
+            parser = parsers.get(delta.choice.index)
+            if parser is None:
+                return [{"content": delta.text} if delta.text else {}]
+            pieces = [parser.push(delta.text)]
+            if delta.finish_reason:
+                pieces.append(parser.finish())
+            return stream_deltas(pieces) or [{}]
+
+        def choice_event(
+            delta: ChoiceDelta, content: dict[str, Any] | None = None, last: bool = True
+        ) -> dict[str, Any]:
+            index, text = delta.choice.index, delta.text
+            finish = delta.finish_reason if last else None
+            logprobs = choice_logprobs_now(delta.choice) if last else None
             if gen.chat:
-                content = {"content": text} if text else {}
+                parser = parsers.get(index)
+                if parser is not None:
+                    finish = finish_reason(finish, bool(parser.calls))
                 event = {
                     "index": index,
-                    "delta": content,
+                    "delta": content or {},
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 }
@@ -603,7 +644,8 @@ class Gateway:
 
         try:
             if gen.chat:
-                role = {"role": "assistant", "content": ""}
+                # with tools, as OpenAI: no content until some comes (maybe none: calls alone)
+                role = {"role": "assistant", "content": None if gen.tools else ""}
                 for choice in choices:
                     opening = {"index": choice.index, "delta": role, "finish_reason": None}
                     await send_event(response, chunk([opening]))
@@ -615,9 +657,18 @@ class Gateway:
                     extra |= prompt_logprobs_now(choice)
                 # with continuous usage, tokens that made no text yet still get their chunk
                 counted = gen.continuous_usage and len(progress.token_ids) > choice.sent_tokens
-                if delta.text or delta.finish_reason or counted:
-                    await send_event(response, chunk([choice_event(delta)], **extra))
-                    choice.sent_tokens = len(progress.token_ids)
+                if not gen.chat:
+                    if delta.text or delta.finish_reason or counted:
+                        await send_event(response, chunk([choice_event(delta)], **extra))
+                        choice.sent_tokens = len(progress.token_ids)
+                    continue
+                bodies = chat_deltas(delta)
+                for position, body in enumerate(bodies):
+                    last = position == len(bodies) - 1
+                    if body or (last and (delta.finish_reason or counted)):
+                        event = choice_event(delta, body, last)
+                        await send_event(response, chunk([event], **(extra if last else {})))
+                        choice.sent_tokens = len(progress.token_ids)
             if gen.include_usage:
                 await send_event(response, chunk([], usage=self._usage(gen, choices)))
         except APIError as error:

@@ -23,6 +23,10 @@ out into n requests (see choices.py); `echo` (completions) puts the prompt's tex
 alone, as vLLM answers). vLLM's `prompt_logprobs: N` (chat and completions) asks for them alone.
 vLLM's extension fields that Augury does not implement are refused by name (VLLM_UNIMPLEMENTED).
 
+`response_format` and vLLM's `guided_*` fields constrain the output (structured.py); chat's
+`tools`, `tool_choice` and `parallel_tool_calls` are in tools.py, and messages with tool calls
+and tool results in messages.py (docs/structured-output-api.md).
+
 The final chunk of a stream (and a non-streamed answer) carries `augury`: the request's
 speculation statistics, and `slo_class`, `tpot_slo_ms` (resolved), `tpot_ms` (measured by the
 scheduler) and `slo_met` (null without an objective or with fewer than 2 tokens).
@@ -33,15 +37,29 @@ completion so far, total) on every chunk; `include_usage` adds the final usage-o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.engine.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
+from services.gateway.errors import APIError, bad_request
+from services.gateway.messages import parse_conversation, turns_for_recording
+from services.gateway.structured import parse_structured
+from services.gateway.tools import Tools, call_constraint, parse_tools
+from shared.engine.sampling import (
+    MAX_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+    refuse_unsupported,
+)
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
+from shared.text.chat_template import render_chat, template_features
 from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
+
+__all__ = ["APIError", "GenerationRequest", "Tokenizer", "bad_request", "parse_generation"]
 
 MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
@@ -51,20 +69,15 @@ MAX_N = 16  # default of gateway.max_n
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_STRING_CHARS = 256
 AUGURY_FIELDS = frozenset({"slo_class", "tpot_slo_ms", "draft_model", "speculate", "app"})
-# Options the engine's list refuses that the gateway serves itself: n (fan-out), best_of (= n)
-# and echo (completions).
-GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo"})
+# Options the engine's list refuses that the gateway serves itself: n (fan-out), best_of (= n),
+# echo (completions), and tools and response_format (as `SamplingParams.structured`).
+GATEWAY_OPTIONS = frozenset({"n", "best_of", "echo", "tools", "tool_choice", "response_format"})
 # vLLM's extension fields that Augury does not implement, with the values that mean "off": any
 # other value is refused by name, never ignored. (`min_tokens` and `prompt_logprobs` are built:
 # shared/engine/processors.py, shared/engine/verifier.py.)
 VLLM_UNIMPLEMENTED: dict[str, tuple[object, ...]] = {
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None,),
@@ -95,40 +108,6 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
-class APIError(Exception):
-    """An error answered as OpenAI's error object with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None) -> APIError:
-    return APIError(400, message, param=param, code="invalid_request")
-
-
 @dataclass(frozen=True)
 class GenerationRequest:
     chat: bool
@@ -153,6 +132,11 @@ class GenerationRequest:
     # completions' `echo` with `max_tokens: 0` (OpenAI's and vLLM's way to score a prompt): one
     # token is generated (the prefill's) and dropped; the answer holds the prompt alone
     echo_only: bool = False
+    # chat: the tools offered, and the call format of the model's template (tool_calls.py)
+    tools: Tools | None = None
+    call_format: str = "hermes"
+    # the field the output's constraint came from, named by a 400 when it does not compile
+    structured_field: str | None = None
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -294,39 +278,6 @@ def _sampling(
         raise bad_request(str(error), param) from None
 
 
-def _conversation(body: Mapping[str, Any], max_messages: int) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list", "messages")
-    if len(messages) > max_messages:
-        raise bad_request(
-            f"messages holds {len(messages)} messages, more than {max_messages}", "messages"
-        )
-    conversation = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object", where)
-        role, content = message.get("role"), message.get("content")
-        if role not in ("system", "user", "assistant"):
-            raise bad_request(f"{where}.role must be system, user or assistant", f"{where}.role")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise bad_request(f"{where}.content: only text parts", f"{where}.content")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise bad_request(f"{where}.content must be a string", f"{where}.content")
-        conversation.append({"role": role, "content": content})
-    return conversation
-
-
-def _chat_prompt(conversation: list[dict[str, str]], tokenizer: Tokenizer) -> tuple[int, ...]:
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return tuple(int(t) for t in ids)
-
-
 def _completion_prompt(
     body: Mapping[str, Any], tokenizer: Tokenizer, vocab_size: int
 ) -> tuple[int, ...]:
@@ -353,7 +304,11 @@ def parse_generation(
     slo_classes: Collection[str] = SLO_CLASSES,
     default_max_tokens: int | None = None,
     max_n: int = MAX_N,
+    call_format: str | None = None,
 ) -> GenerationRequest:
+    """The request, checked and tokenized (its output constraint is compiled by the caller,
+    `structured.check_compiles`). `call_format`: the tool-call format (None: the one of the
+    tokenizer's chat template)."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
     model = body.get("model")
@@ -372,12 +327,15 @@ def parse_generation(
     stop = _stop_strings(body)
     echo = _echo(body, chat)
     max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
-    conversation = _conversation(body, max_messages) if chat else None
-    prompt_ids = (
-        _chat_prompt(conversation, tokenizer)
-        if conversation is not None
-        else _completion_prompt(body, tokenizer, vocab_size)
-    )
+    tools = parse_tools(body, chat)
+    call_format = call_format or template_features(tokenizer).call_format
+    structured = _constraint(body, tools, call_format)
+    conversation = parse_conversation(body, max_messages) if chat else None
+    if conversation is not None:
+        offered = [f.openai() for f in tools.functions] if tools and tools.in_prompt else []
+        prompt_ids = render_chat(tokenizer, conversation, offered, call_format)
+    else:
+        prompt_ids = _completion_prompt(body, tokenizer, vocab_size)
     if not prompt_ids:
         raise bad_request("the prompt is empty", "messages" if chat else "prompt")
     max_tokens = _max_tokens(
@@ -386,9 +344,9 @@ def parse_generation(
     echo_only = echo and max_tokens == 0
     if echo_only:
         max_tokens = 1
-    sampling = _sampling(
-        body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat
-    )
+    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat)
+    if structured is not None:
+        sampling = dataclasses.replace(sampling, structured=structured[0])
     if len(prompt_ids) + sampling.max_tokens > max_context:
         raise APIError(
             400,
@@ -439,7 +397,7 @@ def parse_generation(
         draft_model=draft,
         speculate=_flag(extension, "speculate", True),
         continuous_usage=_flag(options, "continuous_usage_stats", False),
-        messages=_turns(conversation),
+        messages=None if conversation is None else turns_for_recording(conversation),
         prompt_text=None if chat else _prompt_text(body.get("prompt")),
         slo_class=slo_class,
         app=app or "",
@@ -448,7 +406,26 @@ def parse_generation(
         n=n,
         echo=echo,
         echo_only=echo_only,
+        tools=tools if tools is not None and tools.in_prompt else None,
+        call_format=call_format,
+        structured_field=None if structured is None else structured[1],
     )
+
+
+def _constraint(
+    body: Mapping[str, Any], tools: Tools | None, call_format: str
+) -> tuple[StructuredOutput, str] | None:
+    """The output's constraint and the field it came from: response_format (or vLLM's
+    fields), or the grammar of a required or named tool call."""
+    structured = parse_structured(body)
+    if tools is None or not tools.forced:
+        return structured
+    if structured is not None:
+        raise bad_request(
+            f"{structured[1]} and a required tool call both constrain the output; send one",
+            structured[1],
+        )
+    return call_constraint(tools, call_format), "tools"
 
 
 def _slo_class(extension: Mapping[str, Any], known: Collection[str]) -> str | None:
@@ -463,12 +440,6 @@ def _slo_class(extension: Mapping[str, Any], known: Collection[str]) -> str | No
             "augury.slo_class",
         )
     return name
-
-
-def _turns(conversation: list[dict[str, str]] | None) -> tuple[tuple[str, str], ...] | None:
-    if conversation is None:
-        return None
-    return tuple((m["role"], m["content"]) for m in conversation)
 
 
 def _prompt_text(prompt: Any) -> str | None:
@@ -543,9 +514,7 @@ def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(
-            f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", "stop"
-        )
+        raise bad_request(f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", "stop")
     if not all(0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
         raise bad_request(
             f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop"
