@@ -26,8 +26,8 @@ from shared.scheduling.draft_choice import (
     GoodputTable,
     GreedyByLength,
     Oracle,
-    make_chooser,
 )
+from shared.scheduling.factory import make_chooser
 from shared.scheduling.lbss import Lbss, max_weight_assignment
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings

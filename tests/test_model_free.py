@@ -212,7 +212,8 @@ def test_counterfactual_accepted_follows_the_committed_tokens():
 
 
 def test_counterfactual_chooser_takes_the_copy_while_it_scores_at_least_the_model():
-    from shared.scheduling.draft_choice import DraftOutcome, make_chooser
+    from shared.scheduling.draft_choice import DraftOutcome
+    from shared.scheduling.factory import make_chooser
     from shared.scheduling.request import RequestState
 
     chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])

@@ -39,11 +39,12 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
 )
-from shared.scheduling.draft_choice import FixedDraftModel, make_chooser
-from shared.scheduling.ordering import FCFS, PolicyContext, make_policy
+from shared.scheduling.draft_choice import FixedDraftModel
+from shared.scheduling.factory import make_chooser, make_policy, make_selector
+from shared.scheduling.ordering import FCFS, PolicyContext
 from shared.scheduling.replicas import LeastLoadedSticky, make_matcher
 from shared.scheduling.request import RequestState, append_tokens
-from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext, make_selector
+from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext
 
 VOCAB = 97
 

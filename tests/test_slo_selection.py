@@ -12,6 +12,7 @@ import pytest
 from shared.engine.methods import DraftMethod
 from shared.engine.sampling import SamplingParams
 from shared.engine.tree import TokenTree
+from shared.scheduling.factory import make_selector
 from shared.scheduling.request import RequestState
 from shared.scheduling.slo import (
     SPECINFER_EXPANSION,
@@ -23,7 +24,7 @@ from shared.scheduling.slo import (
     acceptance_target,
     beam_shape,
 )
-from shared.scheduling.tree_selection import SELECTORS, SelectionContext, make_selector
+from shared.scheduling.tree_selection import SELECTORS, SelectionContext
 from shared.settings import SloSettings
 
 

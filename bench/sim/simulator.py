@@ -45,10 +45,8 @@ from shared.scheduling.core import (
     mean_context,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.ordering import make_policy
+from shared.scheduling.factory import make_chooser, make_policy, make_selector
 from shared.scheduling.request import RequestState
-from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
@@ -154,9 +152,7 @@ class Simulator:
                 planner=config.planner,  # type: ignore[arg-type]
                 fast_switching=config.fast_switching,
             ),
-            policy=make_policy(
-                config.policy, config.length_predictor, config.laps, self._lengths
-            ),
+            policy=make_policy(config.policy, config.length_predictor, config.laps, self._lengths),
             chooser=make_chooser(
                 config.draft_chooser, list(config.drafts), config.lbss, config.oracle
             ),

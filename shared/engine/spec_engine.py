@@ -38,12 +38,9 @@ from shared.scheduling.core import (
     tree_capacity_with,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.factory import resolve_merge
-from shared.scheduling.ordering import make_policy
+from shared.scheduling.factory import make_chooser, make_policy, make_selector, resolve_merge
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
-from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
 from shared.wire.steps import DraftRequest, VerifyRequest

@@ -387,32 +387,3 @@ class Counterfactual:
 
 
 CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle", "counterfactual")
-
-
-def make_chooser(
-    name: str,
-    preferred: Sequence[str],
-    lbss: LbssSettings | None = None,
-    best: Mapping[str, str] | None = None,
-    model_free: Sequence[str] = (),
-) -> DraftChooser:
-    """The chooser called `name`; `preferred`: the draft models, smallest first. The oracle
-    needs `best` (each request's best model), which only an experiment knows; `model_free`:
-    the drafts among them that load no model (the counterfactual chooser scores them)."""
-    if name == "fixed":
-        return FixedDraftModel(preferred)
-    if name == "greedy-length":
-        return GreedyByLength(preferred)
-    if name == "eps-greedy":
-        return EpsilonGreedy(preferred)
-    if name == "lbss":
-        from shared.scheduling.lbss import Lbss
-
-        return Lbss(preferred, lbss)
-    if name == "counterfactual":
-        return Counterfactual(preferred, model_free, lbss)
-    if name == "oracle":
-        if best is None:
-            raise ValueError("the oracle chooser needs each request's best draft model")
-        return Oracle(best)
-    raise ValueError(f"unknown draft chooser {name!r}; known: {list(CHOOSERS)}")
