@@ -24,12 +24,12 @@ from transformers import AutoTokenizer
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
+from shared.values.sampling import SamplingParams
 
 KV_BYTES = 512 << 20
 FOLLOW_UP = "Thanks. Now summarize all of that in two sentences."

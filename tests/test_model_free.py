@@ -25,9 +25,9 @@ from shared.engine.model_free import (
     ngram_matches,
     propose_ngram,
 )
-from shared.engine.sampling import SamplingParams as Params
-from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.model.model_set import MODEL_FREE_DRAFT_NAMES
+from shared.values.sampling import SamplingParams as Params
+from shared.values.tree import DETERMINISTIC, TokenTree
 from shared.wire.steps import DraftRequest
 
 WIDE = TreeLimits(max_depth=8, max_nodes=32, max_children=4)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from services.gateway.body import APIError, parse_generation
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from shared.wire import DraftJob, DraftRequest, Submit, decode_entry
 
 GREEDY = SamplingParams(max_tokens=8)

@@ -12,8 +12,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, processed_probs
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
@@ -21,6 +19,8 @@ from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator, block_bytes
 from shared.model.prefix_cache import PrefixCache, block_hashes
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)

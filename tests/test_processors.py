@@ -19,15 +19,15 @@ from transformers import LlamaForCausalLM
 
 from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.methods import DraftMethod
 from shared.engine.processors import process_logits
-from shared.engine.sampling import SamplingParams, TokenHistory, processed_probs, token_history
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.logprobs import TokenLogprobs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, TokenHistory, processed_probs, token_history
 from shared.wire.codec import PayloadReader
 from shared.wire.requests import Tokens
 from shared.wire.steps import VerifiedRequest, VerifyRequest
@@ -426,7 +426,7 @@ def test_coupled_drafts_are_accepted_when_the_draft_is_the_target(tiny_target_di
 
 
 def test_gumbel_noise_depends_on_seed_and_position_only():
-    from shared.engine.sampling import gumbel_noise
+    from shared.values.sampling import gumbel_noise
 
     a = gumbel_noise(7, 3, 50)
     assert np.array_equal(a, gumbel_noise(7, 3, 50))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling import SamplingParams
+from shared.values.logprobs import TokenLogprobs
+from shared.values.sampling import SamplingParams
 from shared.wire.codec import PayloadReader
 from shared.wire.requests import Tokens
 from shared.wire.steps import VerifiedRequest

@@ -36,8 +36,8 @@ from services.gateway.recording import Recorder
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import Bus, EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.settings import GatewaySettings, RedisSettings
+from shared.values.sampling import SamplingParams
 from shared.wire.streams import recorded_stream
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import make_settings

@@ -20,9 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.engine.methods import DraftMethod, tree_capacity
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import SparseDist, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.core import (
     CoreConfig,
@@ -45,6 +42,9 @@ from shared.scheduling.ordering import FCFS, PolicyContext
 from shared.scheduling.replicas import LeastLoadedSticky, make_matcher
 from shared.scheduling.request import RequestState, append_tokens
 from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext
+from shared.values.methods import DraftMethod, tree_capacity
+from shared.values.sampling import SamplingParams
+from shared.values.tree import SparseDist, TokenTree
 
 VOCAB = 97
 

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from services.run import start_stack, start_verifier
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
+from shared.values.sampling import SamplingParams
 from shared.wire import Tokens
 from tests.test_services_openai import (  # noqa: F401  (smollm2_models: a fixture)
     QUESTION,

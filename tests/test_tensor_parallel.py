@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 from services.run import Stack, start_drafter, start_scheduler
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
@@ -40,6 +39,7 @@ from shared.model.rank_group import (
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import check_shardable, shard_bounds, valid_sizes
 from shared.scheduling.cost_model import architecture_fingerprint
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_processes import LOGS, launch, log_tail, processes, service_env, stop
 from tests.test_services_support import NO_PROFILES, Client, make_settings, plain_greedy

@@ -33,9 +33,6 @@ from dataclasses import dataclass, field
 
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, Session
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import TokenTree
 from shared.scheduling.core import (
     CoreConfig,
     MicroBatch,
@@ -48,6 +45,9 @@ from shared.scheduling.cost_model import CostModel
 from shared.scheduling.factory import make_chooser, make_policy, make_selector
 from shared.scheduling.request import RequestState
 from shared.settings import LapsSettings, LbssSettings, SloSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from shared.values.tree import TokenTree
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2

@@ -38,9 +38,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.engine.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
+from shared.values.sampling import MAX_BIAS, MAX_LOGPROBS, SamplingParams, refuse_unsupported
 from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
 MAX_PRIORITY = 2**31 - 1

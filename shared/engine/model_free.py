@@ -35,8 +35,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 from shared.wire.steps import DraftRequest
 
 ModelFreeKind = Literal["ngram", "suffix"]

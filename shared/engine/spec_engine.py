@@ -18,10 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
 from shared.engine.model_free import ModelFreeDrafter
-from shared.engine.sampling import SEED_BITS, SamplingParams
-from shared.engine.tree import TokenTree
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.model.kv_cache import SwappedKV
@@ -43,6 +40,9 @@ from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SEED_BITS, SamplingParams
+from shared.values.tree import TokenTree
 from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core

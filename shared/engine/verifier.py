@@ -14,11 +14,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.processors import coupled_scores, process_logits, tree_paths
-from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
 from shared.engine.verification import Verdict, verify, verify_greedy
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.logprobs import TokenLogprobs, token_logprobs
+from shared.values.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
 from shared.wire.steps import VerifiedRequest, VerifyRequest
 from shared.wire.values import FinishReason
 

@@ -29,11 +29,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.engine.logprobs import EMPTY, TokenLogprobs
-from shared.engine.methods import DraftMethod, tree_capacity
 from shared.engine.model_free import MODEL_FREE_METHOD, counterfactual_accepted
-from shared.engine.sampling import SEED_BITS, TokenHistory, token_history
-from shared.engine.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
@@ -60,6 +56,10 @@ from shared.scheduling.speculation import (
     plan_depths,
 )
 from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSelector
+from shared.values.logprobs import EMPTY, TokenLogprobs
+from shared.values.methods import DraftMethod, tree_capacity
+from shared.values.sampling import SEED_BITS, TokenHistory, token_history
+from shared.values.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]

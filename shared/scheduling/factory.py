@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shared.engine.methods import DraftMethod
 from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import (
@@ -32,6 +31,7 @@ from shared.settings import (
     SloSettings,
     SpeculationSettings,
 )
+from shared.values.methods import DraftMethod
 
 
 @dataclass(frozen=True)

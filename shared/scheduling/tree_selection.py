@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, get_args
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.scheduling.speculation import select_by_goodput, take_best_first
 from shared.settings import TreeSelection
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 
 
 @dataclass(frozen=True)

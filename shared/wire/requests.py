@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling import SamplingParams
+from shared.values.logprobs import TokenLogprobs
+from shared.values.sampling import SamplingParams
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.values import (

@@ -13,9 +13,9 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling import SamplingParams, TokenHistory
-from shared.engine.tree import TokenTree
+from shared.values.logprobs import TokenLogprobs
+from shared.values.sampling import SamplingParams, TokenHistory
+from shared.values.tree import TokenTree
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints, pack_matrix_f16
 from shared.wire.requests import MAX_APP_LEN, MAX_ID_LEN, check_request_id
