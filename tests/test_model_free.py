@@ -12,7 +12,6 @@ import pytest
 
 from shared.engine.model_free import (
     MODEL_FREE_KINDS,
-    MODEL_FREE_METHOD,
     AppCaches,
     ModelFreeDrafter,
     NgramSettings,
@@ -21,13 +20,13 @@ from shared.engine.model_free import (
     SuffixProposer,
     SuffixSettings,
     TreeLimits,
-    counterfactual_accepted,
     ngram_matches,
     propose_ngram,
 )
 from shared.model.model_set import MODEL_FREE_DRAFT_NAMES
+from shared.values.methods import MODEL_FREE_METHOD
 from shared.values.sampling import SamplingParams as Params
-from shared.values.tree import DETERMINISTIC, TokenTree
+from shared.values.tree import DETERMINISTIC, TokenTree, counterfactual_accepted
 from shared.wire.steps import DraftRequest
 
 WIDE = TreeLimits(max_depth=8, max_nodes=32, max_children=4)

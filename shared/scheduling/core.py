@@ -29,7 +29,6 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.engine.model_free import MODEL_FREE_METHOD, counterfactual_accepted
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
@@ -57,9 +56,9 @@ from shared.scheduling.speculation import (
 )
 from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSelector
 from shared.values.logprobs import EMPTY, TokenLogprobs
-from shared.values.methods import DraftMethod, tree_capacity
+from shared.values.methods import MODEL_FREE_METHOD, DraftMethod, tree_capacity
 from shared.values.sampling import SEED_BITS, TokenHistory, token_history
-from shared.values.tree import DETERMINISTIC, TokenTree, merge_trees
+from shared.values.tree import DETERMINISTIC, TokenTree, counterfactual_accepted, merge_trees
 from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]
