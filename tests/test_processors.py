@@ -28,9 +28,15 @@ from shared.model.runner import ModelRunner
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, TokenHistory, processed_probs, token_history
+from shared.values.steps import VerifiedRequest, VerifyRequest
 from shared.wire.codec import PayloadReader
 from shared.wire.requests import Tokens
-from shared.wire.steps import VerifiedRequest, VerifyRequest
+from shared.wire.steps import (
+    read_verified_request,
+    read_verify_request,
+    verified_request_payload,
+    verify_request_payload,
+)
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
@@ -195,19 +201,19 @@ def test_new_fields_survive_the_wire():
     )
     history = TokenHistory(output_len=3, output=(4, 4, 5), prompt=(1, 2), end_ids=(0,))
     entry = VerifyRequest("r", 1, params, 3, 6, chunk=(1, 2), history=history)
-    again = VerifyRequest.from_payload(PayloadReader(entry.payload(), "entry"))
+    again = read_verify_request(PayloadReader(verify_request_payload(entry), "entry"))
     assert again.sampling == params and again.history == history
     lps = TokenLogprobs((-0.5, -1.0), ((4, 2), (5, 1)), ((-0.5, -1.5), (-1.0, -2.0)))
     done = VerifiedRequest("r", 1, accepted=(4,), bonus=5, logprobs=lps)
-    assert VerifiedRequest.from_payload(PayloadReader(done.payload(), "v")) == done
+    assert read_verified_request(PayloadReader(verified_request_payload(done), "v")) == done
     tokens = Tokens("r", 1, 0, (4, 5), logprobs=lps)
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).logprobs == lps
     bare = TokenLogprobs((-0.5,), ((),), ((),))  # logprobs: 0
     tokens = Tokens("r", 1, 0, (4,), logprobs=bare)
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).logprobs == bare
     plain = VerifyRequest("r", 1, SamplingParams(), 3, 6, chunk=(1,))
-    assert "history" not in plain.payload()
-    assert set(plain.payload()["sampling"]) == {
+    assert "history" not in verify_request_payload(plain)
+    assert set(verify_request_payload(plain)["sampling"]) == {
         "temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos"
     }  # fmt: skip
 

@@ -36,8 +36,8 @@ from shared.engine.processors import coupled_scores, process_logits
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.values.methods import DraftMethod
 from shared.values.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
+from shared.values.steps import DraftRequest
 from shared.values.tree import DETERMINISTIC, SparseDist, TokenTree
-from shared.wire.steps import DraftRequest
 
 
 @dataclass

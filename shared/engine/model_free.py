@@ -36,8 +36,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from shared.values.methods import DraftMethod
+from shared.values.steps import DraftRequest
 from shared.values.tree import TokenTree
-from shared.wire.steps import DraftRequest
 
 ModelFreeKind = Literal["ngram", "suffix"]
 MODEL_FREE_KINDS: tuple[ModelFreeKind, ...] = ("ngram", "suffix")

@@ -42,8 +42,8 @@ from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SEED_BITS, SamplingParams
+from shared.values.steps import DraftRequest, VerifyRequest
 from shared.values.tree import TokenTree
-from shared.wire.steps import DraftRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.

@@ -19,8 +19,7 @@ from shared.engine.verification import Verdict, verify, verify_greedy
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.values.logprobs import TokenLogprobs, token_logprobs
 from shared.values.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
-from shared.wire.steps import VerifiedRequest, VerifyRequest
-from shared.wire.values import FinishReason
+from shared.values.steps import FinishReason, VerifiedRequest, VerifyRequest
 
 
 def verified(entry: VerifyRequest, emitted: Sequence[int], num_accepted: int) -> VerifiedRequest:

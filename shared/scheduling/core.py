@@ -58,8 +58,8 @@ from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSele
 from shared.values.logprobs import EMPTY, TokenLogprobs
 from shared.values.methods import MODEL_FREE_METHOD, DraftMethod, tree_capacity
 from shared.values.sampling import SEED_BITS, TokenHistory, token_history
+from shared.values.steps import DraftRequest
 from shared.values.tree import DETERMINISTIC, TokenTree, counterfactual_accepted, merge_trees
-from shared.wire.steps import DraftRequest
 
 SpeculationPlanner = Literal["goodput", "fixed"]
 # Which requests the standby drafter also drafts a tree for, merged with the current drafter's

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Self
 
 from shared.values.logprobs import TokenLogprobs
 from shared.values.sampling import SamplingParams
+from shared.values.steps import MAX_APP_LEN, MAX_ID_LEN, check_request_id
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.values import (
@@ -23,16 +24,9 @@ from shared.wire.values import (
     sampling_payload,
 )
 
-MAX_ID_LEN = 128
 MAX_DRAFT_NAME_LEN = 64  # a draft model's name in a Submit
-MAX_APP_LEN = 128  # an application key (`augury.app`)
 MAX_SLO_CLASS_LEN = 64  # an SLO class's name in a Submit or Tokens
 MAX_MESSAGE_LEN = 4096
-
-
-def check_request_id(request_id: str) -> None:
-    if not request_id or len(request_id) > MAX_ID_LEN:
-        raise ValueError(f"request ids are 1 to {MAX_ID_LEN} characters")
 
 
 def check_slo_class(slo_class: str | None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -16,16 +15,11 @@ from shared.values.sampling import (
     StructuredOutput,
     TokenHistory,
 )
+from shared.values.steps import FinishReason
 from shared.values.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
 
 MAX_TREE_NODES = 1 << 16
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled or failed
 
 
 def finish_payload(reason: FinishReason | None) -> str | None:
