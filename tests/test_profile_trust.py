@@ -21,10 +21,10 @@ from services.runtime import load_runner
 from shared.bus import Bus, EmbeddedRedis
 from shared.bus.profiles import TARGET, draft_role, read_profile_statuses, read_profiles
 from shared.model.cost_profiles import MEASURED, STORED, SUSPECT, choose_profile
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import check_profile, combine, committed_target
 from shared.model.profiling import profile_key
 from shared.scheduling.cost_model import (
-    DEFAULT_PROFILES_DIR,
     CostProfile,
     ForwardCurve,
     ModelProfile,

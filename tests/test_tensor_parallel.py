@@ -26,6 +26,7 @@ from shared.bus import EmbeddedRedis
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
+from shared.model.profile_files import architecture_fingerprint
 from shared.model.profiling import measure_curve, profile_key
 from shared.model.rank_group import (
     GROUP_FAILED_EXIT,
@@ -38,7 +39,6 @@ from shared.model.rank_group import (
 )
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import check_shardable, shard_bounds, valid_sizes
-from shared.scheduling.cost_model import architecture_fingerprint
 from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_processes import LOGS, launch, log_tail, processes, service_env, stop
