@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
+from shared.scheduling.counterfactual import Counterfactual
 from shared.scheduling.draft_choice import (
     CHOOSERS,
-    Counterfactual,
     DraftChooser,
     EpsilonGreedy,
     FixedDraftModel,
