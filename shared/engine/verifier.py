@@ -1,9 +1,9 @@
 """The target's side of a step: one packed forward over prompt chunks and token trees,
 acceptance per request, and compaction of the accepted path's KV.
 
-It takes and answers the same step types the verifier service carries over Redis
-(`shared.wire.VerifyRequest`, `shared.wire.VerifiedRequest`), so the in-process engine and the
-service run one verification path.
+It takes and answers the step entries of `shared.values.steps` (`VerifyRequest`,
+`VerifiedRequest`), which the verifier service carries over Redis inside its messages, so the
+in-process engine and the service run one verification path.
 """
 
 from __future__ import annotations
