@@ -1,9 +1,10 @@
 """The layers of `shared/` point one way (docs/design.md, "Layers").
 
-Every module's imports of `shared` are read with `ast` (those inside functions and under
-`TYPE_CHECKING` too): no two modules may reach each other through imports, and a module may import
-only modules of its own layer or of a layer below it. Run on another checkout with
-`python tests/test_layers.py PATH` (it prints what breaks the rules and exits 1).
+Every module's imports are read with `ast` (those inside functions and under `TYPE_CHECKING`
+too): no two modules of the project's packages (`PACKAGES`) may reach each other through imports,
+and a module of `shared` may import only modules of its own layer or of a layer below it. Run on
+another checkout with `python tests/test_layers.py PATH` (it prints what breaks the rules and
+exits 1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("shared", "services", "bench", "distill", "kernels", "tests")
 
 # Bottom first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -61,9 +63,13 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -
     return [base, *(f"{base}.{a.name}" for a in node.names)]
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Each module of `root/shared` -> the modules of `shared` it imports."""
-    files = {module_name(root, p): p for p in sorted((root / "shared").rglob("*.py"))}
+def import_graph(root: Path, packages: tuple[str, ...] = ("shared",)) -> dict[str, set[str]]:
+    """Each module of `root`'s `packages` -> the modules of those packages it imports."""
+    files = {
+        module_name(root, p): p
+        for package in packages
+        for p in sorted((root / package).rglob("*.py"))
+    }
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         imported: set[str] = set()
@@ -73,7 +79,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
                     # the named module, else the nearest enclosing package that is one
                     while name and name not in files:
                         name = name.rpartition(".")[0]
-                    if name.startswith("shared") and name != module:
+                    if name and name != module:
                         imported.add(name)
         graph[module] = imported
     return graph
@@ -107,8 +113,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def problems(root: Path) -> list[str]:
-    graph = import_graph(root)
-    return upward_imports(graph) + [" -> ".join(c) + " (a cycle)" for c in cycles(graph)]
+    loops = cycles(import_graph(root, PACKAGES))
+    return upward_imports(import_graph(root)) + [" -> ".join(c) + " (a cycle)" for c in loops]
 
 
 def test_every_module_of_shared_has_a_layer():
@@ -121,7 +127,7 @@ def test_no_module_imports_one_above_it():
 
 
 def test_no_import_cycles():
-    assert cycles(import_graph(REPO)) == []
+    assert cycles(import_graph(REPO, PACKAGES)) == []
 
 
 def test_the_check_sees_a_cycle_and_an_upward_import():
