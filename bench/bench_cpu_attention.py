@@ -131,10 +131,10 @@ def generations(model: LlamaModel, per_kind: int, max_tokens: int, concurrency: 
 
     from bench.bench_engine import METHODS, chat_prompts
     from shared.engine.drafting import Drafter
-    from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model.model_set import all_draft_dirs
+    from shared.values.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir())
     eos = tokenizer.eos_token_id

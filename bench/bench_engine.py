@@ -34,9 +34,7 @@ from bench.hf_draft import hf_llama_from_draft
 from bench.prompts import chat_ids
 from shared.datasets import EVAL_KINDS, eval_prompts
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -44,6 +42,8 @@ from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 METHODS = {
     "chain4": DraftMethod("chain", k=4),

@@ -26,7 +26,6 @@ from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -34,6 +33,7 @@ from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
+from shared.values.sampling import SamplingParams
 
 DATASET_KINDS = ("chat", "everyday", "code", "math")
 KV_BYTES = 256 << 20
@@ -144,9 +144,7 @@ def run(args: argparse.Namespace) -> dict:
 def report(results: dict, kinds: list[str]) -> str:
     lines = ["| draft | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for config, per_kind in results.items():
-        cells = [
-            f"{per_kind[k]['tokens_per_forward']:.2f} ({per_kind[k]['equal']})" for k in kinds
-        ]
+        cells = [f"{per_kind[k]['tokens_per_forward']:.2f} ({per_kind[k]['equal']})" for k in kinds]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

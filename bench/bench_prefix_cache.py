@@ -24,12 +24,12 @@ from transformers import AutoTokenizer
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
+from shared.values.sampling import SamplingParams
 
 KV_BYTES = 512 << 20
 FOLLOW_UP = "Thanks. Now summarize all of that in two sentences."
@@ -60,8 +60,9 @@ def history_ids(tokenizer, num_tokens: int) -> list[int]:
     return list(ids)[-num_tokens:]
 
 
-def run_turn(engine: SpecEngine, prompt: list[int], params: SamplingParams, caching: bool,
-             turn: int) -> tuple[Turn, list[int]]:
+def run_turn(
+    engine: SpecEngine, prompt: list[int], params: SamplingParams, caching: bool, turn: int
+) -> tuple[Turn, list[int]]:
     target = engine.verifier.runner
     draft = engine.drafter.runner if engine.drafter is not None else None
     target_before = target.num_tokens_forwarded
@@ -115,21 +116,23 @@ def main() -> None:
         if draft_model is not None:
             runner = ModelRunner(draft_model, kv_memory_bytes=KV_BYTES, prefix_caching=caching)
             drafter = Drafter(runner, name=args.draft)
-        verifier = Verifier(
-            ModelRunner(target, kv_memory_bytes=KV_BYTES, prefix_caching=caching)
-        )
+        verifier = Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES, prefix_caching=caching))
         method = DEFAULT_METHOD if drafter is not None else None
         engine = SpecEngine(verifier, drafter, method, eos_token_ids=target.cfg.eos_token_ids)
         row, answer = run_turn(engine, first, params, caching, 1)
         rows.append(row)
         row, _ = run_turn(engine, first + answer + follow_up, params, caching, 2)
         rows.append(row)
-    print(f"{'caching':>8} {'turn':>4} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} "
-          f"{'target fwd':>10} {'draft fwd':>9}")
+    print(
+        f"{'caching':>8} {'turn':>4} {'prompt':>6} {'cached':>6} {'TTFT ms':>9} "
+        f"{'target fwd':>10} {'draft fwd':>9}"
+    )
     for r in rows:
-        print(f"{'on' if r.caching else 'off':>8} {r.turn:>4} {r.prompt_tokens:>6} "
-              f"{r.cached_tokens:>6} {r.ttft_ms:>9.0f} {r.target_tokens_forwarded:>10} "
-              f"{r.draft_tokens_forwarded:>9}")
+        print(
+            f"{'on' if r.caching else 'off':>8} {r.turn:>4} {r.prompt_tokens:>6} "
+            f"{r.cached_tokens:>6} {r.ttft_ms:>9.0f} {r.target_tokens_forwarded:>10} "
+            f"{r.draft_tokens_forwarded:>9}"
+        )
     on = {r.turn: r for r in rows if r.caching}
     print(f"second turn's TTFT with caching: {on[2].ttft_ms / on[1].ttft_ms:.1%} of the first's")
     if args.out is not None:

@@ -32,9 +32,7 @@ from services.run import Stack, start_stack
 from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -43,6 +41,8 @@ from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.test_services_support import Client
 
 KV_BYTES = 256 << 20

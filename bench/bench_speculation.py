@@ -32,7 +32,6 @@ from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -41,6 +40,7 @@ from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
+from shared.values.sampling import SamplingParams
 
 KINDS = ("chat", "code", "math", "everyday")
 KV_BYTES = 256 << 20

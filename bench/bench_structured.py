@@ -63,7 +63,7 @@ def load_prompts(tokenizer: Any, quick: bool) -> dict[str, list[tuple[list[int],
 
 def run_set(engine: Any, prompts: list[tuple[list[int], str]], concurrency: int, max_tokens: int):
     """Every prompt greedily, at most `concurrency` at a time (continuous batching)."""
-    from shared.engine.sampling import SamplingParams, StructuredOutput
+    from shared.values.sampling import SamplingParams, StructuredOutput
 
     grammar = engine.grammar.stats
     before = (grammar.mask_seconds, grammar.masks, grammar.forced_tokens)
@@ -99,7 +99,6 @@ def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from shared.engine.drafting import Drafter
-    from shared.engine.methods import DraftMethod
     from shared.engine.spec_engine import EngineConfig, SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
@@ -107,6 +106,7 @@ def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
+    from shared.values.methods import DraftMethod
 
     target_dir = model_set_target(args.model_set)
     drafts = model_set_drafts(args.model_set, served=True)

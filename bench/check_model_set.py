@@ -28,8 +28,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from shared.engine.drafting import Drafter
-    from shared.engine.methods import DraftMethod
-    from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import EngineConfig, SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
@@ -37,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
+    from shared.values.methods import DraftMethod
+    from shared.values.sampling import SamplingParams
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-set", choices=MODEL_SETS, default="qwen2.5-coder")

@@ -22,8 +22,6 @@ from pathlib import Path
 
 from bench.bench_speculation import KINDS, KV_BYTES, prompts_by_kind
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -31,6 +29,8 @@ from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SEED_BITS, SamplingParams
 
 METHODS = {
     "chain-4": DraftMethod("chain", k=4),

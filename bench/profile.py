@@ -26,10 +26,11 @@ from shared.model import LlamaModel, load_model
 from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from shared.model.loader import read_config
 from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profiling import measure_profile, profile_key
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
-from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
+from shared.scheduling.cost_model import CostModel, CostProfile
 
 
 def random_model(path: Path, dtype: torch.dtype, device: str) -> LlamaModel:

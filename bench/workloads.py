@@ -28,28 +28,28 @@ COPY_KINDS = ("code-edit", "revision", "passage-qa", "agent")
 
 _FUNCTIONS = (
     (
-        '''def average_rating(reviews):
+        """def average_rating(reviews):
     total = 0
     count = 0
     for review in reviews:
         if review["stars"] is not None:
             total += review["stars"]
             count += 1
-    return total / count''',
+    return total / count""",
         "Change it so that it returns None instead of failing when no review has stars. "
         "Show the whole function.",
     ),
     (
-        '''def parse_duration(text):
+        """def parse_duration(text):
     units = {"s": 1, "m": 60, "h": 3600}
     number = int(text[:-1])
     unit = text[-1]
-    return number * units[unit]''',
+    return number * units[unit]""",
         "Add a `d` unit for days (86400 seconds) and raise ValueError with a clear message for "
         "an unknown unit. Show the whole function.",
     ),
     (
-        '''class ShoppingCart:
+        """class ShoppingCart:
     def __init__(self):
         self.items = {}
 
@@ -60,12 +60,12 @@ _FUNCTIONS = (
             self.items[name] = {"price": price, "quantity": quantity}
 
     def total(self):
-        return sum(item["price"] * item["quantity"] for item in self.items.values())''',
+        return sum(item["price"] * item["quantity"] for item in self.items.values())""",
         "Add a `remove(name, quantity=1)` method that lowers the quantity and deletes the item "
         "when it reaches zero. Show the whole class.",
     ),
     (
-        '''def find_duplicates(paths):
+        """def find_duplicates(paths):
     seen = {}
     duplicates = []
     for path in paths:
@@ -74,23 +74,23 @@ _FUNCTIONS = (
             duplicates.append((seen[name], path))
         else:
             seen[name] = path
-    return duplicates''',
+    return duplicates""",
         "Rename the variable `seen` to `first_path_by_name` everywhere and add type hints. "
         "Show the whole function.",
     ),
     (
-        '''def chunk_text(text, size):
+        """def chunk_text(text, size):
     chunks = []
     start = 0
     while start < len(text):
         chunks.append(text[start:start + size])
         start += size
-    return chunks''',
+    return chunks""",
         "Add an `overlap` parameter (default 0): each chunk starts `size - overlap` characters "
         "after the previous one. Keep the rest as it is and show the whole function.",
     ),
     (
-        '''def load_settings(path):
+        """def load_settings(path):
     settings = {}
     with open(path) as f:
         for line in f:
@@ -99,22 +99,22 @@ _FUNCTIONS = (
                 continue
             key, value = line.split("=")
             settings[key.strip()] = value.strip()
-    return settings''',
+    return settings""",
         "Values may contain '=' themselves: split only on the first one. Show the corrected "
         "function.",
     ),
     (
-        '''def celsius_table(start, stop, step):
+        """def celsius_table(start, stop, step):
     rows = []
     for celsius in range(start, stop, step):
         fahrenheit = celsius * 9 / 5 + 32
         rows.append(f"{celsius:>4} C = {fahrenheit:>6.1f} F")
-    return "\\n".join(rows)''',
+    return "\\n".join(rows)""",
         "Add a docstring that explains the arguments and the returned text. Do not change the "
         "code; show the whole function.",
     ),
     (
-        '''def merge_intervals(intervals):
+        """def merge_intervals(intervals):
     intervals.sort()
     merged = [intervals[0]]
     for start, end in intervals[1:]:
@@ -123,7 +123,7 @@ _FUNCTIONS = (
             merged[-1] = (last_start, max(last_end, end))
         else:
             merged.append((start, end))
-    return merged''',
+    return merged""",
         "It fails on an empty list and sorts the caller's list in place. Fix both problems and "
         "show the whole function.",
     ),

@@ -451,9 +451,9 @@ def engine_run(
     """Greedy decoding of `refs` with the real engine (shared.engine) and one draft method;
     `int8`: the draft with int8 weights."""
     from shared.engine.drafting import Drafter
-    from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
+    from shared.values.sampling import SamplingParams
 
     target = load_model(target_dir, torch.float32)
     draft = load_model(draft_dir, torch.float32, target_path=target_dir, int8=int8)
@@ -523,7 +523,7 @@ def engine_by_kind(
     accepted tokens per target forward and whether outputs equal the target's greedy ones.
     Exact for every draft, a feature-level one included (whose deeper levels read its own
     predicted features, which no teacher-forced simulation reproduces)."""
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     rows = []
     kinds = sorted({r.kind for r in refs}, key=[*KINDS, "everyday"].index)
@@ -556,7 +556,7 @@ def engine_winners(
     """Which draft gives each request the lowest estimated latency with a chain of `chain`, from
     the real engine's per-request target forwards (exact for a feature-level draft too) times
     this machine's measured round cost at batch 1 (`iteration_seconds`)."""
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     forwards: dict[str, list[int]] = {}
     equal: dict[str, int] = {}
@@ -634,7 +634,7 @@ def engine_crosscheck(
     target_dir: Path, draft_dir: Path, refs: list[Reference], chain: int = 4
 ) -> dict:
     """The engine's chain decoding against the offline simulation (forward counts must agree)."""
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     result = engine_run(target_dir, draft_dir, refs, DraftMethod("chain", k=chain))
     ranks = teacher_forced_ranks(draft_dir, target_dir, refs)
@@ -649,7 +649,7 @@ def engine_trees(
     target_dir: Path, draft_dirs: dict[str, Path], refs: list[Reference]
 ) -> list[dict]:
     """Tree methods of shared.engine.drafting through the engine (greedy): mean accepted length."""
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     methods = {
         "chain k=4": DraftMethod("chain", k=4),

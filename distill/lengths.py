@@ -117,7 +117,7 @@ def generate(examples: list[Example], files: Answers, args: argparse.Namespace) 
     so an interrupted build resumes)."""
     from tqdm import tqdm
 
-    from shared.engine.sampling import SamplingParams
+    from shared.values.sampling import SamplingParams
 
     print(f"generating {len(examples)} answers (max_new_tokens={args.max_new_tokens})")
     engine = make_engine(args)

@@ -175,9 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tp > 1:
             from services.verifier.group import run_verifier_group
 
-            return run_verifier_group(
-                settings, url, tp, threads=args.threads, level=args.log_level
-            )
+            return run_verifier_group(settings, url, tp, threads=args.threads, level=args.log_level)
         return run_async(run(args, settings, url))
 
 

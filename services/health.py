@@ -106,4 +106,3 @@ def gateway_ready(settings: AugurySettings) -> bool:
             return int(answer.status) == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-

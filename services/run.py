@@ -44,10 +44,11 @@ from shared.model.cost_profiles import (
     ProfileChoice,
     choose_profile,
 )
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import committed_target
 from shared.model.profiling import fingerprint_of, profile_key
 from shared.model.runner import ModelRunner
-from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, ModelProfile
+from shared.scheduling.cost_model import ModelProfile
 from shared.scheduling.factory import TargetInfo
 from shared.settings import AugurySettings
 from shared.wire.streams import cell_prefix

@@ -17,11 +17,8 @@ from typing import Any
 import torch
 
 from shared.engine.drafting import Drafter
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.methods import DraftMethod
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
@@ -32,6 +29,9 @@ from shared.model.model_set import MODEL_SETS, SMOLLM2
 from shared.model.precision import check_target_dtype
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
+from shared.values.logprobs import TokenLogprobs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 DEFAULT_PROMPT = "Explain in a few sentences how a hash table works."
 M = DEFAULT_METHOD  # the CLI's defaults are the presets'

@@ -32,8 +32,6 @@ from transformers import (
 )
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import ContextLengthError, UnsupportedModelError
@@ -42,6 +40,8 @@ from shared.model.config import ModelConfig
 from shared.model.gguf import gguf_tensor_name
 from shared.model.gguf_header import GgufArray, read_gguf_header
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.helpers import requires_int8
 
 VOCAB = 96

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, sampling_params_from_options
 from shared.errors import (
     ContextLengthError,
     InvalidRequestError,
     OutOfKVMemoryError,
     UnsupportedOptionError,
 )
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, sampling_params_from_options
 from tests.test_engine_greedy import make_engine
 
 

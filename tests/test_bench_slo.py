@@ -144,7 +144,7 @@ def test_adaserve_replays_unpruned_beams(gpu: Machine, acceptance: AcceptanceMod
     0.2, cannot give AdaServe that."""
     from bench.sim.acceptance import beam_method
     from bench.slo.__main__ import BEAM_RECORDING
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     beams = AcceptanceModel.load(BEAM_RECORDING)
     assert beams.method == beam_method(8, 4) and beams.method.min_path_prob == 0.0

@@ -10,6 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared.model.profile_files import (
+    architecture_fingerprint,
+    find_profile,
+    fingerprint_of_checkpoint,
+    load_matching,
+)
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -17,10 +23,6 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
     ProfileMismatchError,
-    architecture_fingerprint,
-    find_profile,
-    fingerprint_of_checkpoint,
-    load_matching,
 )
 
 REPO = Path(__file__).resolve().parents[1]

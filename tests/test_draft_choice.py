@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -26,11 +24,13 @@ from shared.scheduling.draft_choice import (
     GoodputTable,
     GreedyByLength,
     Oracle,
-    make_chooser,
 )
+from shared.scheduling.factory import make_chooser
 from shared.scheduling.lbss import Lbss, max_weight_assignment
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.test_scheduler_core import (
     FakeKV,
     check_releases,
@@ -287,9 +287,9 @@ def test_a_dead_replica_moves_its_requests_and_the_bandit_keeps_its_statistics()
 
 
 def test_each_request_is_charged_its_own_share_of_the_step() -> None:
-    from shared.engine.tree import TokenTree
     from shared.scheduling.core import MicroBatch
     from shared.scheduling.cost_model import CostModel, CostProfile
+    from shared.values.tree import TokenTree
     from tests.test_micro_batches import curve
 
     # verifying costs 1 ms a token; drafting a forward costs 10 ms on "slow", 1 ms on "fast"
@@ -523,8 +523,8 @@ def test_without_a_foreseen_switch_the_partner_is_the_cheapest_other_draft() -> 
 
 
 def test_a_merged_step_teaches_the_current_draft_only_what_its_own_tree_achieved() -> None:
-    from shared.engine.tree import TokenTree, merge_trees
     from shared.scheduling.core import own_part
+    from shared.values.tree import TokenTree, merge_trees
     from tests.test_scheduler_core import FakeDrafters
 
     own = TokenTree.build([9, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.1])  # chain 1, 2

@@ -200,7 +200,7 @@ def test_draft_e_runtime_forward_equals_training_forward(model_set, draft_e):
 
 def test_draft_e_greedy_equals_target_and_accepts_inside_its_range(model_set, references, draft_e):
     from distill.evaluate import engine_run
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     row = engine_run(model_set.target, draft_e, references, DraftMethod("chain", k=4))
     assert row["outputs_equal_target_greedy"] == len(references)
@@ -219,7 +219,7 @@ def test_draft_e_with_int8_weights_keeps_greedy_output_and_acceptance(
     acceptance inside the fp32 draft's range (measured 2.10 against 2.10 on 24 prompts,
     docs/models.md)."""
     from distill.evaluate import engine_run
-    from shared.engine.methods import DraftMethod
+    from shared.values.methods import DraftMethod
 
     row = engine_run(model_set.target, draft_e, references, DraftMethod("chain", k=4), int8=True)
     assert row["outputs_equal_target_greedy"] == len(references)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.helpers import hf_greedy
 
 METHODS = {

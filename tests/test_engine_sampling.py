@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.engine import spec_engine
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, processed_probs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_engine_greedy import METHODS, make_engine

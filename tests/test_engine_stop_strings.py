@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
@@ -23,6 +21,8 @@ from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.model.smollm2 import ensure_smollm2
 from shared.text.detokenize import IncrementalDetokenizer
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import plain_greedy
 

@@ -18,13 +18,13 @@ from distill import train
 from distill.data import TopKCache
 from distill.model import DraftSpec, TrainableDraft, export_draft, load_trainable
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.scheduling.features import FeatureLog
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.test_draft_export import SPEC as EXPORT_SPEC
 
 # the shared-embedding draft of test_draft_export, made feature-level (head: the target's)

@@ -16,11 +16,11 @@ from openai import AsyncOpenAI
 from services.run import start_stack
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.sampling import SamplingParams
 from tests.test_services_openai import QUESTION, chat_prompt, free_port, wait_for_gateway
 from tests.test_services_support import make_settings
 

@@ -75,7 +75,8 @@ async def test_three_choices_share_choice_zeros_prefill(server: EmbeddedRedis) -
 
 
 async def test_without_prefix_caching_every_choice_goes_at_once(
-    server: EmbeddedRedis, tokenizer: Any  # noqa: F811
+    server: EmbeddedRedis,
+    tokenizer: Any,  # noqa: F811
 ) -> None:
     name = "no-prefix-n"
     settings = gateway_settings()

@@ -16,10 +16,10 @@ from openai import AsyncOpenAI
 
 from services.gateway.app import Gateway
 from shared.bus import Bus, Delivery, EmbeddedRedis, StreamConsumer
-from shared.engine.sampling import StructuredOutput
 from shared.grammar.spec import check_structured
 from shared.model.smollm2 import ensure_smollm2
 from shared.settings import AugurySettings, GatewaySettings, RedisSettings
+from shared.values.sampling import StructuredOutput
 from shared.wire import Cancel, FinishReason, Submit, Tokens
 from shared.wire.streams import SCHEDULER, requests_stream
 from tests.test_tool_calls import ADD, WEATHER

@@ -14,13 +14,14 @@ from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.runner import ModelRunner
-from shared.scheduling.cost_model import DEFAULT_PROFILES_DIR, CostModel, CostProfile
+from shared.scheduling.cost_model import CostModel, CostProfile
+from shared.values.sampling import SamplingParams
 
 PROFILE = "SmolLM2-135M-Instruct-cpu-amd-epyc-float32-t2-int8-drafts.json"
 KV_BYTES = 64 << 20

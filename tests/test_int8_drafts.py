@@ -12,8 +12,6 @@ import torch.nn.functional as F
 
 from services.runtime import load_runner
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -21,6 +19,8 @@ from shared.model.profiling import profile_key
 from shared.model.quantized import Int8Linear, uses_int8
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.settings import EngineSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.helpers import requires_int8
 
 pytestmark = requires_int8

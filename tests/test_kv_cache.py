@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
 from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 
 def fresh_prefill_kv(model, tokens):

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.scheduling.factory import make_policy
 from shared.scheduling.laps import LAPSSD, LAS, LPSJF, OracleLength
-from shared.scheduling.ordering import PolicyContext, make_policy
+from shared.scheduling.ordering import PolicyContext
 from shared.scheduling.request import RequestState
 from shared.settings import LapsSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.test_engine_greedy import make_engine
 from tests.test_scheduler_core import (
     FakeKV,

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.engine.sampling import SamplingParams
 from shared.scheduling.lengths import (
     DEFAULT_PATH,
     RECIPE_VERSION,
@@ -25,6 +24,7 @@ from shared.scheduling.lengths import (
     spearman,
 )
 from shared.scheduling.request import RequestState
+from shared.values.sampling import SamplingParams
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 512) -> RequestState:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.engine.methods import DraftMethod
 from shared.scheduling.core import CoreConfig, SchedulerCore
 from shared.scheduling.cost_model import (
     CostModel,
@@ -15,6 +14,7 @@ from shared.scheduling.cost_model import (
     ProfileKey,
 )
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, cycle_ms
+from shared.values.methods import DraftMethod
 from tests.test_scheduler_core import FakeKV, executor, greedy, make_request
 
 H100 = (

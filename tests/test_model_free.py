@@ -12,7 +12,6 @@ import pytest
 
 from shared.engine.model_free import (
     MODEL_FREE_KINDS,
-    MODEL_FREE_METHOD,
     AppCaches,
     ModelFreeDrafter,
     NgramSettings,
@@ -21,13 +20,13 @@ from shared.engine.model_free import (
     SuffixProposer,
     SuffixSettings,
     TreeLimits,
-    counterfactual_accepted,
     ngram_matches,
     propose_ngram,
 )
-from shared.engine.sampling import SamplingParams as Params
-from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.model.model_set import MODEL_FREE_DRAFT_NAMES
+from shared.values.methods import MODEL_FREE_METHOD
+from shared.values.sampling import SamplingParams as Params
+from shared.values.tree import DETERMINISTIC, TokenTree, counterfactual_accepted
 from shared.wire.steps import DraftRequest
 
 WIDE = TreeLimits(max_depth=8, max_nodes=32, max_children=4)
@@ -212,7 +211,8 @@ def test_counterfactual_accepted_follows_the_committed_tokens():
 
 
 def test_counterfactual_chooser_takes_the_copy_while_it_scores_at_least_the_model():
-    from shared.scheduling.draft_choice import DraftOutcome, make_chooser
+    from shared.scheduling.draft_choice import DraftOutcome
+    from shared.scheduling.factory import make_chooser
     from shared.scheduling.request import RequestState
 
     chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])

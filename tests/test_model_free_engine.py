@@ -12,13 +12,14 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter, counterfactual_accepted
-from shared.engine.sampling import SamplingParams, processed_probs
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, processed_probs
+from shared.values.tree import counterfactual_accepted
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 

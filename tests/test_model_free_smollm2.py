@@ -7,14 +7,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.workloads import conversation_ids, workload_messages
-from shared.engine.methods import DraftMethod
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import target_dir
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from services.gateway.body import APIError, parse_generation
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from shared.wire import DraftJob, DraftRequest, Submit, decode_entry
+from shared.wire.steps import draft_request_payload
 
 GREEDY = SamplingParams(max_tokens=8)
 
@@ -56,6 +57,8 @@ def test_submit_and_draft_request_carry_the_key_only_when_set():
     job = DraftJob(1, (DraftRequest("r", 0, 0, (1, 2), DraftMethod(), GREEDY, 0, app="sql"),))
     back = decode_entry(job.to_entry())
     assert isinstance(back, DraftJob) and back.entries[0].app == "sql"
-    assert "app" not in DraftRequest("r", 0, 0, (1,), DraftMethod(), GREEDY, 0).payload()
+    assert "app" not in draft_request_payload(
+        DraftRequest("r", 0, 0, (1,), DraftMethod(), GREEDY, 0)
+    )
     with pytest.raises(ValueError):
         DraftRequest("r", 0, 0, (1,), DraftMethod(), GREEDY, 0, app="x" * 129)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from shared.engine.sampling import SamplingParams
 from shared.model import load_model, qwen_coder
 from shared.model.model_set import MODEL_SETS, model_set_drafts, model_set_target
 from shared.settings import SettingsError, load_settings
+from shared.values.sampling import SamplingParams
 from tests.test_architectures import BASE, make_engine, random_model, write_gguf
 
 

@@ -12,13 +12,13 @@ from transformers import LlamaConfig, Qwen3Config
 
 from services.runtime import load_runner
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model, precision
 from shared.model.runner import ModelRunner
 from shared.settings import EngineSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from tests.test_architectures import PROMPTS, save_checkpoint
 
 requires_bf16_cpu = pytest.mark.skipif(

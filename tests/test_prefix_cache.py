@@ -12,8 +12,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, processed_probs
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
@@ -21,6 +19,8 @@ from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator, block_bytes
 from shared.model.prefix_cache import PrefixCache, block_hashes
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
@@ -359,7 +359,6 @@ def exact_joint_of(target_dir, prompt, params: SamplingParams) -> dict[tuple[int
     return joint
 
 
-
 def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
     """Requests whose prompt's first blocks come from the cache (the target's and the draft's)
     sample the target's distribution: chi-square against the exact joint of 3 tokens."""
@@ -409,9 +408,7 @@ def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
     params = SamplingParams(max_tokens=12)
     accepted = {}
     for caching in (False, True):
-        target = ModelRunner(
-            load_model(tiny_target_dir), block_size=BLOCK, kv_memory_bytes=2 << 20
-        )
+        target = ModelRunner(load_model(tiny_target_dir), block_size=BLOCK, kv_memory_bytes=2 << 20)
         model = load_model(feature_draft_dir, target_path=tiny_target_dir)
         draft = ModelRunner(
             model, block_size=BLOCK, kv_memory_bytes=1 << 20, prefix_caching=caching

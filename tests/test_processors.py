@@ -19,18 +19,24 @@ from transformers import LlamaForCausalLM
 
 from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.methods import DraftMethod
 from shared.engine.processors import process_logits
-from shared.engine.sampling import SamplingParams, TokenHistory, processed_probs, token_history
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.logprobs import TokenLogprobs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, TokenHistory, processed_probs, token_history
+from shared.values.steps import VerifiedRequest, VerifyRequest
 from shared.wire.codec import PayloadReader
 from shared.wire.requests import Tokens
-from shared.wire.steps import VerifiedRequest, VerifyRequest
+from shared.wire.steps import (
+    read_verified_request,
+    read_verify_request,
+    verified_request_payload,
+    verify_request_payload,
+)
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
@@ -195,19 +201,19 @@ def test_new_fields_survive_the_wire():
     )
     history = TokenHistory(output_len=3, output=(4, 4, 5), prompt=(1, 2), end_ids=(0,))
     entry = VerifyRequest("r", 1, params, 3, 6, chunk=(1, 2), history=history)
-    again = VerifyRequest.from_payload(PayloadReader(entry.payload(), "entry"))
+    again = read_verify_request(PayloadReader(verify_request_payload(entry), "entry"))
     assert again.sampling == params and again.history == history
     lps = TokenLogprobs((-0.5, -1.0), ((4, 2), (5, 1)), ((-0.5, -1.5), (-1.0, -2.0)))
     done = VerifiedRequest("r", 1, accepted=(4,), bonus=5, logprobs=lps)
-    assert VerifiedRequest.from_payload(PayloadReader(done.payload(), "v")) == done
+    assert read_verified_request(PayloadReader(verified_request_payload(done), "v")) == done
     tokens = Tokens("r", 1, 0, (4, 5), logprobs=lps)
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).logprobs == lps
     bare = TokenLogprobs((-0.5,), ((),), ((),))  # logprobs: 0
     tokens = Tokens("r", 1, 0, (4,), logprobs=bare)
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).logprobs == bare
     plain = VerifyRequest("r", 1, SamplingParams(), 3, 6, chunk=(1,))
-    assert "history" not in plain.payload()
-    assert set(plain.payload()["sampling"]) == {
+    assert "history" not in verify_request_payload(plain)
+    assert set(verify_request_payload(plain)["sampling"]) == {
         "temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos"
     }  # fmt: skip
 
@@ -356,9 +362,7 @@ def test_logprobs_equal_transformers_with_and_without_speculation(
         for got in (a.logprobs, b.logprobs, c.logprobs):
             assert got is not None and len(got) == len(a.output)
             chosen = want.gather(1, torch.tensor(a.output)[:, None])[:, 0]
-            torch.testing.assert_close(
-                torch.tensor(got.logprobs), chosen, rtol=0, atol=1e-4
-            )
+            torch.testing.assert_close(torch.tensor(got.logprobs), chosen, rtol=0, atol=1e-4)
             top = want.topk(num_top, -1) if num_top else None
             for i in range(len(got)):
                 assert len(got.top_ids[i]) == num_top
@@ -426,7 +430,7 @@ def test_coupled_drafts_are_accepted_when_the_draft_is_the_target(tiny_target_di
 
 
 def test_gumbel_noise_depends_on_seed_and_position_only():
-    from shared.engine.sampling import gumbel_noise
+    from shared.values.sampling import gumbel_noise
 
     a = gumbel_noise(7, 3, 50)
     assert np.array_equal(a, gumbel_noise(7, 3, 50))

@@ -21,10 +21,10 @@ from services.runtime import load_runner
 from shared.bus import Bus, EmbeddedRedis
 from shared.bus.profiles import TARGET, draft_role, read_profile_statuses, read_profiles
 from shared.model.cost_profiles import MEASURED, STORED, SUSPECT, choose_profile
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import check_profile, combine, committed_target
 from shared.model.profiling import profile_key
 from shared.scheduling.cost_model import (
-    DEFAULT_PROFILES_DIR,
     CostProfile,
     ForwardCurve,
     ModelProfile,
@@ -191,8 +191,10 @@ def test_a_draft_that_stays_suspect_is_neither_cached_nor_published(
             choice = await publish_own_profile(
                 stack, bus, draft_runner, "draft-m", draft_role("draft-m")
             )
-            return choice, await read_profiles(bus, "trust"), await read_profile_statuses(
-                bus, "trust"
+            return (
+                choice,
+                await read_profiles(bus, "trust"),
+                await read_profile_statuses(bus, "trust"),
             )
         finally:
             await bus.close()

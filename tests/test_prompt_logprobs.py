@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling import SamplingParams
+from shared.values.logprobs import TokenLogprobs
+from shared.values.sampling import SamplingParams
+from shared.values.steps import VerifiedRequest
 from shared.wire.codec import PayloadReader
 from shared.wire.requests import Tokens
-from shared.wire.steps import VerifiedRequest
+from shared.wire.steps import read_verified_request, verified_request_payload
 from shared.wire.values import read_sampling, sampling_payload
 from tests.test_processors import METHODS, engine_for
 
@@ -47,7 +48,10 @@ def test_prompt_logprobs_equal_transformers_in_every_chunk(
     params = SamplingParams(max_tokens=6, prompt_logprobs=3)
     if speculate:
         engine = engine_for(
-            tiny_target_dir, tiny_draft_dir, METHODS["static"], planner="fixed",
+            tiny_target_dir,
+            tiny_draft_dir,
+            METHODS["static"],
+            planner="fixed",
             max_tokens_per_step=8,
         )
     else:
@@ -75,7 +79,7 @@ def test_prompt_logprobs_survive_the_wire():
     params = SamplingParams(max_tokens=3, prompt_logprobs=1)
     assert read_sampling(PayloadReader(sampling_payload(params), "s")) == params
     done = VerifiedRequest("r", 0, bonus=5, prompt_logprobs=lps)
-    back = VerifiedRequest.from_payload(PayloadReader(done.payload(), "v"))
+    back = read_verified_request(PayloadReader(verified_request_payload(done), "v"))
     assert back.prompt_logprobs == lps
     tokens = Tokens("r", 0, 0, (5,), prompt_logprobs=lps)
     assert Tokens.from_payload(PayloadReader(tokens.payload(), "t")).prompt_logprobs == lps

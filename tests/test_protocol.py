@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import SparseDist, TokenTree
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from shared.values.tree import SparseDist, TokenTree
 from shared.wire import (
     SCHEMA_VERSION,
     Cancel,

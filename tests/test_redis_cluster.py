@@ -22,7 +22,6 @@ from services.gateway.app import Gateway
 from services.gateway.cells import CellRouter, RoutingRules, affinity_order
 from shared.bus import Bus, Delivery, Heartbeater, StreamConsumer, live_replicas
 from shared.bus.cell_stats import QueueTimes, publish_scheduler_stats
-from shared.engine.sampling import SamplingParams
 from shared.settings import (
     AugurySettings,
     GatewaySettings,
@@ -30,6 +29,7 @@ from shared.settings import (
     SettingsError,
     load_settings,
 )
+from shared.values.sampling import SamplingParams
 from shared.wire import Cancel, Submit, decode_entry
 from shared.wire.streams import (
     GATEWAY,

@@ -36,8 +36,8 @@ from services.gateway.recording import Recorder
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import Bus, EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.settings import GatewaySettings, RedisSettings
+from shared.values.sampling import SamplingParams
 from shared.wire.streams import recorded_stream
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import make_settings
@@ -551,8 +551,10 @@ async def test_the_docs_synth_trace_replays_and_failures_exit_1_counted_by_reaso
     # a trace class the server does not know, without an objective in ms: a 400 per request
     unknown = write_jsonl(
         tmp_path / "unknown.jsonl",
-        [{"timestamp": 10 * i, "output_length": 3, "prompt": "Hi", "slo_class": "nope"}
-         for i in range(3)],  # fmt: skip
+        [
+            {"timestamp": 10 * i, "output_length": 3, "prompt": "Hi", "slo_class": "nope"}
+            for i in range(3)
+        ],  # fmt: skip
     )
     async with serving(server, models, "docs") as (_, base):
         # and its replay command (the server's classes know neither tight nor loose)

@@ -10,8 +10,8 @@ import pytest
 
 from bench.load.compare import compare
 from bench.load.plots import throughput_series
-from bench.load.records import RequestRecord
-from bench.load.report import itls_ms, load_records, stats, summarize, write_report
+from bench.load.records import RequestRecord, itls_ms
+from bench.load.report import load_records, stats, summarize, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.sampling import SamplingParams, processed_probs, sample
-from shared.engine.tree import SparseDist, TokenTree, merge_trees
 from shared.engine.verification import verify_stochastic
+from shared.values.sampling import SamplingParams, processed_probs, sample
+from shared.values.tree import SparseDist, TokenTree, merge_trees
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
 V = 5

@@ -20,9 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.engine.methods import DraftMethod, tree_capacity
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import SparseDist, TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.core import (
     CoreConfig,
@@ -39,11 +36,15 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
 )
-from shared.scheduling.draft_choice import FixedDraftModel, make_chooser
-from shared.scheduling.ordering import FCFS, PolicyContext, make_policy
+from shared.scheduling.draft_choice import FixedDraftModel
+from shared.scheduling.factory import make_chooser, make_policy, make_selector
+from shared.scheduling.ordering import FCFS, PolicyContext
 from shared.scheduling.replicas import LeastLoadedSticky, make_matcher
 from shared.scheduling.request import RequestState, append_tokens
-from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext, make_selector
+from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext
+from shared.values.methods import DraftMethod, tree_capacity
+from shared.values.sampling import SamplingParams
+from shared.values.tree import SparseDist, TokenTree
 
 VOCAB = 97
 

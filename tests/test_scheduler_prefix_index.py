@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from services.scheduler.service import verify_entries
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
@@ -24,6 +23,7 @@ from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
 from shared.settings import AugurySettings
+from shared.values.sampling import SamplingParams
 from tests.test_services_support import plain_greedy
 
 BLOCK = 4

@@ -23,9 +23,9 @@ from services.scheduler.store import (
 )
 from shared.bus import Bus, EmbeddedRedis
 from shared.bus.lease import Lease
-from shared.engine.sampling import SamplingParams
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.settings import RedisSettings
+from shared.values.sampling import SamplingParams
 from shared.wire import Submit, Tokens, decode_entry
 from shared.wire.codec import pack_ints
 from shared.wire.streams import scheduler_accepted_key, scheduler_output_key

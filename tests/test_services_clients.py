@@ -22,8 +22,8 @@ from services.gateway.choices import choice_seed
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.scheduling.request import RequestState
+from shared.values.sampling import SamplingParams
 from tests.test_engine_stop_strings import stop_inside_a_step, worded_checkpoint
 from tests.test_services_openai import free_port, wait_for_gateway
 from tests.test_services_support import make_settings, plain_greedy, until

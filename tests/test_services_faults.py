@@ -8,9 +8,9 @@ import pytest
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import TokenTree
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from shared.values.tree import TokenTree
 from shared.wire import (
     DraftJob,
     DraftRequest,

@@ -16,8 +16,8 @@ from services.drafter.service import DrafterService
 from services.run import Stack
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 from shared.wire import CandidateTrees, DraftJob, DraftRequest, FinishReason
 from tests.test_feature_draft import (  # noqa: F401  (feature_draft_dir: a fixture)
     SPEC,

@@ -13,7 +13,7 @@ import pytest
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
 from shared.bus.preemptions import read_preemptions
-from shared.engine.sampling import SamplingParams
+from shared.values.sampling import SamplingParams
 from shared.wire import FinishReason
 from tests.test_services_support import Client, Outcome, plain_greedy, running
 

@@ -11,7 +11,7 @@ import pytest
 from services.drafter.model_free import ModelFreeDrafterService
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
+from shared.values.sampling import SamplingParams
 from tests.test_model_free_engine import COPY_PROMPTS, FLOOR
 from tests.test_services_support import plain_greedy, running
 

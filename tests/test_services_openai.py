@@ -16,8 +16,8 @@ from openai import AsyncOpenAI
 from services.run import start_stack
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.model.model_set import draft_dirs
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import describe, make_settings, plain_greedy
 

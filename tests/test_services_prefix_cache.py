@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 from services.run import start_stack, start_verifier
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
+from shared.values.sampling import SamplingParams
 from shared.wire import Tokens
 from tests.test_services_openai import (  # noqa: F401  (smollm2_models: a fixture)
     QUESTION,
@@ -103,9 +103,10 @@ async def test_a_conversation_reuses_its_history_through_restarts(
 
         await drafter._thread.run(lose_state)
         await client.wait(["t4"], timeout_s=120)
-        assert client.outcomes["t4"].tokens == plain_greedy(
-            tiny_target_dir, [history], [long_params]
-        )[0]
+        assert (
+            client.outcomes["t4"].tokens
+            == plain_greedy(tiny_target_dir, [history], [long_params])[0]
+        )
         assert fresh.runner.cache.prefix.hits > 0  # the restarted verifier's cache fills again
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import EmbeddedRedis, live_replicas
-from shared.engine.sampling import SamplingParams
+from shared.values.sampling import SamplingParams
 from shared.wire.streams import (
     DRAFTER,
     scheduler_lease_key,

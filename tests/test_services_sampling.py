@@ -12,11 +12,11 @@ import torch
 
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.sampling import SamplingParams
 from tests.test_services_support import Client, running
 
 pytestmark = pytest.mark.anyio

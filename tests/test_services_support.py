@@ -20,13 +20,13 @@ from typing import Any
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths
 from shared.bus import Bus, Heartbeater
-from shared.engine.logprobs import EMPTY, TokenLogprobs
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.settings import AugurySettings, RedisSettings
+from shared.values.logprobs import EMPTY, TokenLogprobs
+from shared.values.sampling import SamplingParams
 from shared.wire import Cancel, FinishReason, RequestError, Submit, Tokens, decode_entry
 from shared.wire.streams import GATEWAY, output_stream, requests_stream
 

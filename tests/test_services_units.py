@@ -9,12 +9,12 @@ import asyncio
 import pytest
 
 from services.scheduler.replies import Replies
-from shared.engine.methods import DraftMethod
 from shared.engine.presets import DEFAULT_METHOD
 from shared.scheduling.factory import TargetInfo, build_core, method_from_settings
 from shared.scheduling.ordering import FCFS
 from shared.scheduling.tree_selection import GlobalGreedy
 from shared.settings import AugurySettings, SpeculationSettings
+from shared.values.methods import DraftMethod
 
 
 def test_method_from_settings_maps_each_method() -> None:

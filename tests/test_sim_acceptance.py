@@ -10,7 +10,6 @@ import pytest
 
 from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
-from shared.engine.methods import DraftMethod
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -19,6 +18,7 @@ from shared.scheduling.cost_model import (
     ProfileKey,
 )
 from shared.scheduling.request import RequestState
+from shared.values.methods import DraftMethod
 
 RECORDING = Path(__file__).resolve().parent.parent / "profiles"
 RECORDING /= "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"

@@ -11,8 +11,6 @@ import pytest
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session, accepted_node
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -20,6 +18,8 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
 )
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 
 VERIFY_MS = 10.0
 DRAFT_MS = 1.0

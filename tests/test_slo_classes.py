@@ -14,7 +14,6 @@ from services.gateway.body import APIError, parse_generation
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
 from shared.bus.profiles import TARGET, publish_profile
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
@@ -23,6 +22,7 @@ from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import CostModel, CostProfile, ForwardCurve, ModelProfile
 from shared.scheduling.slo_classes import baseline_latency_ms, effective_class, resolve_tpot_slo
 from shared.settings import SloSettings
+from shared.values.sampling import SamplingParams
 from tests.test_cost_model import key
 from tests.test_replay import MODEL, models, post, serving, stream_events
 from tests.test_services_support import until

@@ -9,9 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import TokenTree
+from shared.scheduling.factory import make_selector
 from shared.scheduling.request import RequestState
 from shared.scheduling.slo import (
     SPECINFER_EXPANSION,
@@ -23,8 +21,11 @@ from shared.scheduling.slo import (
     acceptance_target,
     beam_shape,
 )
-from shared.scheduling.tree_selection import SELECTORS, SelectionContext, make_selector
+from shared.scheduling.tree_selection import SELECTORS, SelectionContext
 from shared.settings import SloSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from shared.values.tree import TokenTree
 
 
 def state(rid: str, *, slo: float | None, emitted: int = 5, first_s: float = 10.0) -> RequestState:

@@ -8,13 +8,13 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import draft_dirs, target_dir
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

@@ -10,8 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
 from shared.scheduling.core import CoreConfig, SchedulerCore
 from shared.scheduling.cost_model import (
     CostModel,
@@ -29,6 +27,8 @@ from shared.scheduling.speculation import (
     plan_depths,
     select_by_goodput,
 )
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 from tests.test_scheduler_core import VOCAB, FakeKV, cost_model, executor, make_request
 
 CHAIN = DraftMethod("chain", k=4)

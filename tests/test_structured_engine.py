@@ -20,14 +20,14 @@ from transformers import LlamaForCausalLM
 
 from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, StructuredOutput, processed_probs
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.grammar.matcher import GrammarBook
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, StructuredOutput, processed_probs
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 

@@ -11,13 +11,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams, StructuredOutput
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import draft_dirs, target_dir
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.smollm2
 

@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 from services.run import Stack, start_drafter, start_scheduler
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
-from shared.engine.sampling import SamplingParams
 from shared.errors import UnsupportedModelError
 from shared.model import load_model
 from shared.model.config import ModelConfig
+from shared.model.profile_files import architecture_fingerprint
 from shared.model.profiling import measure_curve, profile_key
 from shared.model.rank_group import (
     GROUP_FAILED_EXIT,
@@ -39,7 +39,7 @@ from shared.model.rank_group import (
 )
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import check_shardable, shard_bounds, valid_sizes
-from shared.scheduling.cost_model import architecture_fingerprint
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_processes import LOGS, launch, log_tail, processes, service_env, stop
 from tests.test_services_support import NO_PROFILES, Client, make_settings, plain_greedy
@@ -56,6 +56,7 @@ RUNNER = {"block_size": 4, "kv_memory_bytes": 8 << 20}
 def _steps(vocab: int) -> list[tuple[str, object]]:
     """The runner calls of a verifier's life, the same on both sides: prefill chunks of two
     requests, a tree beside a chunk, commits of a tree path, decode steps, a swap out and in."""
+
     def ids(seed: int, n: int) -> list[int]:
         return [(seed * 31 + 7 * i) % vocab for i in range(n)]
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kernels.attention_metadata import unpack_mask_bits
 from kernels.reference import commit_kv_reference
-from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree, ancestor_bitmask, merge_trees
+from shared.values.tree import DETERMINISTIC, SparseDist, TokenTree, ancestor_bitmask, merge_trees
 
 
 @st.composite

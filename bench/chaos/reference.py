@@ -19,11 +19,11 @@ BLOCK_SIZE = 16
 
 def plain_greedy_ids(target: Path, requests: Sequence[ChaosRequest]) -> list[list[int]]:
     """Each request's output token ids (greedy, `max_tokens` of them, EOS ignored)."""
-    from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.runner import ModelRunner
+    from shared.values.sampling import SamplingParams
 
     runner = ModelRunner(load_model(target), block_size=BLOCK_SIZE, kv_memory_bytes=KV_MEMORY_BYTES)
     engine = SpecEngine(Verifier(runner), eos_token_ids=runner.cfg.eos_token_ids)

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.load.records import tpot_ms
 from bench.load.report import (
     RECORDS_JSONL,
     fmt,
     load_records,
     load_report,
     pct,
-    tpot_ms,
 )
 
 COMPARE_MD = "compare.md"

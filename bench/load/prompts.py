@@ -214,9 +214,7 @@ def _check_synthesis(
     slo_classes: Sequence[tuple[str, float]],
 ) -> None:
     if not kinds or any(kind not in TRACE_KINDS for kind in kinds):
-        raise ValueError(
-            f"kinds must be a non-empty selection of {TRACE_KINDS}, got {list(kinds)}"
-        )
+        raise ValueError(f"kinds must be a non-empty selection of {TRACE_KINDS}, got {list(kinds)}")
     fixed_text = [k for k in kinds if k not in KINDS]
     if fixed_text and (input_length is not None or input_range is not None):
         raise ValueError(f"{fixed_text} have no text to cut to an input length: drop it")

@@ -26,69 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from bench.load.records import RequestRecord
+from bench.load.records import (
+    NO_GROUP,
+    RequestRecord,
+    e2e_s,
+    itls_ms,
+    meets_slo,
+    tpot_ms,
+    ttft_s,
+)
 
 PERCENTILES = (50, 90, 99)
-NO_GROUP = "none"  # the per_class / per_kind key of requests without a class / kind
 REPORT_JSON = "report.json"
 RECORDS_JSONL = "records.jsonl"
 REPORT_MD = "report.md"
 MAX_REASON_CHARS = 200
-
-
-# --- per-request quantities ---------------------------------------------------------------
-
-
-def ttft_s(record: RequestRecord) -> float | None:
-    """Time to first token; None unless the request completed."""
-    if not record.is_completed or record.first_token_s is None:
-        return None
-    return record.first_token_s - record.arrival_s
-
-
-def tpot_ms(record: RequestRecord) -> float | None:
-    """Time per output token after the first (ms); None unless completed with > 1 token."""
-    if not record.is_completed or record.first_token_s is None or record.num_output_tokens < 2:
-        return None
-    assert record.finish_s is not None
-    return 1000.0 * (record.finish_s - record.first_token_s) / (record.num_output_tokens - 1)
-
-
-def e2e_s(record: RequestRecord) -> float | None:
-    """End-to-end latency, arrival to the last byte; None unless the request completed."""
-    if not record.is_completed:
-        return None
-    assert record.finish_s is not None
-    return record.finish_s - record.arrival_s
-
-
-def itls_ms(record: RequestRecord) -> list[float]:
-    """Inter-token latencies (ms) of a completed request, one value per token after the first chunk.
-
-    vLLM records one ITL per streamed chunk; here a chunk that carried n tokens (speculative
-    decoding delivers several at once) contributes its gap to the previous chunk n times, divided
-    by n, so every token weighs the same and the mean ITL matches TPOT when the first chunk holds
-    one token. The first chunk's tokens are covered by TTFT; chunks without tokens are skipped.
-    """
-    if not record.is_completed:
-        return []
-    chunks = [(t, n) for t, n in record.chunks if n > 0]
-    out: list[float] = []
-    for (prev_t, _), (t, n) in zip(chunks, chunks[1:], strict=False):
-        out.extend([1000.0 * (t - prev_t) / n] * n)
-    return out
-
-
-def meets_slo(record: RequestRecord) -> bool:
-    """Whether the request completed within its TPOT objective.
-
-    Failed requests miss; a completed request without an objective, or with a single output token
-    (no TPOT), meets it.
-    """
-    if not record.is_completed:
-        return False
-    tpot = tpot_ms(record)
-    return record.tpot_slo_ms is None or tpot is None or tpot <= record.tpot_slo_ms
 
 
 # --- aggregation --------------------------------------------------------------------------

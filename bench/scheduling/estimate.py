@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.scheduling.workloads import MAX_TOKENS, Labelled, draw, pool
-from shared.engine.sampling import SamplingParams
 from shared.scheduling.laps import LAPSSD, OracleLength, remaining_tokens
 from shared.scheduling.lengths import LearnedLength
 from shared.scheduling.ordering import PolicyContext
 from shared.settings import LapsSettings
+from shared.values.sampling import SamplingParams
 
 
 def serve(

@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 
 FORMAT_VERSION = 1
 TOKEN_BASE = 16  # node i of a recorded tree is token TOKEN_BASE + i in the simulator
@@ -399,12 +399,12 @@ def record(
     from shared.datasets import eval_prompts
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
-    from shared.engine.sampling import SamplingParams
     from shared.engine.spec_engine import EngineConfig, SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.model_set import all_draft_dirs, target_dir
     from shared.model.runner import ModelRunner
+    from shared.values.sampling import SamplingParams
 
     method = method or DEFAULT_METHOD
     tdir = target_dir()

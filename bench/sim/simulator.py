@@ -34,9 +34,6 @@ from dataclasses import dataclass, field
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, Session
 from bench.sim.prefix import hashed_prompt
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
-from shared.engine.tree import TokenTree
 from shared.scheduling.core import (
     CoreConfig,
     MicroBatch,
@@ -46,12 +43,13 @@ from shared.scheduling.core import (
     mean_context,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.ordering import make_policy
+from shared.scheduling.factory import make_chooser, make_policy, make_selector
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
-from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from shared.values.tree import TokenTree
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2

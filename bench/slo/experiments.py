@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.load.records import RequestRecord
-from bench.load.report import meets_slo, run_duration_s
+from bench.load.records import RequestRecord, meets_slo
+from bench.load.report import run_duration_s
 from bench.scheduling.experiments import Machine
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, Simulator, step_overhead_ms

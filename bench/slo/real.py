@@ -52,8 +52,7 @@ from typing import Any
 
 from scipy import stats
 
-from bench.load.records import RequestRecord
-from bench.load.report import tpot_ms
+from bench.load.records import RequestRecord, tpot_ms
 from bench.scheduling.real import REDIS_URL, Served, replay_and_read, running
 from bench.sim.acceptance import AcceptanceModel
 from bench.slo.workloads import CLASSES, Mix, SloRequest, Workload, trace_requests

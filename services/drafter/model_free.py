@@ -12,8 +12,8 @@ from __future__ import annotations
 from services.drafter.service import DrafterService, DrafterStats
 from services.model_service import ModelService
 from shared.bus import Bus
-from shared.engine.methods import DraftMethod
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
+from shared.values.methods import DraftMethod
 from shared.wire import DraftedTree, DraftRequest
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from services.model_service import ModelService
 from shared.bus import Bus
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod, tree_capacity
 from shared.model.runner import ModelRunner
+from shared.values.methods import DraftMethod, tree_capacity
 from shared.wire import CandidateTrees, DraftedTree, DraftJob, DraftRequest
 from shared.wire.streams import DRAFTER, candidates_stream, draft_stream
 

@@ -49,9 +49,9 @@ from shared.bus import Bus
 from shared.bus.cell_stats import read_cell_stats
 from shared.bus.preemptions import read_preemptions
 from shared.bus.profiles import read_profile_statuses, read_profiles
-from shared.engine.sampling import SamplingParams
 from shared.settings import AugurySettings
 from shared.text.tool_calls import ToolCallParser
+from shared.values.sampling import SamplingParams
 from shared.wire import Cancel, FinishReason, Submit, Tokens
 from shared.wire.streams import requests_stream
 

@@ -47,16 +47,16 @@ from services.gateway.errors import APIError, bad_request
 from services.gateway.messages import parse_conversation, turns_for_recording
 from services.gateway.structured import parse_structured
 from services.gateway.tools import Tools, call_constraint, parse_tools
-from shared.engine.sampling import (
+from shared.errors import InvalidRequestError, UnsupportedOptionError
+from shared.settings import SloSettings
+from shared.text.chat_template import render_chat, template_features
+from shared.values.sampling import (
     MAX_BIAS,
     MAX_LOGPROBS,
     SamplingParams,
     StructuredOutput,
     refuse_unsupported,
 )
-from shared.errors import InvalidRequestError, UnsupportedOptionError
-from shared.settings import SloSettings
-from shared.text.chat_template import render_chat, template_features
 from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
 __all__ = ["APIError", "GenerationRequest", "Tokenizer", "bad_request", "parse_generation"]

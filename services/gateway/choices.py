@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from services.gateway.body import GenerationRequest, Tokenizer
 from services.gateway.progress import Progress
-from shared.engine.sampling import SEED_BITS, SamplingParams
 from shared.text.stop_strings import OutputText
+from shared.values.sampling import SEED_BITS, SamplingParams
 from shared.wire import RequestError, Tokens
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """Log-probabilities as OpenAI's two APIs show them.
 
 The values are the target's raw log-probabilities (before temperature, penalties and filters)
-that the verifier read from the forward that verified each token (`shared.engine.logprobs`).
+that the verifier read from the forward that verified each token (`shared.values.logprobs`).
 Each token's text is its own decoding; `bytes` are that text's UTF-8 bytes.
 
 Chat: `choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token,
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.gateway.body import Tokenizer
-from shared.engine.logprobs import TokenLogprobs
+from shared.values.logprobs import TokenLogprobs
 
 
 def _text(tokenizer: Tokenizer, token: int) -> str:

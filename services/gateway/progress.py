@@ -10,9 +10,9 @@ from typing import Any
 
 from services.gateway.body import APIError
 from services.gateway.metrics import GatewayMetrics
-from shared.engine.logprobs import EMPTY, TokenLogprobs
 from shared.scheduling.slo_classes import CUSTOM_CLASS
 from shared.text.stop_strings import OutputText
+from shared.values.logprobs import EMPTY, TokenLogprobs
 from shared.wire import FinishReason, RequestError, Tokens
 
 # How the scheduler's error codes answer over HTTP.

@@ -26,8 +26,8 @@ from typing import Any
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from services.gateway.errors import bad_request
-from shared.engine.sampling import StructuredOutput
 from shared.errors import InvalidRequestError
+from shared.values.sampling import StructuredOutput
 
 GUIDED_KINDS = {
     "guided_json": "json_schema",

@@ -20,9 +20,9 @@ import jsonschema
 from jsonschema.exceptions import SchemaError
 
 from services.gateway.errors import bad_request
-from shared.engine.sampling import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
 from shared.errors import InvalidRequestError
 from shared.text.tool_calls import HERMES, LLAMA3_JSON
+from shared.values.sampling import MAX_STRUCTURED_SPEC_CHARS, StructuredOutput
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit

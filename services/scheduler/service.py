@@ -46,8 +46,6 @@ from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsum
 from shared.bus.cell_stats import QueueTimes, publish_forever, publish_scheduler_stats
 from shared.bus.lease import Lease
 from shared.bus.preemptions import add_preemptions
-from shared.engine.sampling import SEED_BITS
-from shared.engine.tree import TokenTree
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.core import (
     MicroBatch,
@@ -63,6 +61,8 @@ from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.settings import AugurySettings
+from shared.values.sampling import SEED_BITS
+from shared.values.tree import TokenTree
 from shared.wire import (
     Cancel,
     CandidateTrees,

@@ -8,9 +8,7 @@ from typing import Protocol
 
 import torch
 
-from shared.engine.sampling import StructuredOutput
-
-GRAMMAR_DEAD_END = "grammar_dead_end"  # a VerifiedRequest error: the grammar allows no token
+from shared.values.sampling import StructuredOutput
 
 
 class NodeConstraints(Protocol):

@@ -39,12 +39,12 @@ import numpy as np
 import torch
 
 from shared.engine.constraints import NodeConstraints
-from shared.engine.methods import DraftMethod
 from shared.engine.processors import coupled_scores, process_logits
-from shared.engine.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
-from shared.engine.tree import DETERMINISTIC, SparseDist, TokenTree
 from shared.model.runner import ForwardItem, ModelRunner
-from shared.wire.steps import DraftRequest
+from shared.values.methods import DraftMethod
+from shared.values.sampling import DRAFT_STREAM, processed_probs, sample, step_rng
+from shared.values.steps import DraftRequest
+from shared.values.tree import DETERMINISTIC, SparseDist, TokenTree
 
 
 @dataclass

@@ -35,17 +35,12 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
-from shared.wire.steps import DraftRequest
+from shared.values.methods import DraftMethod
+from shared.values.steps import DraftRequest
+from shared.values.tree import TokenTree
 
 ModelFreeKind = Literal["ngram", "suffix"]
 MODEL_FREE_KINDS: tuple[ModelFreeKind, ...] = ("ngram", "suffix")
-# How a model-free draft grows its trees by default: deep (copies run long) and with no path
-# probability floor (drafting is free; the goodput selector keeps only the nodes that pay).
-MODEL_FREE_METHOD = DraftMethod(
-    "dynamic", budget=32, max_size=32, max_depth=16, max_width=4, top_children=3
-)
 
 
 @dataclass(frozen=True)
@@ -460,28 +455,6 @@ class ModelFreeDrafter:
             limits = TreeLimits.of(method, req)
             out[req.request_id] = self.proposer.propose(req.request_id, tokens, limits)
         return out
-
-
-def counterfactual_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[int, bool]:
-    """Draft tokens of `tree` that verification would have accepted, given the tokens the target
-    committed after its root (the longest root path whose tokens are a prefix of `committed`),
-    and whether that is final: the path stopped at a committed token none of its children has,
-    or at a leaf. Otherwise more of the tree might match the tokens still to come, and the
-    count is a lower bound.
-
-    Exact for greedy verification. For sampled verification of deterministic nodes (a model-free
-    tree) it is what running the tree would have given with the same emitted tokens: a
-    deterministic child is accepted exactly when the token the target emits at its parent is
-    that child's token (on rejection the token is removed from what the target samples), and
-    the committed tokens are distributed as the target's own."""
-    children = tree.children()
-    node, accepted = 0, 0
-    for token in committed:
-        match = next((c for c in children[node] if int(tree.tokens[c]) == int(token)), None)
-        if match is None:
-            return accepted, True
-        node, accepted = match, accepted + 1
-    return accepted, not children[node]
 
 
 def model_free_names(drafters: Mapping[str, object]) -> frozenset[str]:

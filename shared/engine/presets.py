@@ -7,7 +7,7 @@ plain decoding.
 
 from __future__ import annotations
 
-from shared.engine.methods import DraftMethod
+from shared.values.methods import DraftMethod
 
 # The first of the independent drafts (services, simulator recordings, the SLO and scheduling
 # benchmarks).

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from shared.engine.sampling import SamplingParams, TokenHistory, gumbel_noise, processed_probs
+from shared.values.sampling import SamplingParams, TokenHistory, gumbel_noise, processed_probs
 
 
 def tree_paths(parents: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:

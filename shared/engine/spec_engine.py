@@ -18,10 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.engine.drafting import Drafter
-from shared.engine.methods import DraftMethod
 from shared.engine.model_free import ModelFreeDrafter
-from shared.engine.sampling import SEED_BITS, SamplingParams
-from shared.engine.tree import TokenTree
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.grammar.matcher import GrammarBook
@@ -40,16 +37,16 @@ from shared.scheduling.core import (
     tree_capacity_with,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.factory import resolve_merge
-from shared.scheduling.ordering import make_policy
+from shared.scheduling.factory import make_chooser, make_policy, make_selector, resolve_merge
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
-from shared.scheduling.tree_selection import make_selector
 from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
-from shared.wire.steps import DraftRequest, VerifyRequest
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SEED_BITS, SamplingParams
+from shared.values.steps import DraftRequest, VerifyRequest
+from shared.values.tree import TokenTree
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.engine.sampling import SamplingParams, processed_probs, sample
-from shared.engine.tree import DETERMINISTIC, TokenTree
+from shared.values.sampling import SamplingParams, processed_probs, sample
+from shared.values.tree import DETERMINISTIC, TokenTree
 
 RESIDUAL_FLOOR = 1e-12
 

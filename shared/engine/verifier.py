@@ -1,9 +1,9 @@
 """The target's side of a step: one packed forward over prompt chunks and token trees,
 acceptance per request, and compaction of the accepted path's KV.
 
-It takes and answers the same step types the verifier service carries over Redis
-(`shared.wire.VerifyRequest`, `shared.wire.VerifiedRequest`), so the in-process engine and the
-service run one verification path.
+It takes and answers the step entries of `shared.values.steps` (`VerifyRequest`,
+`VerifiedRequest`), which the verifier service carries over Redis inside its messages, so the
+in-process engine and the service run one verification path.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from shared.engine.constraints import GRAMMAR_DEAD_END, NodeConstraints
-from shared.engine.logprobs import TokenLogprobs, token_logprobs
+from shared.engine.constraints import NodeConstraints
 from shared.engine.processors import coupled_scores, process_logits, tree_paths
-from shared.engine.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
 from shared.engine.verification import Verdict, verify, verify_greedy
 from shared.model.runner import ForwardItem, ModelRunner
-from shared.wire.steps import VerifiedRequest, VerifyRequest
-from shared.wire.values import FinishReason
+from shared.values.logprobs import TokenLogprobs, token_logprobs
+from shared.values.sampling import VERIFY_STREAM, processed_probs, sample, step_rng
+from shared.values.steps import GRAMMAR_DEAD_END, FinishReason, VerifiedRequest, VerifyRequest
 
 
 def verified(entry: VerifyRequest, emitted: Sequence[int], num_accepted: int) -> VerifiedRequest:

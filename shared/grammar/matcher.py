@@ -26,8 +26,8 @@ import llguidance
 import numpy as np
 import torch
 
-from shared.engine.sampling import StructuredOutput
 from shared.grammar.spec import grammar_text
+from shared.values.sampling import StructuredOutput
 
 log = logging.getLogger(__name__)
 

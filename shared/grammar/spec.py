@@ -13,8 +13,8 @@ import json
 
 import llguidance
 
-from shared.engine.sampling import StructuredOutput
 from shared.errors import InvalidRequestError
+from shared.values.sampling import StructuredOutput
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 # JSON as models write it on one line: ", " and ": " between items, no other whitespace. Keys

@@ -18,16 +18,11 @@ from pathlib import Path
 
 from shared.errors import OutOfKVMemoryError
 from shared.model.linear import LinearPlan
+from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import check_profile, combine
 from shared.model.profiling import QUICK_CONTEXTS, measure_profile, profile_key
 from shared.model.runner import ModelRunner
-from shared.scheduling.cost_model import (
-    DEFAULT_PROFILES_DIR,
-    CostModel,
-    CostProfile,
-    ModelProfile,
-    ProfileKey,
-)
+from shared.scheduling.cost_model import CostModel, CostProfile, ModelProfile, ProfileKey
 
 log = logging.getLogger(__name__)
 QUICK_MAX_TOKENS = 64

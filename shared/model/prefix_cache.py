@@ -13,19 +13,28 @@ never written again: a request that goes on writing does so in a block of its ow
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from shared.model.kv_cache import BlockAllocator
 
 BlockHash = bytes
 
 
+class BlockAllocator(Protocol):
+    """What the prefix cache needs of `shared.model.kv_cache.BlockAllocator`."""
+
+    on_evict: Callable[[int], None] | None
+
+    def keep_when_released(self, block: int) -> None: ...
+
+
 def block_hashes(
-    tokens: Sequence[int], block_size: int, *, salt: bytes = b"", first: int = 0,
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    salt: bytes = b"",
+    first: int = 0,
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Names of the full blocks of `tokens` from block `first` on; `parent` is block

@@ -34,6 +34,7 @@ import torch
 from shared.errors import OutOfKVMemoryError
 from shared.model.config import ModelConfig
 from shared.model.kv_cache import SwappedKV
+from shared.model.profile_files import architecture_fingerprint, cpu_name
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import full_config, tensor_parallel_size
 from shared.scheduling.cost_model import (
@@ -41,8 +42,6 @@ from shared.scheduling.cost_model import (
     ForwardCurve,
     ModelProfile,
     ProfileKey,
-    architecture_fingerprint,
-    cpu_name,
 )
 
 MAX_REQUESTS = 8
@@ -56,7 +55,7 @@ _PREFIX = "__profile_"
 
 
 def fingerprint_of(cfg: ModelConfig) -> str:
-    """The architecture fingerprint of a model config (see `cost_model.ARCHITECTURE_FIELDS`)."""
+    """The architecture fingerprint of a model config (see `profile_files.ARCHITECTURE_FIELDS`)."""
     return architecture_fingerprint(cfg)
 
 
@@ -246,7 +245,7 @@ def measure_profile(
     - `progress`: a tqdm bar on stderr.
 
     Nothing is saved: `CostProfile.save` does that. Look one up first with
-    `cost_model.find_profile(directory, profile_key(target, name), ...)`.
+    `profile_files.find_profile(directory, profile_key(target, name), ...)`.
     """
     tokens = sorted(set(tokens)) if tokens else token_grid(max_tokens, quick)
     contexts = (

@@ -223,9 +223,7 @@ def shard_model(
         layer.down_proj = RowParallelLinear(layer.down_proj, i_lo, i_hi, group)
         layer.q_size, layer.kv_size = heads * d, kv_heads * d
     model.lm_head = VocabParallelHead(model.lm_head, rank, size, group)
-    model.cfg = replace(
-        cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=i_hi - i_lo
-    )
+    model.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=i_hi - i_lo)
     model.__class__ = ShardedLlamaModel
     sharded: ShardedLlamaModel = model  # type: ignore[assignment]
     sharded.tensor_parallel = TensorParallelShard(rank, size, cfg)

@@ -29,12 +29,6 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from shared.engine.constraints import GRAMMAR_DEAD_END
-from shared.engine.logprobs import EMPTY, TokenLogprobs
-from shared.engine.methods import DraftMethod, tree_capacity
-from shared.engine.model_free import MODEL_FREE_METHOD, counterfactual_accepted
-from shared.engine.sampling import SEED_BITS, TokenHistory, token_history
-from shared.engine.tree import DETERMINISTIC, TokenTree, merge_trees
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.scheduling.cost_model import TYPICAL_CONTEXT, CostModel
 from shared.scheduling.draft_choice import DraftChooser, DraftOutcome, FixedDraftModel
@@ -62,7 +56,11 @@ from shared.scheduling.speculation import (
     plan_depths,
 )
 from shared.scheduling.tree_selection import Goodput, SelectionContext, TreeSelector
-from shared.wire.steps import DraftRequest
+from shared.values.logprobs import EMPTY, TokenLogprobs
+from shared.values.methods import MODEL_FREE_METHOD, DraftMethod, tree_capacity
+from shared.values.sampling import SEED_BITS, TokenHistory, token_history
+from shared.values.steps import GRAMMAR_DEAD_END, DraftRequest
+from shared.values.tree import DETERMINISTIC, TokenTree, counterfactual_accepted, merge_trees
 
 SpeculationPlanner = Literal["goodput", "fixed"]
 # Which requests the standby drafter also drafts a tree for, merged with the current drafter's

@@ -1,19 +1,38 @@
-"""Building the scheduler core from the validated settings (the services' way in)."""
+"""Building the scheduler core and its policies from their names and the validated settings.
+
+The factories live here, above the modules they build from, so those import only downward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shared.engine.methods import DraftMethod
 from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import make_chooser
-from shared.scheduling.ordering import make_policy
+from shared.scheduling.counterfactual import Counterfactual
+from shared.scheduling.draft_choice import (
+    CHOOSERS,
+    DraftChooser,
+    EpsilonGreedy,
+    FixedDraftModel,
+    GreedyByLength,
+    Oracle,
+)
+from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, OracleLength
+from shared.scheduling.lbss import Lbss
+from shared.scheduling.ordering import FCFS, POLICIES, SchedulingPolicy
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.replicas import make_matcher
-from shared.scheduling.tree_selection import make_selector
-from shared.settings import AugurySettings, SpeculationSettings
+from shared.scheduling.slo import AdaServe, EqualGreedy, Incremental, StaticTree, ThesisSlo
+from shared.scheduling.tree_selection import SELECTORS, GlobalGreedy, Goodput, TreeSelector
+from shared.settings import (
+    AugurySettings,
+    LapsSettings,
+    LbssSettings,
+    SloSettings,
+    SpeculationSettings,
+)
+from shared.values.methods import DraftMethod
 
 
 @dataclass(frozen=True)
@@ -104,3 +123,77 @@ def build_core(
             else None
         ),
     )
+
+
+def make_chooser(
+    name: str,
+    preferred: Sequence[str],
+    lbss: LbssSettings | None = None,
+    best: Mapping[str, str] | None = None,
+    model_free: Sequence[str] = (),
+) -> DraftChooser:
+    """The chooser called `name`; `preferred`: the draft models, smallest first. The oracle
+    needs `best` (each request's best model), which only an experiment knows; `model_free`:
+    the drafts among them that load no model (the counterfactual chooser scores them)."""
+    if name == "fixed":
+        return FixedDraftModel(preferred)
+    if name == "greedy-length":
+        return GreedyByLength(preferred)
+    if name == "eps-greedy":
+        return EpsilonGreedy(preferred)
+    if name == "lbss":
+        return Lbss(preferred, lbss)
+    if name == "counterfactual":
+        return Counterfactual(preferred, model_free, lbss)
+    if name == "oracle":
+        if best is None:
+            raise ValueError("the oracle chooser needs each request's best draft model")
+        return Oracle(best)
+    raise ValueError(f"unknown draft chooser {name!r}; known: {list(CHOOSERS)}")
+
+
+def make_policy(
+    name: str,
+    predictor: str | None = None,
+    laps: LapsSettings | None = None,
+    true_lengths: Mapping[str, int] | None = None,
+) -> SchedulingPolicy:
+    """The policy called `name`; LP-SJF and LAPS-SD use the length predictor named (None: the
+    learned one). `true_lengths` (request id -> its answer's length, filled as requests come)
+    is for the `oracle` predictor of an experiment that knows them; no other predictor sees it."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {list(POLICIES)}")
+    if name == "fcfs":
+        return FCFS()
+    if name == "las":
+        return LAS()
+    predictor = predictor or "learned"
+    if predictor not in PREDICTORS:
+        raise ValueError(
+            f"unknown output-length predictor {predictor!r} (known: {sorted(PREDICTORS)}; "
+            "the oracle is for experiments that know each request's length)"
+        )
+    lengths = OracleLength(true_lengths) if predictor == "oracle" else PREDICTORS[predictor]()
+    if name == "lp-sjf":
+        return LPSJF(lengths)
+    return LAPSSD(lengths) if laps is None else LAPSSD(lengths, laps)
+
+
+def make_selector(name: str, slo: SloSettings | None = None) -> TreeSelector:
+    """A selector by its settings name; the SLO-aware ones read `slo` (None: the defaults)."""
+    match name:
+        case "goodput":
+            return Goodput()
+        case "global-greedy":
+            return GlobalGreedy()
+        case "equal-greedy":
+            return EqualGreedy()
+        case "adaserve":
+            return AdaServe(slo)
+        case "thesis-slo":
+            return ThesisSlo(slo)
+        case "static":
+            return StaticTree()
+        case "incremental":
+            return Incremental()
+    raise ValueError(f"unknown tree selection {name!r}; known: {list(SELECTORS)}")

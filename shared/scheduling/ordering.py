@@ -9,15 +9,12 @@ lengths, the clock, the cost model).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
-
-if TYPE_CHECKING:
-    from shared.settings import LapsSettings
 
 
 @dataclass(frozen=True)
@@ -70,32 +67,3 @@ class FCFS:
 
 POLICIES = ("fcfs", "las", "lp-sjf", "laps-sd")
 NEEDS_LENGTHS = ("lp-sjf", "laps-sd")
-
-
-def make_policy(
-    name: str,
-    predictor: str | None = None,
-    laps: LapsSettings | None = None,
-    true_lengths: Mapping[str, int] | None = None,
-) -> SchedulingPolicy:
-    """The policy called `name`; LP-SJF and LAPS-SD use the length predictor named (None: the
-    learned one). `true_lengths` (request id -> its answer's length, filled as requests come)
-    is for the `oracle` predictor of an experiment that knows them; no other predictor sees it."""
-    from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, OracleLength
-
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {list(POLICIES)}")
-    if name == "fcfs":
-        return FCFS()
-    if name == "las":
-        return LAS()
-    predictor = predictor or "learned"
-    if predictor not in PREDICTORS:
-        raise ValueError(
-            f"unknown output-length predictor {predictor!r} (known: {sorted(PREDICTORS)}; "
-            "the oracle is for experiments that know each request's length)"
-        )
-    lengths = OracleLength(true_lengths) if predictor == "oracle" else PREDICTORS[predictor]()
-    if name == "lp-sjf":
-        return LPSJF(lengths)
-    return LAPSSD(lengths) if laps is None else LAPSSD(lengths, laps)

@@ -11,9 +11,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import SamplingParams
+from shared.values.logprobs import TokenLogprobs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # Where the request's target KV is: in the executor's cache (`kept` there while the request is

@@ -43,13 +43,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.scheduling.speculation import node_scores, verify_shares
 from shared.scheduling.tree_selection import SelectionContext, SelectorDrafting
 from shared.settings import SloSettings
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 
 # SpecInfer's default expansion in AdaServe's evaluation (§6.1)
 SPECINFER_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import DETERMINISTIC, TokenTree
 from shared.scheduling.cost_model import CostModel
+from shared.values.methods import DraftMethod
+from shared.values.tree import DETERMINISTIC, TokenTree
 
 PRIOR_RATE = 0.5  # a draft model's acceptance before anything is observed
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior in a request's estimate

@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, get_args
 
-from shared.engine.methods import DraftMethod
-from shared.engine.tree import TokenTree
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.request import RequestState
 from shared.scheduling.speculation import select_by_goodput, take_best_first
-from shared.settings import SloSettings, TreeSelection
+from shared.settings import TreeSelection
+from shared.values.methods import DraftMethod
+from shared.values.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -107,25 +107,3 @@ class Goodput(SelectorDrafting):
 
 
 SELECTORS: tuple[str, ...] = get_args(TreeSelection)
-
-
-def make_selector(name: str, slo: SloSettings | None = None) -> TreeSelector:
-    """A selector by its settings name; the SLO-aware ones read `slo` (None: the defaults)."""
-    from shared.scheduling import slo as slo_selection  # it builds on this module
-
-    match name:
-        case "goodput":
-            return Goodput()
-        case "global-greedy":
-            return GlobalGreedy()
-        case "equal-greedy":
-            return slo_selection.EqualGreedy()
-        case "adaserve":
-            return slo_selection.AdaServe(slo)
-        case "thesis-slo":
-            return slo_selection.ThesisSlo(slo)
-        case "static":
-            return slo_selection.StaticTree()
-        case "incremental":
-            return slo_selection.Incremental()
-    raise ValueError(f"unknown tree selection {name!r}; known: {list(SELECTORS)}")

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sampling import SamplingParams
+from shared.values.logprobs import TokenLogprobs
+from shared.values.sampling import SamplingParams
+from shared.values.steps import MAX_APP_LEN, MAX_ID_LEN, check_request_id
 from shared.wire.base import WireMessage
 from shared.wire.codec import PayloadReader, pack_ints
 from shared.wire.values import (
@@ -23,16 +24,9 @@ from shared.wire.values import (
     sampling_payload,
 )
 
-MAX_ID_LEN = 128
 MAX_DRAFT_NAME_LEN = 64  # a draft model's name in a Submit
-MAX_APP_LEN = 128  # an application key (`augury.app`)
 MAX_SLO_CLASS_LEN = 64  # an SLO class's name in a Submit or Tokens
 MAX_MESSAGE_LEN = 4096
-
-
-def check_request_id(request_id: str) -> None:
-    if not request_id or len(request_id) > MAX_ID_LEN:
-        raise ValueError(f"request ids are 1 to {MAX_ID_LEN} characters")
 
 
 def check_slo_class(slo_class: str | None) -> None:
@@ -175,23 +169,26 @@ class Tokens(WireMessage):
             raise ValueError("tpot_ms must be >= 0")
 
     def payload(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "step": int(self.step),
-            "offset": int(self.offset),
-            "token_ids": pack_ints(self.token_ids),
-            "finish": finish_payload(self.finish),
-            "drafts": int(self.drafts),
-            "draft_tokens": int(self.draft_tokens),
-            "accepted_tokens": int(self.accepted_tokens),
-        } | _present(
-            draft_model=self.draft_model or None,
-            slo_class=self.slo_class,
-            tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
-            tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
-            cached_tokens=None if self.cached_tokens is None else int(self.cached_tokens),
-        ) | optional_logprobs_payload(self.logprobs) | optional_logprobs_payload(
-            self.prompt_logprobs, "prompt_logprobs"
+        return (
+            {
+                "request_id": self.request_id,
+                "step": int(self.step),
+                "offset": int(self.offset),
+                "token_ids": pack_ints(self.token_ids),
+                "finish": finish_payload(self.finish),
+                "drafts": int(self.drafts),
+                "draft_tokens": int(self.draft_tokens),
+                "accepted_tokens": int(self.accepted_tokens),
+            }
+            | _present(
+                draft_model=self.draft_model or None,
+                slo_class=self.slo_class,
+                tpot_slo_ms=None if self.tpot_slo_ms is None else float(self.tpot_slo_ms),
+                tpot_ms=None if self.tpot_ms is None else float(self.tpot_ms),
+                cached_tokens=None if self.cached_tokens is None else int(self.cached_tokens),
+            )
+            | optional_logprobs_payload(self.logprobs)
+            | optional_logprobs_payload(self.prompt_logprobs, "prompt_logprobs")
         )
 
     @classmethod

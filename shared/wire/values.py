@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-from shared.engine.logprobs import TokenLogprobs
-from shared.engine.methods import DraftMethod
-from shared.engine.sampling import (
+from shared.values.logprobs import TokenLogprobs
+from shared.values.methods import DraftMethod
+from shared.values.sampling import (
     MAX_LOGPROBS,
     MAX_STRUCTURED_SPEC_CHARS,
     SamplingParams,
     StructuredOutput,
     TokenHistory,
 )
-from shared.engine.tree import SparseDist, TokenTree
+from shared.values.steps import FinishReason
+from shared.values.tree import SparseDist, TokenTree
 from shared.wire.codec import PayloadReader, pack_floats, pack_ints
 
 MAX_TREE_NODES = 1 << 16
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled or failed
 
 
 def finish_payload(reason: FinishReason | None) -> str | None:

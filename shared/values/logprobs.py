@@ -36,9 +36,7 @@ class TokenLogprobs:
         return TokenLogprobs(self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
 
     def tail(self, start: int) -> TokenLogprobs:
-        return TokenLogprobs(
-            self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:]
-        )
+        return TokenLogprobs(self.logprobs[start:], self.top_ids[start:], self.top_logprobs[start:])
 
     def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
         return TokenLogprobs(

@@ -93,3 +93,10 @@ class DraftMethod:
 def tree_capacity(method: DraftMethod | None) -> int:
     """Most nodes (root included) a tree of this method can have; 1 without speculation."""
     return 1 if method is None else 1 + method.max_draft_tokens
+
+
+# How a model-free draft grows its trees by default: deep (copies run long) and with no path
+# probability floor (drafting is free; the goodput selector keeps only the nodes that pay).
+MODEL_FREE_METHOD = DraftMethod(
+    "dynamic", budget=32, max_size=32, max_depth=16, max_width=4, top_children=3
+)

@@ -205,3 +205,25 @@ def merge_trees(trees: Sequence[TokenTree]) -> TokenTree:
                     det_child[key] = node
             where.append(node)
     return TokenTree.build(tokens, parents, logq, proposal_of, proposals)
+
+
+def counterfactual_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[int, bool]:
+    """Draft tokens of `tree` that verification would have accepted, given the tokens the target
+    committed after its root (the longest root path whose tokens are a prefix of `committed`),
+    and whether that is final: the path stopped at a committed token none of its children has,
+    or at a leaf. Otherwise more of the tree might match the tokens still to come, and the
+    count is a lower bound.
+
+    Exact for greedy verification. For sampled verification of deterministic nodes (a model-free
+    tree) it is what running the tree would have given with the same emitted tokens: a
+    deterministic child is accepted exactly when the token the target emits at its parent is
+    that child's token (on rejection the token is removed from what the target samples), and
+    the committed tokens are distributed as the target's own."""
+    children = tree.children()
+    node, accepted = 0, 0
+    for token in committed:
+        match = next((c for c in children[node] if int(tree.tokens[c]) == int(token)), None)
+        if match is None:
+            return accepted, True
+        node, accepted = match, accepted + 1
+    return accepted, not children[node]

@@ -1,0 +1,82 @@
+"""The counterfactual draft chooser: LBSS among the model drafts, and each model-free draft scored
+on every step by what it would have achieved (the core's counterfactual trees)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.scheduling.cost_model import CostModel
+from shared.scheduling.draft_choice import DraftOutcome, GoodputTable
+from shared.scheduling.lbss import Lbss
+from shared.scheduling.request import RequestState
+from shared.settings import LbssSettings
+
+RECENT_DECAY = 0.7  # the counterfactual chooser's per-request goodput: weight of older steps
+
+
+class Counterfactual:
+    """Model-free drafts judged on every step by what they would have achieved, model drafts by
+    LBSS among themselves; per request, the model-free draft with the best recent goodput wins
+    over LBSS's model when it is at least as good (decayed means per request and draft)."""
+
+    name = "counterfactual"
+    learns = True
+    counterfactual = True  # the core scores model-free trees beside every model draft
+
+    def __init__(
+        self,
+        preferred: Sequence[str] = (),
+        model_free: Sequence[str] = (),
+        lbss: LbssSettings | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model_free = tuple(model_free)
+        self.lbss = Lbss([m for m in preferred if m not in self.model_free], lbss, seed)
+        self.table = GoodputTable()  # every outcome: a draft's mean where a request has none
+        self.recent: dict[tuple[str, str], float] = {}
+
+    def estimate(self, request_id: str, model: str) -> float | None:
+        """The request's recent goodput on `model`, else the model's mean over all requests."""
+        own = self.recent.get((request_id, model))
+        return own if own is not None else self.table.model_mean(model)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        free = [m for m in self.model_free if m in live_models]
+        models = sorted(m for m in live_models if m not in self.model_free)
+        base = self.lbss.assign(requests, models, cost) if models else {}
+        chosen = {}
+        for r in requests:
+            model = base.get(r.request_id)
+            scored = [(e, m) for m in free if (e := self.estimate(r.request_id, m)) is not None]
+            best_free = max(scored, key=lambda pair: pair[0], default=None)
+            if best_free is None:  # not scored yet: a model draft's step scores it
+                pick = model if model is not None else (free[0] if free else None)
+            elif model is None:
+                pick = best_free[1]
+            else:
+                theirs = self.estimate(r.request_id, model)
+                pick = best_free[1] if theirs is None or best_free[0] >= theirs else model
+            if pick is not None:
+                chosen[r.request_id] = pick
+        return chosen
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        self.table.add(outcome)
+        key = (outcome.request_id, outcome.draft_model)
+        old = self.recent.get(key)
+        new = outcome.goodput
+        self.recent[key] = new if old is None else RECENT_DECAY * old + (1 - RECENT_DECAY) * new
+        if outcome.draft_model not in self.model_free:
+            self.lbss.observe(outcome)
+
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> str | None:
+        models = [m for m in live_models if m not in self.model_free]
+        return self.lbss.next_model(request, models) if models else None
+
+    def forget(self, request_id: str) -> None:
+        self.lbss.forget(request_id)
+        self.table.forget(request_id)
+        for key in [k for k in self.recent if k[0] == request_id]:
+            del self.recent[key]
