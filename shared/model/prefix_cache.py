@@ -12,13 +12,10 @@ never written again: a request that goes on writing does so in a block of its ow
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import numpy as np
-
-BlockHash = bytes
+from shared.values.blocks import BlockHash
 
 
 class BlockAllocator(Protocol):
@@ -27,27 +24,6 @@ class BlockAllocator(Protocol):
     on_evict: Callable[[int], None] | None
 
     def keep_when_released(self, block: int) -> None: ...
-
-
-def block_hashes(
-    tokens: Sequence[int],
-    block_size: int,
-    *,
-    salt: bytes = b"",
-    first: int = 0,
-    parent: BlockHash | None = None,
-) -> list[BlockHash]:
-    """Names of the full blocks of `tokens` from block `first` on; `parent` is block
-    `first - 1`'s name (None for the first block)."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    names: list[BlockHash] = []
-    previous = parent if parent is not None else hashlib.blake2b(salt, digest_size=16).digest()
-    for b in range(first, len(ids) // block_size):
-        digest = hashlib.blake2b(previous, digest_size=16)
-        digest.update(ids[b * block_size : (b + 1) * block_size].tobytes())
-        previous = digest.digest()
-        names.append(previous)
-    return names
 
 
 class PrefixCache:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from shared.model.prefix_cache import BlockHash, block_hashes
+from shared.values.blocks import BlockHash, block_hashes
 
 DEFAULT_MAX_BLOCKS = 1 << 16
 MEMO_SIZE = 1024  # sequences whose names are kept
