@@ -1,6 +1,6 @@
 """Hit rates of a Mooncake-style trace: its own count from `hash_ids` against the simulator's.
 
-    python -m bench.sim.prefix_rates conversation_trace.jsonl --limit 300
+python -m bench.sim.prefix_rates conversation_trace.jsonl --limit 300
 """
 
 from __future__ import annotations
