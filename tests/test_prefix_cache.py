@@ -17,8 +17,9 @@ from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
 from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator, block_bytes
-from shared.model.prefix_cache import PrefixCache, block_hashes
+from shared.model.prefix_cache import PrefixCache
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.blocks import block_hashes
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, processed_probs
 from tests.conftest import make_tiny_checkpoint

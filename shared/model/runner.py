@@ -28,7 +28,7 @@ from shared.model.cuda_graphs import (
 )
 from shared.model.kv_cache import PagedKVCache, SwappedKV
 from shared.model.llama import AttentionFn, LlamaModel
-from shared.model.prefix_cache import BlockHash, block_hashes
+from shared.values.blocks import BlockHash, block_hashes
 
 LogitsRows = Literal["all", "last", "none"]
 
