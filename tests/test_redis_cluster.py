@@ -243,7 +243,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_scheduler_kill(
     cluster: Cluster, tiny_with_tokenizer: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    """Cells on two masters; 60 greedy requests through one gateway, equal to plain greedy.
+    """Cells on two masters; 100 greedy requests through one gateway, equal to plain greedy.
     Cell A's scheduler is SIGKILLed while its requests stream: the gateway takes A out of
     rotation (B serves every new request) and A's requests resume, once A has a scheduler
     again, where their streams stopped."""
@@ -252,8 +252,8 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
     target = tiny_with_tokenizer
     a, b = cells_on_different_nodes(cluster, 2, "cell")
     rng = random.Random(39)
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(3, 12))] for _ in range(60)]
-    lengths = [24 if i < 24 else 8 for i in range(60)]
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(3, 12))] for _ in range(100)]
+    lengths = [24 if i < 40 else 8 for i in range(100)]
     expected = plain_greedy(target, prompts, [SamplingParams(max_tokens=n) for n in lengths])
     tokenizer = AutoTokenizer.from_pretrained(target)
     want = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
@@ -294,7 +294,7 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
                 assert process.poll() is None, log_tail(process)
             assert time.monotonic() < deadline, "the cells never came up"
             await asyncio.sleep(0.2)
-        first = [asyncio.create_task(complete(client, prompts[i], lengths[i])) for i in range(24)]
+        first = [asyncio.create_task(complete(client, prompts[i], lengths[i])) for i in range(40)]
         while not await served_by(bus, a) or not await served_by(bus, b):
             for task in first:
                 if task.done():
@@ -308,7 +308,7 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
             await asyncio.sleep(0.1)
         on_a_at_kill = await served_by(bus, a)
         second = await asyncio.gather(
-            *(complete(client, prompts[i], lengths[i]) for i in range(24, 60))
+            *(complete(client, prompts[i], lengths[i]) for i in range(40, 100))
         )
         assert await served_by(bus, a) == on_a_at_kill  # nothing new went to the dead cell
         assert {rid for rid, _, _ in second} <= await served_by(bus, b)
@@ -323,5 +323,5 @@ async def test_two_cells_on_a_cluster_serve_through_one_gateway_and_survive_a_sc
     processes.remove(scheduler_a)
     for i, (_, text, tokens) in enumerate(results):
         assert (text, tokens) == (want[i], lengths[i]), i
-    first_ids = {rid for rid, _, _ in results[:24]}
+    first_ids = {rid for rid, _, _ in results[:40]}
     assert first_ids & on_a_at_kill and first_ids - on_a_at_kill  # both cells served
