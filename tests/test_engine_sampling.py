@@ -5,17 +5,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
 from shared.engine import spec_engine
 from shared.values.methods import DraftMethod
-from shared.values.sampling import SamplingParams, processed_probs
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
+from tests.small_vocab import VOCAB, exact_joint, small_vocab_pair
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_engine_greedy import METHODS, make_engine
 
-VOCAB = 6
 PROMPT = [1, 4, 2]
 NUM_REQUESTS = 4000
 OUT_LEN = 3
@@ -23,24 +21,11 @@ OUT_LEN = 3
 
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
-    target = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("sv_target"), seed=3, vocab_size=VOCAB, hidden_size=32
-    )
-    draft = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("sv_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
-    )
-    return target, draft
+    return small_vocab_pair(tmp_path_factory, "sv")
 
 
-def exact_joint(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
-        with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
-        probs = processed_probs(logits, params)
-        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
-    return joint
+def exact(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    return exact_joint(target_dir, PROMPT, OUT_LEN, params)
 
 
 SAMPLED_METHODS = {
@@ -72,7 +57,7 @@ def test_sampled_outputs_follow_target(small_vocab_dirs, name, coupled, monkeypa
     reqs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     outcomes = [tuple(r.output) for r in reqs]
     assert engine.stats.num_draft_tokens > 0
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR
 
 
 def test_seed_reproduces_output_whatever_the_batch(tiny_target_dir, tiny_draft_dir):
@@ -132,4 +117,4 @@ def test_sampled_outputs_with_merged_trees_follow_target(
     params = sampled_params(coupled, monkeypatch)
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert merged_steps > NUM_REQUESTS // 2
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR

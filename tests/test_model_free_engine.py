@@ -5,24 +5,21 @@ follows the target (chi-square), alone and merged."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
+from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
-from shared.engine import spec_engine
 from shared.engine.spec_engine import EngineConfig, SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.values.methods import DraftMethod
-from shared.values.sampling import SamplingParams, processed_probs
+from shared.values.sampling import SamplingParams
 from shared.values.tree import counterfactual_accepted
-from tests.conftest import make_tiny_checkpoint
+from tests.small_vocab import exact_joint, small_vocab_pair
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
 # Prompts after which the tiny target's greedy output falls into repeats that prompt lookup can
@@ -152,7 +149,7 @@ def test_counterfactual_acceptance_equals_verified(
 
 # ---- sampled output follows the target -----------------------------------------------------------
 
-VOCAB = 6
+
 PROMPT = [1, 4, 2, 1, 4, 2, 1]  # repeats: prompt lookup proposes from the first step
 OUT_LEN = 3
 NUM_REQUESTS = 3000
@@ -160,24 +157,11 @@ NUM_REQUESTS = 3000
 
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
-    target = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("mf_target"), seed=3, vocab_size=VOCAB, hidden_size=32
-    )
-    draft = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("mf_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
-    )
-    return target, draft
+    return small_vocab_pair(tmp_path_factory, "mf")
 
 
-def exact_joint(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
-        with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
-        probs = processed_probs(logits, params)
-        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
-    return joint
+def exact(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    return exact_joint(target_dir, PROMPT, OUT_LEN, params)
 
 
 @pytest.mark.parametrize("with_model", [False, True], ids=["alone", "merged"])
@@ -204,4 +188,4 @@ def test_sampled_outputs_with_model_free_drafts_follow_target(small_vocab_dirs, 
     if with_model:
         assert engine.core.num_merged_trees > NUM_REQUESTS // 2
     outcomes = [tuple(r.output) for r in reqs]
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR

@@ -37,7 +37,7 @@ from shared.wire.steps import (
     verified_request_payload,
     verify_request_payload,
 )
-from tests.conftest import make_tiny_checkpoint
+from tests.small_vocab import exact_joint, small_vocab_pair
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
 PROMPTS = [[5, 17, 3, 44], [9, 10, 11, 12, 13, 14, 15], [70]]
@@ -263,7 +263,7 @@ def test_min_tokens_changes_what_eos_would_end(tiny_target_dir, end_token):
 
 # ---- sampling follows the processed target distribution ----------------------------------------
 
-VOCAB = 6
+
 PROMPT = [1, 4, 2]
 OUT_LEN = 3
 NUM_REQUESTS = 4000
@@ -285,28 +285,18 @@ SAMPLED_PARAMS = {
 
 @pytest.fixture(scope="module")
 def small_vocab_dirs(tmp_path_factory):
-    target = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("pv_target"), seed=3, vocab_size=VOCAB, hidden_size=32
-    )
-    draft = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("pv_draft"), seed=4, vocab_size=VOCAB, hidden_size=16, num_layers=1
-    )
-    return target, draft
+    return small_vocab_pair(tmp_path_factory, "pv")
 
 
-def exact_joint(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def exact(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(output) under plain sampling with the reference processors."""
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
-        with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(seq[:-1])])).logits[0, len(PROMPT) - 1 :]
-        p = 1.0
-        for i in range(OUT_LEN):
-            row = reference_logits(logits[i], params, PROMPT, list(seq[:i]))
-            p *= float(processed_probs(row[None], params)[0, seq[i]])
-        joint[seq] = p
-    return joint
+    return exact_joint(
+        target_dir,
+        PROMPT,
+        OUT_LEN,
+        params,
+        lambda row, out: reference_logits(row, params, PROMPT, out),
+    )
 
 
 def deterministic_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,10 +323,10 @@ def test_sampling_with_processors_follows_the_processed_target(
     engine = engine_for(target_dir, draft_dir, SAMPLED[name], max_running=NUM_REQUESTS)
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert engine.stats.num_accepted > 0.2 * engine.stats.num_draft_tokens
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR
     # the control: the same samples against the distribution without the processors
     bare = SamplingParams(temperature=SAMPLED_PARAMS["temperature"], max_tokens=OUT_LEN)
-    assert fit_p_value(outcomes, exact_joint(target_dir, bare)) < P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, bare)) < P_VALUE_FLOOR
 
 
 # ---- logprobs --------------------------------------------------------------------------------
