@@ -234,7 +234,7 @@ def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory
     """Chi-square over the whole joint of 3 sampled tokens (4000 seeded requests)."""
     from tests.conftest import make_tiny_checkpoint
     from tests.stats import P_VALUE_FLOOR, fit_p_value
-    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact_joint
+    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact
 
     target_dir = make_tiny_checkpoint(
         tmp_path_factory.mktemp("sv_target_e"), seed=3, vocab_size=VOCAB, hidden_size=32
@@ -251,7 +251,7 @@ def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory
     ]
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert engine.stats.num_draft_tokens > 0
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR
 
 
 def test_a_draft_loaded_to_train_further_keeps_the_target_tensors_frozen(

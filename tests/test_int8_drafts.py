@@ -133,7 +133,7 @@ def test_sampled_outputs_with_an_int8_draft_follow_the_target(tmp_path_factory):
     corrects with the distribution the int8 draft computed, so sampling stays lossless."""
     from tests.conftest import make_tiny_checkpoint
     from tests.stats import P_VALUE_FLOOR, fit_p_value
-    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact_joint
+    from tests.test_engine_sampling import NUM_REQUESTS, OUT_LEN, PROMPT, VOCAB, exact
 
     target_dir = make_tiny_checkpoint(
         tmp_path_factory.mktemp("int8_target"), seed=3, vocab_size=VOCAB, hidden_size=32
@@ -154,4 +154,4 @@ def test_sampled_outputs_with_an_int8_draft_follow_the_target(tmp_path_factory):
     ]
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert engine.stats.num_accepted > 0
-    assert fit_p_value(outcomes, exact_joint(target_dir, params[0])) > P_VALUE_FLOOR
+    assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR

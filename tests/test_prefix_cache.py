@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
 from shared.engine.spec_engine import EngineConfig, SpecEngine
@@ -21,8 +18,9 @@ from shared.model.prefix_cache import PrefixCache
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.values.blocks import block_hashes
 from shared.values.methods import DraftMethod
-from shared.values.sampling import SamplingParams, processed_probs
+from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
+from tests.small_vocab import VOCAB, exact_joint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
 
@@ -344,20 +342,7 @@ def test_preemption_swap_and_recompute_with_shared_prefixes(tiny_target_dir, kv_
 
 # ---- sampling stays lossless ---------------------------------------------------------------------
 
-VOCAB = 6
 OUT_LEN = 3
-
-
-def exact_joint_of(target_dir, prompt, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """The target's exact probability of every 3-token output (transformers, no cache)."""
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    joint = {}
-    for seq in itertools.product(range(VOCAB), repeat=OUT_LEN):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(seq[:-1])])).logits[0, len(prompt) - 1 :]
-        probs = processed_probs(logits, params)
-        joint[seq] = float(torch.prod(probs[torch.arange(OUT_LEN), torch.tensor(seq)]))
-    return joint
 
 
 def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
@@ -389,7 +374,7 @@ def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
     assert engine.stats.num_draft_tokens > 0
     assert engine.drafter.runner.cache.prefix.hits >= 8 * num_requests
     outcomes = [tuple(r.output) for r in reqs]
-    joint = exact_joint_of(target, prompt, params[0])
+    joint = exact_joint(target, prompt, OUT_LEN, params[0])
     assert fit_p_value(outcomes, joint) > P_VALUE_FLOOR
     assert len(outcomes[0]) == OUT_LEN
 
