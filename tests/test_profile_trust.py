@@ -209,9 +209,9 @@ def test_a_draft_that_stays_suspect_is_neither_cached_nor_published(
     assert (status["source"], status["published"]) == ("suspect", "0")
     assert "1.97x" in status["detail"]
     metrics = GatewayMetrics()
-    export_profile_statuses(metrics, statuses)
+    export_profile_statuses(metrics, {"trust": statuses})
     value = metrics.registry.get_sample_value(
         "augury_cost_profile_info",
-        {"role": "draft:draft-m", "source": "suspect", "published": "0"},
+        {"cell": "trust", "role": "draft:draft-m", "source": "suspect", "published": "0"},
     )
     assert value == 1.0
