@@ -195,3 +195,23 @@ async def test_one_gateways_metrics_cover_every_cell_it_routes_to(server: Embedd
         assert needle in text, needle
     assert 'cell="z"' not in text  # its own cell is not one it routes to
     assert 'augury_num_requests_waiting{cell="quiet"}' not in text  # no live scheduler
+
+
+def test_a_cells_profile_series_are_replaced_and_the_others_kept() -> None:
+    from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
+
+    metrics = GatewayMetrics()
+    stored = {"source": "stored", "published": "1"}
+    export_profile_statuses(metrics, {"x": {TARGET: stored}, "y": {TARGET: stored}})
+    export_profiles(metrics, {"x": {TARGET: flat_profile("t", 5.0)}})
+    # y's model service measured a new one; x's read failed this scrape (left out)
+    export_profile_statuses(metrics, {"y": {TARGET: {"source": "measured", "published": "1"}}})
+    export_profiles(metrics, {"y": {}})
+
+    def info(cell: str, source: str) -> float | None:
+        labels = {"cell": cell, "role": TARGET, "source": source, "published": "1"}
+        return metrics.registry.get_sample_value("augury_cost_profile_info", labels)
+
+    assert (info("x", "stored"), info("y", "stored"), info("y", "measured")) == (1.0, None, 1.0)
+    forward = {"cell": "x", "role": TARGET, "tokens": "1", "context": "0"}
+    assert metrics.registry.get_sample_value("augury_cost_forward_ms", forward) == 5.0
