@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -60,6 +61,7 @@ START_TIMEOUT_S = 600.0
 class Models:
     target: Path
     draft: Path
+    draft_name: str
     threads: int
     kv_memory_bytes: int
     block_size: int
@@ -164,7 +166,7 @@ def service_env(models: Models, url: str, cell: str, **extra: str) -> dict[str, 
         AUGURY_REDIS__STREAM_MAXLEN=str(10_000_000),  # steps are counted by XLEN
         AUGURY_SERVICE__CELL=cell,
         AUGURY_MODELS__TARGET_DIR=str(models.target),
-        AUGURY_MODELS__DRAFTS=json.dumps([{"name": "d", "dir": str(models.draft)}]),
+        AUGURY_MODELS__DRAFTS=json.dumps([{"name": models.draft_name, "dir": str(models.draft)}]),
         AUGURY_ENGINE__KV_MEMORY_BYTES=str(models.kv_memory_bytes),
         AUGURY_ENGINE__BLOCK_SIZE=str(models.block_size),
         **extra,
@@ -333,13 +335,13 @@ def tiny_models(workdir: Path, threads: int) -> Models:
         if source.name.startswith("tokenizer") or source.suffix == ".jinja":
             shutil.copy(source, path / source.name)
     cache = workdir / "profiles"
-    return Models(path, path, threads, 4 << 20, 4, cache)
+    return Models(path, path, "self", threads, 4 << 20, 4, cache)
 
 
 def smollm2_models(draft: str, threads: int) -> Models:
     from shared.model.model_set import all_draft_dirs, target_dir
 
-    return Models(target_dir(), all_draft_dirs()[draft], threads, 256 << 20, 16, None)
+    return Models(target_dir(), all_draft_dirs()[draft], draft, threads, 256 << 20, 16, None)
 
 
 def make_prompts(count: int, seed: int = 39) -> list[list[int]]:
@@ -423,6 +425,8 @@ def print_table(result: dict[str, Any]) -> None:
 async def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     threads = args.threads
     models = tiny_models(workdir, threads) if args.quick else smollm2_models(args.draft, threads)
+    if args.profile_cache is not None:
+        models = dataclasses.replace(models, profile_cache=args.profile_cache)
     prompts = make_prompts(args.requests * max(args.cells))
     runs = []
     for n in args.cells:
@@ -446,6 +450,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cell")
     parser.add_argument("--redis-ops-per-s", type=float, default=DOCUMENTED_REDIS_OPS_PER_S)
     parser.add_argument("--quick", action="store_true", help="tiny random model, small sizes")
+    parser.add_argument(
+        "--profile-cache",
+        type=Path,
+        help="where the cells keep measured cost profiles (default: the user's cache; --quick: "
+        "the work directory)",
+    )
     parser.add_argument("--json", type=Path, help="write the report here too")
     parser.add_argument("--workdir", type=Path, help="logs and the tiny model (default: a temp)")
     args = parser.parse_args(argv)
