@@ -176,7 +176,9 @@ def service_env(models: Models, url: str, cell: str, **extra: str) -> dict[str, 
     return env
 
 
-def launch(args: Sequence[str], env: dict[str, str], log: Path, threads: int) -> subprocess.Popen:
+def launch(
+    args: Sequence[str], env: dict[str, str], log: Path, threads: int
+) -> subprocess.Popen[bytes]:
     with log.open("wb") as sink:
         return subprocess.Popen(
             [sys.executable, "-m", "services", *args, "--threads", str(threads)],
@@ -187,7 +189,7 @@ def launch(args: Sequence[str], env: dict[str, str], log: Path, threads: int) ->
         )
 
 
-def stop_all(processes: Sequence[subprocess.Popen], timeout_s: float = 60.0) -> None:
+def stop_all(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
     for process in processes:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -233,7 +235,9 @@ async def closed_loop(
     return results
 
 
-async def wait_ready(base: str, processes: Sequence[subprocess.Popen], logs: list[Path]) -> None:
+async def wait_ready(
+    base: str, processes: Sequence[subprocess.Popen[bytes]], logs: list[Path]
+) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     async with aiohttp.ClientSession() as http:
         while True:
@@ -263,7 +267,7 @@ async def run_cells(
     with redis_node(workdir) as url:
         client = redis.Redis.from_url(url)
         port = free_port()
-        processes: list[subprocess.Popen] = []
+        processes: list[subprocess.Popen[bytes]] = []
         logs: list[Path] = []
         try:
             for cell in cells:
