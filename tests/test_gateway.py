@@ -525,7 +525,7 @@ async def test_metrics_are_exposed(running: tuple[TestClient, StandInScheduler])
     assert 'augury_spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
     assert 'augury_request_success_total{finished_reason="stop"} 1.0' in text
     assert "augury_num_requests_running 0.0" in text
-    assert 'augury_num_preemptions_total{kind="kept"} 0.0' in text
+    assert 'augury_num_preemptions_total{cell="t-test_metrics_are_exposed",kind="kept"} 0.0' in text
 
 
 async def test_slo_attainment_is_counted(running: tuple[TestClient, StandInScheduler]) -> None:
@@ -553,6 +553,6 @@ async def test_preemption_totals_come_from_redis(
     await add_preemptions(scheduler.bus, cell, {"kept": 3, "recomputed": 1})
     await add_preemptions(scheduler.bus, cell, {"kept": 2, "swapped": 0})
     text = await (await client.get("/metrics")).text()
-    assert 'augury_num_preemptions_total{kind="kept"} 5.0' in text
-    assert 'augury_num_preemptions_total{kind="recomputed"} 1.0' in text
-    assert 'augury_num_preemptions_total{kind="swapped"} 0.0' in text
+    assert f'augury_num_preemptions_total{{cell="{cell}",kind="kept"}} 5.0' in text
+    assert f'augury_num_preemptions_total{{cell="{cell}",kind="recomputed"}} 1.0' in text
+    assert f'augury_num_preemptions_total{{cell="{cell}",kind="swapped"}} 0.0' in text

@@ -20,7 +20,7 @@ from services.run import Stack, publish_own_profile
 from services.runtime import load_runner
 from shared.bus import Bus, EmbeddedRedis
 from shared.bus.profiles import TARGET, draft_role, read_profile_statuses, read_profiles
-from shared.model.cost_profiles import MEASURED, STORED, SUSPECT, choose_profile
+from shared.model.cost_profiles import MEASURED, NONE, STORED, SUSPECT, choose_profile
 from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import check_profile, combine, committed_target
 from shared.model.profiling import profile_key
@@ -209,9 +209,79 @@ def test_a_draft_that_stays_suspect_is_neither_cached_nor_published(
     assert (status["source"], status["published"]) == ("suspect", "0")
     assert "1.97x" in status["detail"]
     metrics = GatewayMetrics()
-    export_profile_statuses(metrics, statuses)
+    export_profile_statuses(metrics, {"trust": statuses})
     value = metrics.registry.get_sample_value(
         "augury_cost_profile_info",
-        {"role": "draft:draft-m", "source": "suspect", "published": "0"},
+        {"cell": "trust", "role": "draft:draft-m", "source": "suspect", "published": "0"},
     )
     assert value == 1.0
+
+
+# ---- the real quick measurement on a device a neighbour keeps busy -------------------------------
+class BusyDevice:
+    """Wraps a runner's forward: the forwards `waits` picks first wait `wait_s` (a neighbour
+    holding the device, as another model loading did in issue 39), then run for real. Keyed by
+    a forward's request group (its context column) and token count, with a call count."""
+
+    def __init__(self, runner: Any, wait_s: float, waits: Any) -> None:
+        self.runner, self.wait_s, self.waits = runner, wait_s, waits
+        self.forward = runner.forward
+        self.calls: dict[tuple[str, int], int] = {}
+        self.waited = 0
+
+    def __call__(self, items: Any, *args: Any, **kwargs: Any) -> Any:
+        import time
+
+        key = (items[0].request_id.rsplit("_", 1)[0], sum(len(item.tokens) for item in items))
+        count = self.calls[key] = self.calls.get(key, -1) + 1
+        if self.waits(key[1], count):
+            self.waited += 1
+            time.sleep(self.wait_s)
+        return self.forward(items, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "waits", "why"),
+    [
+        # the few-token forwards land while the neighbour loads: cheaper with more tokens
+        ("small forwards delayed", lambda tokens, count: tokens <= 4, "tokens cost"),
+        # one repeat in three of every point delayed (count 0 is the warm-up): spread
+        ("one repeat in three delayed", lambda tokens, count: count % 4 == 2, "spread"),
+    ],
+)
+def test_a_quick_profile_measured_on_a_busy_device_is_refused_and_not_cached(
+    draft_runner: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    waits: Any,
+    why: str,
+) -> None:
+    """The real quick measurement (`measure_curve` timing the model's forwards), with the device
+    busy for some forwards throughout: every measurement is suspect, the profile is refused
+    (source suspect), the log says what was measured and that it was NOT kept, and nothing is
+    cached for the next start."""
+    busy = BusyDevice(draft_runner, 0.05, waits)
+    monkeypatch.setattr(draft_runner, "forward", busy)
+    caplog.set_level(logging.INFO, "shared.model.cost_profiles")
+    choice = choose_profile(
+        draft_runner,
+        "busy",
+        directory=tmp_path / "none",
+        cache_dir=tmp_path / "cache",
+        plan_kernels=False,
+        retry_wait_s=0.0,
+    )
+    assert busy.waited > 0, case
+    assert choice.source == SUSPECT and not choice.trusted, (case, choice)
+    assert why in choice.detail, (case, choice.detail)
+    assert "measured 3 times" in caplog.text and "NOT kept" in caplog.text, case
+    assert "ms per forward by tokens at context 0" in caplog.text  # what it measured
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.json"))
+    monkeypatch.undo()
+    again = choose_profile(
+        draft_runner, "busy", directory=tmp_path / "none", cache_dir=tmp_path / "cache",
+        measure=False,
+    )  # fmt: skip
+    assert again.source == NONE  # the next start finds nothing cached and measures again

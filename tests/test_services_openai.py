@@ -155,7 +155,11 @@ async def test_openai_client_streams_a_chat_completion(
         url = f"http://127.0.0.1:{port}/metrics"
         async with aiohttp.ClientSession() as http, http.get(url) as response:
             metrics = await response.text()
-        assert 'augury_cost_forward_ms{context="0",role="target",tokens="1"}' in metrics
+        cell = settings.service.cell
+        assert (
+            f'augury_cost_forward_ms{{cell="{cell}",context="0",role="target",tokens="1"}}'
+            in metrics
+        )
         assert f'role="draft:{next(iter(smollm2_models.drafts))}"' in metrics
         # ready: a one-token generation went through gateway, scheduler and verifier
         ready = f"http://127.0.0.1:{port}/health/ready"

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from services.gateway.body import APIError, GenerationRequest, Tokenizer, parse_generation
+from services.gateway.cell_scrape import scrape_cells
 from services.gateway.cells import CellRouter, RoutingRules
 from services.gateway.choices import (
     Choice,
@@ -39,16 +40,13 @@ from services.gateway.logprobs import (
     joined,
     vllm_prompt_logprobs,
 )
-from services.gateway.metrics import GatewayMetrics, export_profile_statuses, export_profiles
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.outputs import OutputRouter
 from services.gateway.progress import Progress, count_slo, follow
 from services.gateway.recording import Outcome, Recorder, noting_failure
 from services.gateway.structured import check_compiles
 from services.gateway.tool_output import finish_reason, stream_deltas, tool_message
 from shared.bus import Bus
-from shared.bus.cell_stats import read_cell_stats
-from shared.bus.preemptions import read_preemptions
-from shared.bus.profiles import read_profile_statuses, read_profiles
 from shared.settings import AugurySettings
 from shared.text.tool_calls import ToolCallParser
 from shared.values.sampling import SamplingParams
@@ -214,30 +212,7 @@ class Gateway:
             self.cells.release(request_id)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        try:
-            profiles = await read_profiles(self.bus, self.settings.service.cell)
-        except (RedisError, OSError, ValueError) as error:
-            log.warning("could not read the cost profiles: %s", error)
-        else:
-            export_profiles(self.metrics, profiles)
-        try:
-            statuses = await read_profile_statuses(self.bus, self.settings.service.cell)
-        except (RedisError, OSError) as error:
-            log.warning("could not read the cost profiles' statuses: %s", error)
-        else:
-            export_profile_statuses(self.metrics, statuses)
-        try:
-            self.metrics.preemptions.totals = await read_preemptions(
-                self.bus, self.settings.service.cell
-            )
-        except (RedisError, OSError, ValueError) as error:
-            log.warning("could not read the preemption totals: %s", error)
-        try:
-            self.metrics.cell_load.stats = await read_cell_stats(
-                self.bus, self.settings.service.cell
-            )
-        except (RedisError, OSError, ValueError, KeyError) as error:
-            log.warning("could not read the cell's load: %s", error)
+        await scrape_cells(self.bus, self.cells.cells, self.metrics)  # every cell, labelled
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
@@ -43,64 +43,71 @@ PREEMPTION_KINDS = ("kept", "swapped", "recomputed")
 
 
 class PreemptionTotals(Collector):
-    """The cell's preemptions by kind, as the scheduler counts them in Redis (read at scrape):
+    """Each cell's preemptions by kind, as its scheduler counts them in Redis (read at scrape):
     `kept` (KV left in place), `swapped` (to host memory), `recomputed` (KV dropped)."""
 
     def __init__(self) -> None:
-        self.totals: Tally[str] = Tally()
+        self.totals: dict[str, Tally[str]] = {}  # by cell
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
             "augury_num_preemptions",
-            "Preempted requests, by what happened to their KV.",
-            labels=["kind"],
+            "Preempted requests, by cell and by what happened to their KV.",
+            labels=["cell", "kind"],
         )
-        for kind in sorted({*PREEMPTION_KINDS, *self.totals}):
-            family.add_metric([kind], self.totals[kind])
+        for cell, totals in sorted(self.totals.items()):
+            for kind in sorted({*PREEMPTION_KINDS, *totals}):
+                family.add_metric([cell, kind], totals[kind])
         yield family
 
 
 class CellLoad(Collector):
-    """The cell's load as its scheduler and model services published it (read at scrape):
-    vLLM's `num_requests_waiting`, the scheduler's running batch, the KV-cache usage of each
-    model service replica and the queue-time histogram. Gauges are left out while no live
-    scheduler (or model service) has published."""
+    """Each cell's load as its scheduler and model services published it (read at scrape),
+    labelled by cell: vLLM's `num_requests_waiting`, the scheduler's running batch, the KV-cache
+    usage of each model service replica and the queue-time histogram. A cell's gauges are left
+    out while no live scheduler (or model service) of it has published."""
 
     def __init__(self) -> None:
-        self.stats = CellStats()
+        self.stats: dict[str, CellStats] = {}  # by cell
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
-        if stats.waiting is not None and stats.running is not None:
-            yield GaugeMetricFamily(
-                "augury_num_requests_waiting",
-                "Requests the cell's scheduler holds waiting for admission.",
-                value=stats.waiting,
-            )
-            yield GaugeMetricFamily(
-                "augury_scheduler_num_requests_running",
-                "Requests in the cell's scheduler's running batch (all gateways').",
-                value=stats.running,
-            )
+        waiting = GaugeMetricFamily(
+            "augury_num_requests_waiting",
+            "Requests the cell's scheduler holds waiting for admission.",
+            labels=["cell"],
+        )
+        running = GaugeMetricFamily(
+            "augury_scheduler_num_requests_running",
+            "Requests in the cell's scheduler's running batch (all gateways').",
+            labels=["cell"],
+        )
         usage = GaugeMetricFamily(
             "augury_kv_cache_usage_perc",
             "KV-cache usage of a model service replica (1 = full): role is target or "
             "draft:<model>.",
-            labels=["role", "replica"],
+            labels=["cell", "role", "replica"],
         )
-        for (role, replica), share in sorted(stats.kv_usage.items()):
-            usage.add_metric([role, replica], share)
-        yield usage
-        cumulative, running_total = [], 0
-        for bound, n in zip((*QUEUE_TIME_BUCKETS, float("inf")), stats.queue_buckets, strict=True):
-            running_total += n
-            cumulative.append((_bucket_label(bound), running_total))
-        yield HistogramMetricFamily(
+        queue_time = HistogramMetricFamily(
             "augury_request_queue_time_seconds",
             "Time from a request's submit to its first micro-batch in the scheduler.",
-            buckets=cumulative,
-            sum_value=stats.queue_sum_s,
+            labels=["cell"],
         )
+        for cell, stats in sorted(self.stats.items()):
+            if stats.waiting is not None and stats.running is not None:
+                waiting.add_metric([cell], stats.waiting)
+                running.add_metric([cell], stats.running)
+            for (role, replica), share in sorted(stats.kv_usage.items()):
+                usage.add_metric([cell, role, replica], share)
+            queue_time.add_metric([cell], _cumulative(stats), stats.queue_sum_s)
+        yield from (waiting, running, usage, queue_time)
+
+
+def _cumulative(stats: CellStats) -> list[tuple[str, float]]:
+    cumulative, running_total = [], 0
+    for bound, n in zip((*QUEUE_TIME_BUCKETS, float("inf")), stats.queue_buckets, strict=True):
+        running_total += n
+        cumulative.append((_bucket_label(bound), float(running_total)))
+    return cumulative
 
 
 def _bucket_label(bound: float) -> str:
@@ -125,7 +132,7 @@ class GatewayMetrics:
             "augury_cost_forward_ms",
             "Measured forward latency of a model service (its cost profile): role is target or "
             "draft:<model>, tokens the forward's token count, context the per-request context.",
-            ["role", "tokens", "context"],
+            ["cell", "role", "tokens", "context"],
             registry=r,
         )
         self.cost_profile_info = Gauge(
@@ -133,7 +140,7 @@ class GatewayMetrics:
             "The cost profile in force per model role (value 1): source is stored (a profile "
             "file), measured (a quick one that passed the checks), suspect (measured, failed "
             "the checks, not cached) or none; published 0 means the scheduler does not use it.",
-            ["role", "source", "published"],
+            ["cell", "role", "source", "published"],
             registry=r,
         )
         self.time_to_first_token = Histogram(
@@ -211,20 +218,35 @@ class GatewayMetrics:
         )
 
 
-def export_profiles(metrics: GatewayMetrics, profiles: dict[str, ModelProfile]) -> None:
-    """Set the cost gauges from the published profiles (one sample per measured grid point)."""
-    metrics.cost_forward_ms.clear()
-    for role, profile in profiles.items():
-        curve = profile.curve
-        for i, tokens in enumerate(curve.tokens):
-            for j, context in enumerate(curve.contexts):
-                gauge = metrics.cost_forward_ms.labels(role, str(tokens), str(context))
-                gauge.set(curve.ms_grid[i][j])
+def export_profiles(
+    metrics: GatewayMetrics, profiles_by_cell: Mapping[str, Mapping[str, ModelProfile]]
+) -> None:
+    """Set the cost gauges from each cell's published profiles (one sample per measured grid
+    point); a cell missing from the mapping (its read failed) keeps what it had."""
+    for cell, profiles in profiles_by_cell.items():
+        _remove_cell(metrics.cost_forward_ms, cell)
+        for role, profile in profiles.items():
+            curve = profile.curve
+            for i, tokens in enumerate(curve.tokens):
+                for j, context in enumerate(curve.contexts):
+                    gauge = metrics.cost_forward_ms.labels(cell, role, str(tokens), str(context))
+                    gauge.set(curve.ms_grid[i][j])
 
 
-def export_profile_statuses(metrics: GatewayMetrics, statuses: dict[str, dict[str, str]]) -> None:
-    """Set `augury_cost_profile_info` from the statuses the model services published."""
-    metrics.cost_profile_info.clear()
-    for role, status in statuses.items():
-        published = "1" if status.get("published") == "1" else "0"
-        metrics.cost_profile_info.labels(role, status.get("source", "none"), published).set(1)
+def export_profile_statuses(
+    metrics: GatewayMetrics, statuses_by_cell: Mapping[str, Mapping[str, Mapping[str, str]]]
+) -> None:
+    """Set `augury_cost_profile_info` from the statuses each cell's model services published."""
+    for cell, statuses in statuses_by_cell.items():
+        _remove_cell(metrics.cost_profile_info, cell)
+        for role, status in statuses.items():
+            published = "1" if status.get("published") == "1" else "0"
+            source = status.get("source", "none")
+            metrics.cost_profile_info.labels(cell, role, source, published).set(1)
+
+
+def _remove_cell(gauge: Gauge, cell: str) -> None:
+    """Drop the gauge's series of one cell (its first label)."""
+    for sample in list(gauge.collect()[0].samples):
+        if sample.labels.get("cell") == cell:
+            gauge.remove(*sample.labels.values())

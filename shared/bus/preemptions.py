@@ -1,6 +1,6 @@
 """Preemption totals through Redis: the scheduler adds what its core counted since it last
 wrote (HINCRBY, so totals survive a scheduler restart), and the gateway exports them under
-/metrics as `augury_num_preemptions_total{kind}`."""
+/metrics as `augury_num_preemptions_total{cell,kind}`."""
 
 from __future__ import annotations
 
