@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from bench.chaos.workload import ChaosRequest
-from bench.load.client import RequestFailed, decode_event, error_text
+from bench.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
 
 PATH = "/v1/completions"
 RETRY_S = 0.25
@@ -152,26 +152,15 @@ class Replay:
             try:
                 async with response:
                     received.http_status = response.status
-                    if response.status >= 400:
-                        raise RequestFailed(f"HTTP {response.status}: {await error_text(response)}")
+                    await raise_for_status(response)
                     await self._stream(response, received)
             finally:
                 self.streaming.discard(received.index)
             return
 
     async def _stream(self, response: aiohttp.ClientResponse, received: Received) -> None:
-        while True:
-            async with asyncio.timeout(self.hang_s):
-                line = await response.content.readline()
-            if not line:
-                break  # the connection closed
-            data = line.strip()
-            if not data.startswith(b"data:"):
-                continue
-            data = data[len(b"data:") :].strip()
-            if data == b"[DONE]":
-                break
-            apply_event(received, decode_event(data), self.now())
+        async for event in stream_events(response, idle_s=self.hang_s):
+            apply_event(received, event, self.now())
             if received.chunks:
                 self.streaming.add(received.index)
         if received.finish_reason is None:
@@ -180,11 +169,7 @@ class Replay:
 
 def apply_event(received: Received, event: dict[str, Any], now: float) -> None:
     """Fold one streamed event into what the client received."""
-    if "error" in event:
-        error = event["error"]
-        raise RequestFailed(
-            f"error event: {error.get('message') if isinstance(error, dict) else error}"
-        )
+    raise_error_event(event)
     text = ""
     for choice in event.get("choices") or []:
         text += str(choice.get("text") or "")

@@ -19,7 +19,6 @@ one request's failure.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from bench.load.records import RequestRecord
 from bench.load.trace import TraceRequest
+from bench.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
@@ -39,10 +39,6 @@ SPECULATION_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
 
 class ReplayError(RuntimeError):
     """The replay cannot start at all (e.g. the server names no model)."""
-
-
-class RequestFailed(Exception):
-    """One request's failure, with the message its record keeps."""
 
 
 def api_root(base_url: str) -> str:
@@ -248,45 +244,17 @@ async def _stream(
     start: float,
 ) -> None:
     async with session.post(url, json=body) as response:
-        if response.status >= 400:
-            raise RequestFailed(f"HTTP {response.status}: {await error_text(response)}")
-        async for line in response.content:
-            data = line.strip()
-            if not data.startswith(b"data:"):
-                continue  # blank separators, comments, other SSE fields
-            data = data[len(b"data:") :].strip()
-            if data == b"[DONE]":
-                break
-            apply_event(record, decode_event(data), time.monotonic() - start)
+        await raise_for_status(response)
+        async for event in stream_events(response):
+            apply_event(record, event, time.monotonic() - start)
     if record.finish_reason is None:
         raise RequestFailed("the stream ended without a finish_reason")
     record.finish_s = time.monotonic() - start
 
 
-async def error_text(response: aiohttp.ClientResponse) -> str:
-    text = await response.text()
-    try:
-        return str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return text.strip()[:500] or response.reason or "no message"
-
-
-def decode_event(data: bytes) -> dict[str, Any]:
-    try:
-        event = json.loads(data)
-    except ValueError:
-        raise RequestFailed(f"malformed stream event: {data[:200]!r}") from None
-    if not isinstance(event, dict):
-        raise RequestFailed(f"malformed stream event: {data[:200]!r}")
-    return event
-
-
 def apply_event(record: RequestRecord, event: dict[str, Any], now: float) -> None:
     """Fold one streamed chunk into the record (`now`: seconds since the start)."""
-    if "error" in event:
-        error = event["error"]
-        message = error.get("message") if isinstance(error, dict) else error
-        raise RequestFailed(f"error event: {message}")
+    raise_error_event(event)
     for choice in event.get("choices") or []:
         if _has_text(choice) and record.first_token_s is None:
             record.first_token_s = now  # a server without usage per chunk still shows text

@@ -17,6 +17,7 @@ from shared.wire.codec import (
     pack_payload,
     unpack_payload,
 )
+from shared.wire.schema import Schema
 
 SCHEMA_VERSION = 1
 MAX_TYPE_NAME = 64
@@ -27,9 +28,10 @@ _REGISTRY: dict[str, type[WireMessage]] = {}
 
 
 class WireMessage:
-    """Base of every message: subclasses set TYPE and define `payload` and `from_payload`."""
+    """Base of every message: a dataclass that sets TYPE and declares its fields with `wire()`."""
 
     TYPE: ClassVar[str]
+    _schema: ClassVar[Schema | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -40,12 +42,21 @@ class WireMessage:
             raise TypeError(f"message type {name!r} registered twice")
         _REGISTRY[name] = cls
 
+    @classmethod
+    def schema(cls) -> Schema:
+        # built on first use: the @dataclass decorator runs after __init_subclass__
+        if cls.__dict__.get("_schema") is None:
+            cls._schema = Schema.declared_by(cls)
+        assert cls._schema is not None
+        return cls._schema
+
     def payload(self) -> dict[str, Any]:
-        raise NotImplementedError
+        return self.schema().encode(self)
 
     @classmethod
     def from_payload(cls, fields: PayloadReader) -> Self:
-        raise NotImplementedError
+        message: Self = cls.schema().decode(fields)
+        return message
 
     def to_entry(self) -> dict[str, bytes]:
         return {

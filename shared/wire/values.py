@@ -1,4 +1,8 @@
-"""Encodings of the value types messages carry: sampling options, token trees, drafting methods."""
+"""Encodings of the value types messages carry: sampling options, token trees, drafting methods.
+
+Each is also a `Kind` of the declared-field codec (`SAMPLING`, `TREE`, ...): these values have a
+shape of their own (flattened arrays, fields that depend on a method's kind), not a flat struct.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from shared.values.sampling import (
 )
 from shared.values.steps import FinishReason
 from shared.values.tree import SparseDist, TokenTree
-from shared.wire.codec import PayloadReader, pack_floats, pack_ints
+from shared.wire.codec import PayloadReader, pack_floats, pack_ints, pack_matrix_f16
+from shared.wire.schema import Value
 
 MAX_TREE_NODES = 1 << 16
 
@@ -115,22 +120,18 @@ def _read_structured(fields: PayloadReader) -> StructuredOutput | None:
 # ---- token histories and logprobs --------------------------------------------------------------
 
 
-def optional_history_payload(history: TokenHistory | None) -> dict[str, Any]:
-    """{"history": ...} for a request whose sampling reads its tokens; {} otherwise."""
-    if history is None:
-        return {}
+def history_payload(history: TokenHistory) -> dict[str, Any]:
+    """The tokens of a request whose sampling reads them (penalties, min_tokens)."""
     return {
-        "history": {
-            "output_len": int(history.output_len),
-            "output": pack_ints(history.output),
-            "prompt": pack_ints(history.prompt),
-            "end_ids": pack_ints(history.end_ids),
-        }
+        "output_len": int(history.output_len),
+        "output": pack_ints(history.output),
+        "prompt": pack_ints(history.prompt),
+        "end_ids": pack_ints(history.end_ids),
     }
 
 
-def read_optional_history(fields: PayloadReader) -> TokenHistory | None:
-    sub = fields.optional_sub("history")
+def read_optional_history(fields: PayloadReader, name: str = "history") -> TokenHistory | None:
+    sub = fields.optional_sub(name)
     if sub is None:
         return None
     return sub.build(
@@ -142,20 +143,14 @@ def read_optional_history(fields: PayloadReader) -> TokenHistory | None:
     )
 
 
-def optional_logprobs_payload(
-    logprobs: TokenLogprobs | None, key: str = "logprobs"
-) -> dict[str, Any]:
-    """{key: ...} when set: values as float64 bytes, top lists flattened row by row."""
-    if logprobs is None:
-        return {}
+def logprobs_payload(logprobs: TokenLogprobs) -> dict[str, Any]:
+    """Values as float64 bytes, top lists flattened row by row."""
     width = len(logprobs.top_ids[0]) if len(logprobs) else 0
     return {
-        key: {
-            "values": pack_floats(logprobs.logprobs),
-            "top_width": width,
-            "top_ids": pack_ints([t for row in logprobs.top_ids for t in row]),
-            "top_values": pack_floats([v for row in logprobs.top_logprobs for v in row]),
-        }
+        "values": pack_floats(logprobs.logprobs),
+        "top_width": width,
+        "top_ids": pack_ints([t for row in logprobs.top_ids for t in row]),
+        "top_values": pack_floats([v for row in logprobs.top_logprobs for v in row]),
     }
 
 
@@ -289,3 +284,14 @@ def read_method(fields: PayloadReader) -> DraftMethod:
             min_path_prob=min_path_prob,
         )
     fields.fail("method", f"unknown drafting method {name!r}")
+
+
+# ---- as kinds of the declared-field codec ----------------------------------------------------
+
+FINISH = Value(finish_payload, read_finish)
+SAMPLING = Value(sampling_payload, lambda fields, name: read_sampling(fields.sub(name)))
+METHOD = Value(method_payload, lambda fields, name: read_method(fields.sub(name)))
+TREE = Value(optional_tree_payload, read_optional_tree)
+LOGPROBS = Value(logprobs_payload, read_optional_logprobs)  # sparse fields only: never None
+HISTORY = Value(history_payload, read_optional_history)  # sparse fields only: never None
+FEATURES = Value(pack_matrix_f16, lambda fields, name: fields.optional_f16_matrix(name))
