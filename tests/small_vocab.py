@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ VOCAB = 6
 
 # (logits of one output position, the output before it) -> the logits sampled from
 RowAdjust = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+_JOINTS: dict[tuple[str, tuple[int, ...], int, str], dict[tuple[int, ...], float]] = {}
 
 
 def small_vocab_pair(factory: pytest.TempPathFactory, tag: str) -> tuple[Path, Path]:
@@ -38,7 +41,11 @@ def exact_joint(
     params: SamplingParams,
     adjust: RowAdjust | None = None,
 ) -> dict[tuple[int, ...], float]:
-    """P(output) of every output of `out_len` tokens under plain sampling from the target."""
+    """P(output) of every output of `out_len` tokens under plain sampling from the target
+    (kept per target, prompt and distribution when `adjust` is None: many tests ask again)."""
+    key = (str(target_dir), tuple(prompt), out_len, repr(replace(params, seed=None, max_tokens=1)))
+    if adjust is None and key in _JOINTS:
+        return _JOINTS[key]
     hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     joint = {}
     for seq in itertools.product(range(VOCAB), repeat=out_len):
@@ -49,4 +56,6 @@ def exact_joint(
             row = logits[i] if adjust is None else adjust(logits[i], list(seq[:i]))
             p *= float(processed_probs(row[None], params)[0, seq[i]])
         joint[seq] = p
+    if adjust is None:
+        _JOINTS[key] = joint
     return joint
