@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from shared.engine import spec_engine
+from shared.scheduling import executor
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
@@ -41,7 +41,7 @@ def sampled_params(coupled: bool, monkeypatch: pytest.MonkeyPatch) -> list[Sampl
     """Seeded requests sample through Gumbel noise (coupled); unseeded ones by multi-step
     speculative sampling, here with engine seeds drawn from a fixed counter."""
     counter = itertools.count(10_000)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
+    monkeypatch.setattr(executor.secrets, "randbits", lambda bits: next(counter))
     return [
         SamplingParams(temperature=0.9, seed=s if coupled else None, max_tokens=OUT_LEN)
         for s in range(NUM_REQUESTS)

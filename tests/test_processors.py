@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
 from shared.engine.processors import process_logits
 from shared.engine.spec_engine import EngineConfig, SpecEngine
@@ -25,6 +24,7 @@ from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling import executor
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, TokenHistory, processed_probs, token_history
@@ -302,7 +302,7 @@ def exact(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
 def deterministic_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unseeded requests draw their engine seed from `secrets`: make those draws fixed."""
     counter = itertools.count(10_000)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
+    monkeypatch.setattr(executor.secrets, "randbits", lambda bits: next(counter))
 
 
 # a chain and two trees; multi-step sampling for the chain and the dynamic tree, the seeded

@@ -10,7 +10,6 @@ lines: schedule, run, observe.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -32,21 +31,25 @@ from shared.scheduling.core import (
     SpeculationPlanner,
     StepOutput,
     StepResult,
-    draft_request,
-    request_history,
     tree_capacity_with,
 )
 from shared.scheduling.cost_model import CostModel
+from shared.scheduling.executor import (
+    DraftKey,
+    DraftRound,
+    StepDriver,
+    new_request,
+    resolve,
+    route_releases,
+)
 from shared.scheduling.factory import make_chooser, make_policy, make_selector, resolve_merge
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import AcceptanceStats, RequestState
-from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
 from shared.values.methods import DraftMethod
-from shared.values.sampling import SEED_BITS, SamplingParams
-from shared.values.steps import DraftRequest, VerifyRequest
-from shared.values.tree import TokenTree
+from shared.values.sampling import SamplingParams
+from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.
@@ -99,6 +102,58 @@ class RunnerKV:
 
 # A draft model's drafter or one that loads no model; both answer `draft`, `free`, `has_request`.
 AnyDrafter = Drafter | ModelFreeDrafter
+
+
+class LocalTransport:
+    """The engine's half of the executor contract (`shared.scheduling.executor.Transport`):
+    the verifier and the drafters in this process, called directly."""
+
+    def __init__(
+        self, verifier: Verifier, drafters: Mapping[str, AnyDrafter], clock: Callable[[], float]
+    ) -> None:
+        self.verifier = verifier
+        self.drafters = drafters
+        self.clock = clock
+        self._swapped: dict[str, SwappedKV] = {}
+
+    def swap_out(self, request: RequestState) -> None:
+        rid = request.request_id
+        self._swapped[rid] = self.verifier.runner.swap_out(rid)
+
+    def swap_in(self, request: RequestState) -> None:
+        rid = request.request_id
+        self.verifier.runner.swap_in(rid, self._swapped.pop(rid))
+
+    def draft(self, drafts: DraftRound) -> dict[DraftKey, DraftedTree]:
+        """One drafter call per (model, method); a request's own drafter and its standby are
+        different models."""
+        groups: dict[tuple[str, DraftMethod], list[DraftKey]] = {}
+        entries = {job.key: job.entry for job in drafts.jobs}
+        for job in drafts.jobs:
+            rid, drafter = job.entry.request_id, self.drafters[job.plan.model]
+            if job.plan.base_len == 0 and drafter.has_request(rid):
+                drafter.free(rid)  # the core starts this drafter's copy over
+            groups.setdefault((job.plan.model, job.plan.method), []).append(job.key)
+        answers: dict[DraftKey, DraftedTree] = {}
+        for (model, method), keys in groups.items():
+            requests = [entries[key] for key in keys]
+            trees = self.drafters[model].draft(requests, method.for_batch(len(requests)))
+            for key, request in zip(keys, requests, strict=True):
+                answers[key] = DraftedTree(request.request_id, request.step, trees[key[2]])
+        return answers
+
+    def draft_time(self) -> float:
+        return self.clock()
+
+    def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
+        return self.verifier.step(entries)
+
+    def free_target(self, request_id: str) -> None:
+        self.verifier.free(request_id)
+        self._swapped.pop(request_id, None)
+
+    def free_draft(self, model: str, replica: str, request_id: str) -> None:
+        self.drafters[model].free(request_id)
 
 
 class SpecEngine:
@@ -171,10 +226,11 @@ class SpecEngine:
         )
         self.core.set_drafters({name: ["local"] for name in self.drafters})
         self.kv = RunnerKV(verifier)
+        self.transport = LocalTransport(verifier, self.drafters, clock)
+        self.driver = StepDriver(self.core, self.transport)
         self.requests: dict[str, RequestState] = {}  # every request given, until popped
         # with a tokenizer: every request's text (cut at its stop string), until popped
         self.texts: dict[str, OutputText] = {}
-        self._swapped: dict[str, SwappedKV] = {}
         self._ids = 0
 
     @property
@@ -232,21 +288,17 @@ class SpecEngine:
                 f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
                 param="draft_model",
             )
-        slo = self.config.slo
-        objective_ms = resolve_tpot_slo(slo_class, tpot_slo_ms, slo, self.core.cost)
+        resolved = resolve(params, slo_class, tpot_slo_ms, self.config.slo, self.core.cost)
         if request_id is None:
             request_id = f"req-{self._ids}"
             self._ids += 1
-        seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
-        request = RequestState(
+        request = new_request(
             request_id,
-            list(prompt),
+            prompt,
             params,
-            seed,
+            resolved,
             arrival_time=self.clock(),
             priority=priority,
-            tpot_slo_ms=objective_ms,
-            slo_class=effective_class(slo_class, tpot_slo_ms, slo),
             requested_draft=draft_model,
             speculate=speculate,
             method=method,
@@ -302,12 +354,12 @@ class SpecEngine:
         batch = self.core.next_batch(self.clock(), self.kv)
         if batch is None:
             return []
-        results = self._run(batch)
+        results = self.driver.run(batch)
         if self.observer is not None:
             self.observer(batch, results)
-        outputs = batch.failed + self.core.observe(batch, results, self.clock())
+        outputs = batch.failed + self.driver.finish(batch, results, self.clock())
         outputs = [self._detokenize(output) for output in outputs]
-        self._release()
+        self._release()  # a stop string's request, cancelled by `_detokenize`
         return outputs
 
     def _detokenize(self, output: StepOutput) -> StepOutput:
@@ -336,96 +388,8 @@ class SpecEngine:
             logprobs=logprobs,
         )
 
-    def _run(self, batch: MicroBatch) -> dict[str, StepResult]:
-        runner = self.verifier.runner
-        for request in batch.swap_out:
-            self._swapped[request.request_id] = runner.swap_out(request.request_id)
-        for request in batch.swap_in:
-            runner.swap_in(request.request_id, self._swapped.pop(request.request_id))
-        self._release()  # drafts left behind by preemption or a change of draft model
-        drafted, partners = self._draft(batch)
-        trees = self.core.select_trees(batch, drafted, self.clock(), partners)
-        eos = self.core.config.eos_token_ids
-        entries = [
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
-                chunk=tuple(r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk]),
-                chunk_start=r.num_prefilled,
-                chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
-                want_features=self.core.wants_features(r),
-                history=request_history(r, eos),
-            )
-            for r, chunk in batch.prefill
-        ]
-        entries += [
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
-                tree=trees[r.request_id],
-                want_features=self.core.wants_features(r),
-                history=request_history(r, eos),
-            )
-            for r in batch.decode
-        ]
-        verified = self.verifier.step(entries) if entries else []
-        return {
-            v.request_id: StepResult(
-                v.request_id,
-                v.step,
-                v.new_tokens,
-                len(v.accepted),
-                features=v.features,
-                logprobs=v.logprobs,
-                cached_tokens=v.cached_tokens,
-                prompt_logprobs=v.prompt_logprobs,
-                error=v.error,
-            )
-            for v in verified
-        }
-
-    def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], dict[str, TokenTree]]:
-        """The step's trees, and the standby drafters' trees to merge with them (`batch.merge`);
-        fast switching's warm-ups (`batch.warm`) run beside them and only bring the standby
-        drafters' KV in step. A request's own drafter and its standby are different models."""
-        standby = batch.standby_plans
-        groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
-        for rid, plan in [*batch.drafts.items(), *standby.items()]:
-            request = self.core.requests[rid]
-            drafter = self.drafters[plan.model]
-            if plan.base_len == 0 and drafter.has_request(rid):
-                drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(
-                draft_request(request, plan, self.core.config.eos_token_ids)
-            )
-        trees: dict[str, TokenTree] = {}
-        partners: dict[str, TokenTree] = {}
-        for (model, method), requests in groups.items():
-            drafted = self.drafters[model].draft(requests, method.for_batch(len(requests)))
-            for r in requests:
-                rid = r.request_id
-                if rid in standby and standby[rid].model == model:
-                    self.core.note_warmed(rid, standby[rid], True)
-                    if rid in batch.merge:
-                        partners[rid] = drafted[rid]
-                else:
-                    self.core.note_drafted(rid, True)
-                    trees[rid] = drafted[rid]
-        return trees, partners
-
     def _release(self) -> None:
-        for release in self.core.take_releases():
-            if release.target:
-                self.verifier.free(release.request_id)
-                self._swapped.pop(release.request_id, None)
-            if release.draft is not None:
-                self.drafters[release.draft[0]].free(release.request_id)
+        route_releases(self.core, self.transport)
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(
