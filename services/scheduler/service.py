@@ -536,8 +536,17 @@ class SchedulerService:
             for drafted in answer.entries:
                 key = (model, replica, drafted.request_id)
                 if key not in answers or answers[key].step != drafted.step:
-                    answers[key] = drafted  # the first of the step asked wins
+                    answers[key] = self._rooted(drafted)  # the first of the step asked wins
         return drafts.apply(self.core, answers), draft_ms
+
+    def _rooted(self, drafted: DraftedTree) -> DraftedTree:
+        """The answer, or an error where its tree grows from another token than the request's
+        last committed one (a drafter out of step)."""
+        request = self.core.requests.get(drafted.request_id)
+        tree = drafted.tree
+        if tree is None or (request is not None and tree.root_token == request.all_tokens[-1]):
+            return drafted
+        return DraftedTree(drafted.request_id, drafted.step, None, error="wrong_root")
 
     # ---- verification ----------------------------------------------------------------------------
     async def _verify(self, job: VerifyJob) -> VerifyResult:

@@ -146,7 +146,7 @@ class LocalTransport:
         return self.clock()
 
     def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
-        return self.verifier.step(entries)
+        return self.verifier.step(entries) if entries else []
 
     def free_target(self, request_id: str) -> None:
         self.verifier.free(request_id)

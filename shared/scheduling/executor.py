@@ -158,14 +158,14 @@ class DraftRound:
 
     def apply(self, core: SchedulerCore, answers: Mapping[DraftKey, DraftedTree]) -> Drafted:
         """Tell the core how each job went (`note_drafted`, `note_warmed`) and collect the trees.
-        A job is answered when its key holds a tree of its step rooted at the request's last
-        committed token; anything else (no answer, an error, a stale step) leaves that drafter's
-        state unknown to the core, which starts it over."""
+        A job is answered when its key holds a tree of its step; anything else (no answer, an
+        error, a stale step) leaves that drafter's state unknown to the core, which starts it
+        over. (A transport that can receive trees of another state checks their roots.)"""
         trees: dict[str, TokenTree] = {}
         partners: dict[str, TokenTree] = {}
         for job in self.jobs:
             rid = job.entry.request_id
-            tree = _answered_tree(core, job, answers.get(job.key))
+            tree = _answered_tree(job, answers.get(job.key))
             if job.role == "draft":
                 core.note_drafted(rid, tree is not None)
                 if tree is not None:
@@ -177,13 +177,8 @@ class DraftRound:
         return Drafted(trees, partners)
 
 
-def _answered_tree(
-    core: SchedulerCore, job: DraftJob, answer: DraftedTree | None
-) -> TokenTree | None:
+def _answered_tree(job: DraftJob, answer: DraftedTree | None) -> TokenTree | None:
     if answer is None or answer.tree is None or answer.step != job.entry.step:
-        return None
-    request = core.requests.get(job.entry.request_id)
-    if request is None or answer.tree.root_token != request.all_tokens[-1]:
         return None
     return answer.tree
 
@@ -294,7 +289,8 @@ class Transport(Releaser, Protocol):
     def verify(
         self, batch: MicroBatch, entries: Sequence[VerifyRequest]
     ) -> Sequence[VerifiedRequest]:
-        """Verify the entries (one forward of the target); an answer per entry."""
+        """Verify the entries (one forward of the target; none for a micro-batch that only
+        preempted); an answer per entry."""
         ...
 
 
@@ -313,7 +309,7 @@ class StepDriver:
         now = self.transport.draft_time()
         trees = self.core.select_trees(batch, drafted.trees, now, drafted.partners)
         entries = verify_requests(self.core, batch, trees)
-        return step_results(self.transport.verify(batch, entries) if entries else ())
+        return step_results(self.transport.verify(batch, entries))
 
     def prepare(self, batch: MicroBatch) -> None:
         """Swap out, free what preemption (or a change of draft model) let go, swap in."""
