@@ -304,6 +304,10 @@ class StepDriver:
     def run(self, batch: MicroBatch) -> dict[str, StepResult]:
         """Preempt and resume, draft, select and verify one micro-batch; its step results."""
         self.prepare(batch)
+        return self.speculate(batch)
+
+    def speculate(self, batch: MicroBatch) -> dict[str, StepResult]:
+        """Draft, select and verify a prepared micro-batch; its step results."""
         drafts = DraftRound.of(self.core, batch)
         drafted = drafts.apply(self.core, self.transport.draft(drafts) if drafts.jobs else {})
         now = self.transport.draft_time()
