@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import ModelFreeDrafter
@@ -23,12 +21,9 @@ from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.grammar.matcher import GrammarBook
 from shared.grammar.spec import check_structured
 from shared.model.kv_cache import SwappedKV
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
-    CoreConfig,
-    MergePolicy,
     MicroBatch,
-    SchedulerCore,
-    SpeculationPlanner,
     StepOutput,
     StepResult,
     tree_capacity_with,
@@ -42,10 +37,9 @@ from shared.scheduling.executor import (
     resolve,
     route_releases,
 )
-from shared.scheduling.factory import make_chooser, make_policy, make_selector, resolve_merge
+from shared.scheduling.factory import TargetInfo, make_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import AcceptanceStats, RequestState
-from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -54,25 +48,6 @@ from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.
 StepObserver = Callable[[MicroBatch, Mapping[str, StepResult]], None]
-
-
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_tokens_per_step: int = Field(512, ge=1)  # B: prompt chunks and trees of one forward
-    max_running: int = Field(64, ge=1)
-    policy: str = "fcfs"
-    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
-    laps: LapsSettings = LapsSettings()
-    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy, counterfactual
-    lbss: LbssSettings = LbssSettings()
-    fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
-    # the standby (or, "model-free", a model-free draft) also drafts a tree, merged (SpecInfer);
-    # "auto": "model-free" where the engine has a model-free draft beside a model draft, else off
-    merge_drafts: MergePolicy | Literal["auto"] = "auto"
-    tree_selection: str = "goodput"
-    planner: SpeculationPlanner = "goodput"
-    slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
 
 
 class RunnerKV:
@@ -162,7 +137,7 @@ class SpecEngine:
         verifier: Verifier,
         drafter: AnyDrafter | Mapping[str, AnyDrafter] | None = None,
         method: DraftMethod | None = None,
-        config: EngineConfig | None = None,
+        config: SchedulerConfig | None = None,
         eos_token_ids: Sequence[int] = (),
         *,
         cost: CostModel | None = None,
@@ -189,37 +164,25 @@ class SpecEngine:
                 if isinstance(d, Drafter):
                     d.grammar = grammar
         model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
-        has_models = len(model_free) < len(self.drafters)
-        self.config = config or EngineConfig()
+        self.config = config or SchedulerConfig()
         self.clock = clock
         self.observer = observer
         runner = verifier.runner
-        self.core = SchedulerCore(
-            CoreConfig(
+        self.core = make_core(
+            self.config,
+            TargetInfo(
                 vocab_size=runner.cfg.vocab_size,
                 max_context=runner.max_context,
                 eos_token_ids=tuple(eos_token_ids),
-                token_budget=self.config.max_tokens_per_step,
-                max_running=self.config.max_running,
-                method=method if self.drafters else None,
-                planner=self.config.planner,
+                hidden_size=runner.cfg.hidden_size,
                 feature_drafts=frozenset(
                     name for name, d in self.drafters.items() if d.is_feature_level
                 ),
-                feature_size=runner.cfg.hidden_size,
-                fast_switching=self.config.fast_switching,
-                merge_drafts=resolve_merge(self.config.merge_drafts, bool(model_free), has_models),
                 model_free_drafts=model_free,
             ),
-            policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
-            chooser=make_chooser(
-                self.config.draft_chooser,
-                list(self.drafters),
-                self.config.lbss,
-                model_free=model_free,
-            ),
-            selector=make_selector(self.config.tree_selection, self.config.slo),
-            cost=cost,
+            list(self.drafters),
+            cost,
+            method=method if self.drafters else None,
             # the verifier attaches cached prefixes itself (`RunnerKV`); the index holds back a
             # request whose prefix another's chunk is computing, so that it is computed once
             prefix_index=(PrefixIndex(runner.cache.block_size) if runner.prefix_caching else None),
