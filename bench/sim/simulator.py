@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, Session
 from bench.sim.prefix import hashed_prompt
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
-    CoreConfig,
     MicroBatch,
-    SchedulerCore,
     StepOutput,
     StepResult,
     mean_context,
@@ -51,10 +50,9 @@ from shared.scheduling.executor import (
     StepDriver,
     new_request,
 )
-from shared.scheduling.factory import make_chooser, make_policy, make_selector
+from shared.scheduling.factory import TargetInfo, make_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
-from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
@@ -72,24 +70,11 @@ def step_overhead_ms(fixed_ms: float, per_request_ms: float, num_decoding: int) 
 
 @dataclass(frozen=True)
 class SimConfig:
+    # the scheduling, as the engine and the scheduler service are given it
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     vocab_size: int = 49152
     max_context: int = 8192
-    token_budget: int = 512  # B, as `engine.max_tokens_per_step`
-    max_running: int = 64  # as `scheduler.max_running_requests`
-    micro_batches: int = 1  # as `scheduler.micro_batches` (with auto: the most in flight)
-    auto_micro_batches: bool = False  # as `scheduler.micro_batches = auto`
-    micro_batch_drop: float = 0.1
-    micro_batch_split: str = "policy"  # as `scheduler.micro_batch_split`
-    policy: str = "fcfs"
-    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
-    laps: LapsSettings = field(default_factory=LapsSettings)
-    selector: str = "goodput"
-    slo: SloSettings = field(default_factory=SloSettings)  # for the SLO-aware selectors
-    draft_chooser: str = "fixed"
-    lbss: LbssSettings = field(default_factory=LbssSettings)  # for draft_chooser "lbss"
-    fast_switching: bool = False  # as `scheduler.fast_switching`
     oracle: dict[str, str] = field(default_factory=dict)  # "oracle": request id -> best draft
-    planner: str = "goodput"
     drafts: tuple[str, ...] = ("draft-s",)
     method: DraftMethod | None = None  # None: the acceptance recording's method
     shared_device: bool = True
@@ -156,33 +141,20 @@ class Simulator:
         # `oracle` length predictor is given
         self._lengths: dict[str, int] = {}
         method = config.method or acceptance.method
-        self.core = SchedulerCore(
-            CoreConfig(
-                vocab_size=config.vocab_size,
-                max_context=config.max_context,
-                eos_token_ids=(EOS_TOKEN,),
-                token_budget=config.token_budget,
-                max_running=config.max_running,
-                micro_batches=config.micro_batches,
-                auto_micro_batches=config.auto_micro_batches,
-                micro_batch_drop=config.micro_batch_drop,
-                micro_batch_split=config.micro_batch_split,  # type: ignore[arg-type]
-                method=method if config.drafts else None,
-                planner=config.planner,  # type: ignore[arg-type]
-                fast_switching=config.fast_switching,
-            ),
-            policy=make_policy(config.policy, config.length_predictor, config.laps, self._lengths),
-            chooser=make_chooser(
-                config.draft_chooser, list(config.drafts), config.lbss, config.oracle
-            ),
-            selector=make_selector(config.selector, config.slo),
-            cost=cost,
+        self.core = make_core(
+            config.scheduler,
+            TargetInfo(config.vocab_size, config.max_context, (EOS_TOKEN,)),
+            config.drafts,
+            cost,
+            method=method if config.drafts else None,
             # the core's index as large as the cache it mirrors (it forgets no more than that)
             prefix_index=(
                 PrefixIndex(config.block_size, max_blocks=config.prefix_cache_blocks)
                 if config.prefix_caching
                 else None
             ),
+            true_lengths=self._lengths,
+            best_drafts=config.oracle,
         )
         # the simulated verifier's prefix cache, and its count of prompt tokens (vLLM's queries
         # and hits; a recomputed request's tokens count again)
@@ -223,7 +195,7 @@ class Simulator:
                     break
                 self._add(index, requests[index])
                 next_arrival += 1
-            while len(in_flight) < self.config.micro_batches:
+            while len(in_flight) < self.core.config.micro_batches:
                 batch = self.core.next_batch(now)
                 if batch is None:
                     break

@@ -137,7 +137,11 @@ def make_core(
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps, true_lengths),
         chooser=make_chooser(
-            config.draft_chooser, draft_models, config.lbss, best_drafts, model_free=model_free
+            config.draft_chooser,
+            list(draft_models),
+            config.lbss,
+            best_drafts,
+            model_free=model_free,
         ),
         matcher=make_matcher(config.replica_matcher),
         selector=make_selector(config.tree_selection, config.slo),
