@@ -45,7 +45,7 @@ CONFIGS: dict[str, tuple[Path, SchedulerConfig, dict[str, Any]]] = {
         SchedulerConfig(fast_switching=True, draft_chooser="lbss"),
         {"drafts": DRAFTS},
     ),
-    "prefix-cache-adaserve-laps": (
+    "prefix-adaserve-laps": (
         ONE_DRAFT,
         SchedulerConfig(
             tree_selection="adaserve",
@@ -60,7 +60,7 @@ GOLDEN = {
     "default": "c9c2cc9610105caa8a5fb84088d0f44987cbc8851b2e1a483723609ede2e54b7",
     "two-micro-batches-lbss": "f18981fe467b1639a3d60378d23179ead52640d2225ab81a1e4b227c40c1a97e",
     "fast-switching": "5ef601d4d33b47ec991b79c99a9e9fa2d622d466eb9c3976ac19d7d42ce674ad",
-    "prefix-cache-adaserve-laps": "954fb99c9ed1d1a97e5ddb64c5656e880e4234fd81bc1b7456b847947c59f807",
+    "prefix-adaserve-laps": "954fb99c9ed1d1a97e5ddb64c5656e880e4234fd81bc1b7456b847947c59f807",
 }
 
 
