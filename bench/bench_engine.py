@@ -35,12 +35,13 @@ from bench.prompts import chat_ids
 from shared.datasets import EVAL_KINDS, eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.request import AcceptanceStats
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -236,7 +237,7 @@ def main() -> None:
                 Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
                 pair,  # "fixed" drafts every request with the first, A
                 METHODS[method_name],
-                EngineConfig(merge_drafts="standby"),
+                SchedulerConfig(merge_drafts="standby"),
                 eos_token_ids=[eos],
             )
             label = f"(e) ours, {'+'.join(args.merge)} merged, {method_name}"

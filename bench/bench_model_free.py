@@ -26,13 +26,14 @@ from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.sampling import SamplingParams
 
 DATASET_KINDS = ("chat", "everyday", "code", "math")
@@ -92,7 +93,7 @@ class Models:
             self.verifier,
             drafters,
             DEFAULT_METHOD,
-            EngineConfig(planner=self.planner, draft_chooser=chooser),
+            SchedulerConfig(planner=self.planner, draft_chooser=chooser),
             eos_token_ids=self.target.cfg.eos_token_ids,
             cost=cost,  # type: ignore[arg-type]
         )

@@ -33,13 +33,14 @@ from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.settings import AugurySettings, RedisSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -103,7 +104,7 @@ class EngineRunner:
             Verifier(runner),
             drafter,
             method,
-            EngineConfig(planner="fixed"),
+            SchedulerConfig(planner="fixed"),
             eos_token_ids=runner.cfg.eos_token_ids,
             cost=cost,
         )

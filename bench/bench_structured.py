@@ -99,13 +99,14 @@ def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from shared.engine.drafting import Drafter
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.model_set import model_set_drafts, model_set_target
     from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
     from shared.values.methods import DraftMethod
 
     target_dir = model_set_target(args.model_set)
@@ -120,7 +121,7 @@ def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "dynamic": DraftMethod("dynamic", budget=16, max_size=16, max_depth=6, max_width=4),
     }
     eos = target.cfg.eos_token_ids
-    config = EngineConfig(planner=args.planner, max_running=8)
+    config = SchedulerConfig(planner=args.planner, max_running_requests=8)
     engines = {
         "plain": SpecEngine(
             Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-set", default="smollm2", help="smollm2 or qwen2.5-coder")
     parser.add_argument("--draft", help="a draft of the set (default: the set's served default)")
     parser.add_argument("--method", choices=["chain", "dynamic"], default="dynamic")
-    parser.add_argument("--planner", default="fixed", help="EngineConfig.planner")
+    parser.add_argument("--planner", default="fixed", help="SchedulerConfig.planner")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--reps", type=int, default=3)

@@ -28,13 +28,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from shared.engine.drafting import Drafter
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.model_set import MODEL_SETS, model_set_drafts, model_set_target
     from shared.model.precision import check_target_dtype
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
     from shared.values.methods import DraftMethod
     from shared.values.sampling import SamplingParams
 
@@ -85,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             verifier,
             drafter,
             method,
-            EngineConfig(planner="fixed"),
+            SchedulerConfig(planner="fixed"),
             eos_token_ids=target.cfg.eos_token_ids,
         )
         start = time.perf_counter()

@@ -22,12 +22,13 @@ from pathlib import Path
 
 from bench.bench_speculation import KINDS, KV_BYTES, prompts_by_kind
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import all_draft_dirs, target_dir
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.request import AcceptanceStats
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SEED_BITS, SamplingParams
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 verifier,
                 drafter,
                 METHODS[label],
-                EngineConfig(planner="fixed"),
+                SchedulerConfig(planner="fixed"),
                 eos_token_ids=target.cfg.eos_token_ids,
             )
             coupled = measure(engine, prompts, args, coupled=True)

@@ -24,6 +24,7 @@ from typing import Any
 from bench.load.trace import TraceError, TraceRequest
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile, ProfileMismatchError
 from shared.scheduling.draft_choice import CHOOSERS
 from shared.scheduling.laps import PREDICTORS
@@ -39,7 +40,7 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
-NESTED = ("method", "laps", "slo", "lbss", "oracle")  # SimConfig fields not written as they are
+NESTED = ("scheduler", "method", "oracle")  # SimConfig fields not written as they are
 
 
 def add_laps_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,15 +269,17 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     config = SimConfig(
         vocab_size=vocab,
         max_context=max_context,
-        token_budget=args.token_budget,
-        max_running=args.batch_size,
-        micro_batches=args.micro_batches,
-        policy=args.policy,
-        length_predictor=args.length_predictor,
-        laps=laps_settings(args),
-        selector=args.selector,
-        draft_chooser=args.draft_chooser,
-        planner=args.planner,
+        scheduler=SchedulerConfig(
+            max_tokens_per_step=args.token_budget,
+            max_running_requests=args.batch_size,
+            micro_batches=args.micro_batches,
+            policy=args.policy,
+            length_predictor=args.length_predictor,
+            laps=laps_settings(args),
+            tree_selection=args.selector,
+            draft_chooser=args.draft_chooser,
+            planner=args.planner,
+        ),
         drafts=tuple(args.drafts),
         shared_device=shared,
         step_overhead_ms=args.step_overhead_ms,
@@ -299,7 +302,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "simulated": True,
         "device": device,
         "config": {k: v for k, v in vars(config).items() if k not in NESTED}
-        | {"laps": config.laps.model_dump(), "slo": config.slo.model_dump()},
+        | config.scheduler.model_dump(),
         "wall_s": round(wall, 2),
     }
     summary = write_report(args.out, records, meta=meta, plots=not args.no_plots)

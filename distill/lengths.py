@@ -153,17 +153,18 @@ def generate(examples: list[Example], files: Answers, args: argparse.Namespace) 
 
 def make_engine(args: argparse.Namespace) -> SpecEngine:
     """Plain greedy decoding (no drafts) in float32 on the CPU, as the services serve by default."""
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.model_set import target_dir
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
 
     target = load_model(target_dir())
     runner = ModelRunner(target, kv_memory_bytes=int(args.kv_gib * (1 << 30)))
     return SpecEngine(
         Verifier(runner),
-        config=EngineConfig(max_running=args.max_running),
+        config=SchedulerConfig(max_running_requests=args.max_running),
         eos_token_ids=target.cfg.eos_token_ids,
     )
 

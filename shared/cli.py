@@ -19,7 +19,7 @@ import torch
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
 from shared.model import load_model
@@ -29,6 +29,7 @@ from shared.model.model_set import MODEL_SETS, SMOLLM2
 from shared.model.precision import check_target_dtype
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -243,7 +244,7 @@ def _generate(
         verifier,
         drafters,
         build_method(args) if drafter else None,
-        EngineConfig(planner=args.planner),
+        SchedulerConfig(planner=args.planner),
         eos_token_ids=verifier.runner.cfg.eos_token_ids,
         cost=cost if args.planner == "goodput" else None,
         tokenizer=tokenizer,

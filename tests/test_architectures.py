@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import ContextLengthError, UnsupportedModelError
 from shared.model import load_model
@@ -40,6 +40,7 @@ from shared.model.config import ModelConfig
 from shared.model.gguf import gguf_tensor_name
 from shared.model.gguf_header import GgufArray, read_gguf_header
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.helpers import requires_int8
@@ -137,7 +138,7 @@ def make_engine(path: Path, method: DraftMethod | None, *, int8_draft: bool = Fa
     if method is not None:
         draft = load_model(path, int8=int8_draft)
         drafter = Drafter(ModelRunner(draft, block_size=4, kv_memory_bytes=2 << 20))
-    return SpecEngine(verifier, drafter, method, EngineConfig(planner="fixed"))
+    return SpecEngine(verifier, drafter, method, SchedulerConfig(planner="fixed"))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -29,12 +29,13 @@ from kernels.triton_tree_attention import (  # noqa: E402
     tree_attention_triton,
 )
 from shared.engine.drafting import Drafter  # noqa: E402
-from shared.engine.spec_engine import EngineConfig, SpecEngine  # noqa: E402
+from shared.engine.spec_engine import SpecEngine  # noqa: E402
 from shared.engine.verifier import Verifier  # noqa: E402
 from shared.model import load_model  # noqa: E402
 from shared.model.cuda_graphs import graph_buckets  # noqa: E402
 from shared.model.kv_cache import PagedKVCache  # noqa: E402
 from shared.model.runner import ForwardItem, ModelRunner  # noqa: E402
+from shared.scheduling.config import SchedulerConfig  # noqa: E402
 from shared.values.methods import DraftMethod  # noqa: E402
 from shared.values.sampling import SamplingParams  # noqa: E402
 from tests.test_feature_draft import feature_draft_dir  # noqa: E402, F401 (a fixture)
@@ -251,7 +252,9 @@ def gpu_engine(target_dir: Path, draft_dir: Path | None, method, graphs: int) ->
         )  # fmt: skip
 
     drafter = Drafter(runner(draft_dir)) if draft_dir is not None else None
-    return SpecEngine(Verifier(runner(target_dir)), drafter, method, EngineConfig(planner="fixed"))
+    return SpecEngine(
+        Verifier(runner(target_dir)), drafter, method, SchedulerConfig(planner="fixed")
+    )
 
 
 @needs_gpu

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import DraftPlan, draft_request
 from shared.scheduling.draft_choice import (
     DraftOutcome,
@@ -236,7 +237,7 @@ def test_greedy_output_is_plain_decoding_under_every_chooser(
         "echo": Drafter(runner(tiny_target_dir), name="echo"),  # the target itself: accepted
         "tiny": Drafter(runner(tiny_draft_dir), name="tiny"),
     }
-    config = EngineConfig(
+    config = SchedulerConfig(
         draft_chooser=chooser, planner="fixed", lbss=LbssSettings(alpha=4, beta=2)
     )
     engine = SpecEngine(
@@ -399,7 +400,7 @@ def test_greedy_output_is_plain_decoding_with_fast_switching(
         "echo": CheckedDrafter(runner(tiny_target_dir), name="echo"),
         "tiny": CheckedDrafter(runner(tiny_draft_dir), name="tiny"),
     }
-    config = EngineConfig(
+    config = SchedulerConfig(
         draft_chooser="lbss",
         planner="fixed",
         lbss=LbssSettings(alpha=4, beta=1),
@@ -485,7 +486,7 @@ def test_greedy_output_is_plain_decoding_with_merged_trees(tiny_target_dir, tiny
         "echo": Drafter(runner(tiny_target_dir), name="echo"),
         "tiny": Drafter(runner(tiny_draft_dir), name="tiny"),
     }
-    config = EngineConfig(draft_chooser="eps-greedy", planner="fixed", merge_drafts="standby")
+    config = SchedulerConfig(draft_chooser="eps-greedy", planner="fixed", merge_drafts="standby")
     engine = SpecEngine(
         Verifier(runner(tiny_target_dir)), drafters, DraftMethod("chain", k=3), config
     )

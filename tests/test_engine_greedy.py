@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.helpers import hf_greedy
@@ -37,7 +38,7 @@ def make_engine(target_dir, draft_dir, method, target_kv_bytes: int = 2 << 20, *
     drafter = None
     if method is not None:
         drafter = Drafter(ModelRunner(load_model(draft_dir), block_size=4, kv_memory_bytes=1 << 20))
-    return SpecEngine(verifier, drafter, method, EngineConfig(**cfg))
+    return SpecEngine(verifier, drafter, method, SchedulerConfig(**cfg))
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_a_named_draft_model_drafts_for_its_request(tiny_target_dir, tiny_draft_
 
         drafter.draft = spy
     engine = SpecEngine(
-        Verifier(target), drafters, DraftMethod("chain", k=3), EngineConfig(planner="fixed")
+        Verifier(target), drafters, DraftMethod("chain", k=3), SchedulerConfig(planner="fixed")
     )
     params = SamplingParams(max_tokens=20)
     with pytest.raises(InvalidRequestError, match="draft model"):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from shared.engine import spec_engine
+from shared.scheduling import executor
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.conftest import make_tiny_checkpoint
@@ -41,7 +41,7 @@ def sampled_params(coupled: bool, monkeypatch: pytest.MonkeyPatch) -> list[Sampl
     """Seeded requests sample through Gumbel noise (coupled); unseeded ones by multi-step
     speculative sampling, here with engine seeds drawn from a fixed counter."""
     counter = itertools.count(10_000)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
+    monkeypatch.setattr(executor.secrets, "randbits", lambda bits: next(counter))
     return [
         SamplingParams(temperature=0.9, seed=s if coupled else None, max_tokens=OUT_LEN)
         for s in range(NUM_REQUESTS)
@@ -53,7 +53,9 @@ def sampled_params(coupled: bool, monkeypatch: pytest.MonkeyPatch) -> list[Sampl
 def test_sampled_outputs_follow_target(small_vocab_dirs, name, coupled, monkeypatch):
     target_dir, draft_dir = small_vocab_dirs
     params = sampled_params(coupled, monkeypatch)
-    engine = make_engine(target_dir, draft_dir, SAMPLED_METHODS[name], max_running=NUM_REQUESTS)
+    engine = make_engine(
+        target_dir, draft_dir, SAMPLED_METHODS[name], max_running_requests=NUM_REQUESTS
+    )
     reqs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     outcomes = [tuple(r.output) for r in reqs]
     assert engine.stats.num_draft_tokens > 0
@@ -82,10 +84,11 @@ def test_sampled_outputs_with_merged_trees_follow_target(
     merged with the current drafter's, each sampled node verified against its own drafter's
     proposal): still the target's distribution."""
     from shared.engine.drafting import Drafter
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
 
     target_dir, draft_dir = small_vocab_dirs
 
@@ -99,8 +102,8 @@ def test_sampled_outputs_with_merged_trees_follow_target(
         "small": Drafter(runner(draft_dir), name="small"),
         "other": Drafter(runner(other_dir), name="other"),
     }
-    config = EngineConfig(
-        max_running=NUM_REQUESTS, draft_chooser="eps-greedy", merge_drafts="standby"
+    config = SchedulerConfig(
+        max_running_requests=NUM_REQUESTS, draft_chooser="eps-greedy", merge_drafts="standby"
     )
     engine = SpecEngine(
         Verifier(runner(target_dir, 8 << 20)), drafters, DraftMethod("chain", k=3), config

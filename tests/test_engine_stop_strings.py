@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.model.smollm2 import ensure_smollm2
+from shared.scheduling.config import SchedulerConfig
 from shared.text.detokenize import IncrementalDetokenizer
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -80,7 +81,7 @@ def self_drafted_engine(target: Path, tokenizer: Any | None) -> SpecEngine:
         Verifier(runner),
         drafter,
         DraftMethod("chain", k=CHAIN),
-        EngineConfig(planner="fixed"),
+        SchedulerConfig(planner="fixed"),
         tokenizer=tokenizer,
     )
 

@@ -18,10 +18,11 @@ from distill import train
 from distill.data import TopKCache
 from distill.model import DraftSpec, TrainableDraft, export_draft, load_trainable
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.features import FeatureLog
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -103,7 +104,7 @@ def make_engine(target_dir: Path, draft_dir: Path, method: DraftMethod, **cfg) -
     verifier = Verifier(ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=2 << 20))
     model = load_model(draft_dir, target_path=target_dir)
     drafter = Drafter(ModelRunner(model, block_size=4, kv_memory_bytes=1 << 20), name="draft-e")
-    return SpecEngine(verifier, drafter, method, EngineConfig(planner="fixed", **cfg))
+    return SpecEngine(verifier, drafter, method, SchedulerConfig(planner="fixed", **cfg))
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +246,9 @@ def test_sampled_outputs_with_a_feature_draft_follow_the_target(tmp_path_factory
     draft_dir = export_draft(
         draft, tmp_path_factory.mktemp("sv_e"), bos_token_id=1, eos_token_id=2, metadata={}
     )
-    engine = make_engine(target_dir, draft_dir, DraftMethod("chain", k=3), max_running=NUM_REQUESTS)
+    engine = make_engine(
+        target_dir, draft_dir, DraftMethod("chain", k=3), max_running_requests=NUM_REQUESTS
+    )
     params = [
         SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)
     ]

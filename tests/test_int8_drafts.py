@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from services.runtime import load_runner
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.profiling import profile_key
 from shared.model.quantized import Int8Linear, uses_int8
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.settings import EngineSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -147,7 +148,7 @@ def test_sampled_outputs_with_an_int8_draft_follow_the_target(tmp_path_factory):
         Verifier(target),
         Drafter(draft),
         DraftMethod("static", expansion=(2, 1)),
-        EngineConfig(max_running=NUM_REQUESTS),
+        SchedulerConfig(max_running_requests=NUM_REQUESTS),
     )
     params = [
         SamplingParams(temperature=0.9, seed=s, max_tokens=OUT_LEN) for s in range(NUM_REQUESTS)

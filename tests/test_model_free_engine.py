@@ -9,13 +9,14 @@ import random
 
 import pytest
 
-from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling import executor
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from shared.values.tree import counterfactual_accepted
@@ -40,7 +41,7 @@ CHAIN = DraftMethod("chain", k=4)
 
 def make_engine(target_dir, drafters, method: DraftMethod = CHAIN, **cfg) -> SpecEngine:
     return SpecEngine(
-        Verifier(runner(target_dir)), drafters, method if drafters else None, EngineConfig(**cfg)
+        Verifier(runner(target_dir)), drafters, method if drafters else None, SchedulerConfig(**cfg)
     )
 
 
@@ -118,7 +119,7 @@ def test_counterfactual_acceptance_equals_verified(
     sampling with multi-step speculative sampling (unseeded) and Gumbel coupling (seeded)."""
     # unseeded requests draw their stream seed at random: fixed here so the acceptance floor
     # below holds on every run (14 of 16 was seen once in CI)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", random.Random(0).getrandbits)
+    monkeypatch.setattr(executor.secrets, "randbits", random.Random(0).getrandbits)
     seen = []
 
     def record(batch, results):
@@ -130,7 +131,7 @@ def test_counterfactual_acceptance_equals_verified(
         Verifier(runner(tiny_target_dir)),
         ModelFreeDrafter("ngram"),
         DraftMethod("chain", k=4),
-        EngineConfig(planner="fixed", tree_selection="global-greedy"),
+        SchedulerConfig(planner="fixed", tree_selection="global-greedy"),
         observer=record,
     )
     params = [
@@ -174,7 +175,7 @@ def test_sampled_outputs_with_model_free_drafts_follow_target(small_vocab_dirs, 
         Verifier(runner(target_dir, 8 << 20)),
         drafters,
         DraftMethod("chain", k=3),
-        EngineConfig(max_running=NUM_REQUESTS, draft_chooser="fixed"),
+        SchedulerConfig(max_running_requests=NUM_REQUESTS, draft_chooser="fixed"),
     )
     if with_model:
         engine.core.chooser.preferred = ["tiny"]

@@ -8,11 +8,12 @@ from transformers import AutoTokenizer
 
 from bench.workloads import conversation_ids, workload_messages
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import target_dir
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 
@@ -49,7 +50,7 @@ def test_model_free_drafts_copy_and_keep_greedy_output(target, prompts, plain, k
         Verifier(ModelRunner(target)),
         ModelFreeDrafter(kind),
         DraftMethod("chain", k=4),
-        EngineConfig(planner="fixed"),
+        SchedulerConfig(planner="fixed"),
         eos_token_ids=target.cfg.eos_token_ids,
     )
     reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))

@@ -12,10 +12,11 @@ from transformers import LlamaConfig, Qwen3Config
 
 from services.runtime import load_runner
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model, precision
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.settings import EngineSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -32,7 +33,7 @@ def engine(target: Path, draft: Path | None, method: DraftMethod | None) -> Spec
     drafter = None
     if draft is not None:  # the draft in fp32: its numbers only decide what is proposed
         drafter = Drafter(ModelRunner(load_model(draft), block_size=4, kv_memory_bytes=2 << 20))
-    return SpecEngine(verifier, drafter, method, EngineConfig(planner="fixed"))
+    return SpecEngine(verifier, drafter, method, SchedulerConfig(planner="fixed"))
 
 
 @requires_bf16_cpu

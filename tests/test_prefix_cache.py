@@ -9,13 +9,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import OutOfKVMemoryError
 from shared.model import load_model
 from shared.model.kv_cache import BlockAllocator, block_bytes
 from shared.model.prefix_cache import PrefixCache
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.blocks import block_hashes
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -56,7 +57,7 @@ def make_engine(
             load_model(draft_dir), block_size=BLOCK, kv_memory_bytes=1 << 20, prefix_caching=caching
         )
         drafter = Drafter(draft)
-    return SpecEngine(Verifier(target), drafter, method, EngineConfig(**cfg))
+    return SpecEngine(Verifier(target), drafter, method, SchedulerConfig(**cfg))
 
 
 def one_after_another(engine: SpecEngine, prompts, params) -> list[list[int]]:
@@ -362,7 +363,7 @@ def test_sampled_outputs_with_a_cached_prefix_follow_target(tmp_path_factory):
         DraftMethod("static", expansion=(2, 2)),
         caching=True,
         target_kv_bytes=8 << 20,
-        max_running=num_requests,
+        max_running_requests=num_requests,
     )
     warm = SamplingParams(temperature=0.9, seed=0, max_tokens=OUT_LEN)
     engine.generate([prompt], warm)
@@ -403,7 +404,7 @@ def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
             Verifier(target),
             Drafter(draft, name="draft-e"),
             DraftMethod("chain", k=3),
-            EngineConfig(planner="fixed"),
+            SchedulerConfig(planner="fixed"),
         )
         outputs = one_after_another(engine, PROMPTS, params)
         assert outputs == plain["one_by_one"]

@@ -17,14 +17,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
 from shared.engine.processors import process_logits
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling import executor
+from shared.scheduling.config import SchedulerConfig
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, TokenHistory, processed_probs, token_history
@@ -119,7 +120,7 @@ def engine_for(
         Verifier(runner(target_dir)),
         drafter,
         method if drafter is not None else None,
-        EngineConfig(**config),
+        SchedulerConfig(**config),
         eos_token_ids=eos,
     )
 
@@ -302,7 +303,7 @@ def exact(target_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
 def deterministic_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unseeded requests draw their engine seed from `secrets`: make those draws fixed."""
     counter = itertools.count(10_000)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
+    monkeypatch.setattr(executor.secrets, "randbits", lambda bits: next(counter))
 
 
 # a chain and two trees; multi-step sampling for the chain and the dynamic tree, the seeded
@@ -320,7 +321,7 @@ def test_sampling_with_processors_follows_the_processed_target(
     params = [
         SamplingParams(seed=s if coupled else None, **SAMPLED_PARAMS) for s in range(NUM_REQUESTS)
     ]
-    engine = engine_for(target_dir, draft_dir, SAMPLED[name], max_running=NUM_REQUESTS)
+    engine = engine_for(target_dir, draft_dir, SAMPLED[name], max_running_requests=NUM_REQUESTS)
     outcomes = [tuple(r.output) for r in engine.generate([PROMPT] * NUM_REQUESTS, params)]
     assert engine.stats.num_accepted > 0.2 * engine.stats.num_draft_tokens
     assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR

@@ -37,6 +37,7 @@ from shared.scheduling.cost_model import (
     ProfileKey,
 )
 from shared.scheduling.draft_choice import FixedDraftModel
+from shared.scheduling.executor import DraftKey, DraftRound, StepDriver, route_releases
 from shared.scheduling.factory import make_chooser, make_policy, make_selector
 from shared.scheduling.ordering import FCFS, PolicyContext
 from shared.scheduling.replicas import LeastLoadedSticky, make_matcher
@@ -44,6 +45,7 @@ from shared.scheduling.request import RequestState, append_tokens
 from shared.scheduling.tree_selection import GlobalGreedy, SelectionContext
 from shared.values.methods import DraftMethod, tree_capacity
 from shared.values.sampling import SamplingParams
+from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 from shared.values.tree import SparseDist, TokenTree
 
 VOCAB = 97
@@ -215,6 +217,9 @@ class InFlight:
 
 @dataclass
 class FakeExecutor:
+    """The executor contract's transport (`shared.scheduling.executor.Transport`), checking the
+    core's bookkeeping against its own on the way."""
+
     core: SchedulerCore
     kv: FakeKV | None
     drafters: FakeDrafters
@@ -233,21 +238,90 @@ class FakeExecutor:
     warmed: list[tuple[str, DraftPlan]] = field(default_factory=list)  # standby jobs
     verified: list[TokenTree] = field(default_factory=list)  # every tree verified
 
+    def __post_init__(self) -> None:
+        self.driver = StepDriver(self.core, self)
+
     def tick(self) -> float:
         self.now += 1.0
         return self.now
 
+    # -- the transport ----------------------------------------------------------------------------
+    def free_target(self, request_id: str) -> None:
+        self.target_releases[request_id] += 1
+        if request_id not in self.core.requests:
+            self.target_releases_after_finish[request_id] += 1
+        if self.kv is not None:
+            self.kv.free(request_id)
+
+    def free_draft(self, model: str, replica: str, request_id: str) -> None:
+        self.drafters.release(model, replica, request_id)
+
+    def swap_out(self, request: RequestState) -> None:
+        assert self.kv is not None
+        self.kv.swap_out(request.request_id)
+
+    def swap_in(self, request: RequestState) -> None:
+        assert self.kv is not None
+        self.kv.swap_in(request.request_id)
+
+    def draft(self, drafts: DraftRound) -> dict[DraftKey, DraftedTree]:
+        answers: dict[DraftKey, DraftedTree] = {}
+        batch = self.batches[-1]
+        for job in drafts.jobs:
+            rid, plan = job.entry.request_id, job.plan
+            request = self.core.requests[rid]
+            if job.role == "draft":
+                assert request in batch.decode
+            else:  # a request's standby drafter
+                assert rid in batch.drafts and plan.model != request.draft_model
+                assert not (rid in batch.warm and rid in batch.merge)
+                self.warmed.append((rid, plan))
+            if self.rng.random() < self.draft_failure:
+                self.drafters.fail(plan, request)
+                continue
+            tree = self.drafters.draft(plan, request)
+            answers[job.key] = DraftedTree(rid, job.entry.step, tree)
+        return answers
+
+    def draft_time(self) -> float:
+        return self.tick()
+
+    def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
+        trees = [e.tree for e in entries if e.tree is not None]
+        assert len(trees) == len(batch.decode)
+        nodes = sum(t.num_nodes for t in trees)
+        assert batch.prefill_tokens + nodes <= self.core.config.token_budget
+        return [self._verify_one(e) for e in entries]
+
+    def _verify_one(self, entry: VerifyRequest) -> VerifiedRequest:
+        rid, r, kv = entry.request_id, self.core.requests[entry.request_id], self.kv
+        tree = entry.tree
+        if tree is None:
+            chunk = len(entry.chunk)
+            assert entry.chunk_start == r.num_prefilled
+            assert 0 < chunk <= len(r.prefill_tokens) - r.num_prefilled
+            assert kv is None or kv.cached.get(rid, 0) == r.num_prefilled, f"{rid}: KV out of step"
+        else:
+            assert tree.root_token == r.all_tokens[-1]
+            assert int(tree.depths().max()) <= self.core.max_depth(r)
+            assert kv is None or kv.cached.get(rid) == len(r.all_tokens) - 1, (
+                f"{rid}: KV out of step"
+            )
+            chunk = tree.num_nodes
+        if kv is not None and not kv.grow(rid, chunk):
+            self.oom_errors += 1
+            return VerifiedRequest(rid, r.step, error="out_of_kv_memory: fake")
+        if tree is None:
+            final = entry.chunk_is_last
+            bonus = target_next(r.prefill_tokens[-1]) if final else None
+            return VerifiedRequest(rid, r.step, bonus=bonus)
+        tokens, accepted = verify_tree(tree)
+        self.verified.append(tree)
+        return VerifiedRequest(rid, r.step, tuple(tokens[:accepted]), tokens[accepted])
+
     # -- releases and outputs ---------------------------------------------------------------------
     def release(self) -> None:
-        for rel in self.core.take_releases():
-            if rel.target:
-                self.target_releases[rel.request_id] += 1
-                if rel.request_id not in self.core.requests:
-                    self.target_releases_after_finish[rel.request_id] += 1
-                if self.kv is not None:
-                    self.kv.free(rel.request_id)
-            if rel.draft is not None:
-                self.drafters.release(rel.draft[0], rel.draft[1], rel.request_id)
+        route_releases(self.core, self)
 
     def take_outputs(self, outputs: Sequence[StepOutput]) -> None:
         for out in outputs:
@@ -267,83 +341,18 @@ class FakeExecutor:
         self.batches.append(batch)
         preempted = {r.request_id for r in batch.drop + batch.swap_out}
         assert preempted.isdisjoint(r.request_id for r in batch.members + batch.swap_in)
-        kv = self.kv
-        for r in batch.swap_out:
-            assert kv is not None
-            kv.swap_out(r.request_id)
-        for r in batch.drop:
-            if kv is not None:
-                kv.free(r.request_id)
-        for r in batch.swap_in:
-            assert kv is not None
-            kv.swap_in(r.request_id)
         self.take_outputs(batch.failed)
-        self.release()
+        self.driver.prepare(batch)  # dropped requests' KV is freed before any swap-in
         for r in batch.decode:  # placed on a drafter, drafted or not
             if r.draft_model is not None and r.drafter is not None:
                 self.drafters.last[(r.draft_model, r.drafter, r.request_id)] = "assigned"
         self.plans.append(dict(batch.drafts))
-        drafted: dict[str, TokenTree] = {}
-        for rid, plan in batch.drafts.items():
-            request = self.core.requests[rid]
-            assert request in batch.decode
-            if self.rng.random() < self.draft_failure:
-                self.drafters.fail(plan, request)
-                self.core.note_drafted(rid, False)
-                continue
-            drafted[rid] = self.drafters.draft(plan, request)
-            self.core.note_drafted(rid, True)
-        partners: dict[str, TokenTree] = {}
-        for rid, plan in batch.standby_plans.items():  # a request's standby drafter
-            request = self.core.requests[rid]
-            assert rid in batch.drafts and plan.model != request.draft_model
-            assert not (rid in batch.warm and rid in batch.merge)
-            self.warmed.append((rid, plan))
-            if self.rng.random() < self.draft_failure:
-                self.drafters.fail(plan, request)
-                self.core.note_warmed(rid, plan, False)
-                continue
-            tree = self.drafters.draft(plan, request)
-            self.core.note_warmed(rid, plan, True)
-            if rid in batch.merge:
-                partners[rid] = tree
-        trees = self.core.select_trees(batch, drafted, self.tick(), partners)
-        assert set(trees) == {r.request_id for r in batch.decode}
-        nodes = sum(t.num_nodes for t in trees.values())
-        assert batch.prefill_tokens + nodes <= self.core.config.token_budget
-        results: dict[str, StepResult] = {}
-        for r, chunk in batch.prefill:
-            rid = r.request_id
-            assert 0 < chunk <= len(r.prefill_tokens) - r.num_prefilled
-            if kv is not None:
-                assert kv.cached.get(rid, 0) == r.num_prefilled, f"{rid}: KV out of step"
-                if not kv.grow(rid, chunk):
-                    self.oom_errors += 1
-                    results[rid] = StepResult(rid, r.step, error="out_of_kv_memory: fake")
-                    continue
-            final = r.num_prefilled + chunk == len(r.prefill_tokens)
-            tokens = [target_next(r.prefill_tokens[-1])] if final else []
-            results[rid] = StepResult(rid, r.step, tokens)
-        for r in batch.decode:
-            rid = r.request_id
-            tree = trees[rid]
-            assert tree.root_token == r.all_tokens[-1]
-            assert int(tree.depths().max()) <= self.core.max_depth(r)
-            if kv is not None:
-                assert kv.cached.get(rid) == len(r.all_tokens) - 1, f"{rid}: KV out of step"
-                if not kv.grow(rid, tree.num_nodes):
-                    self.oom_errors += 1
-                    results[rid] = StepResult(rid, r.step, error="out_of_kv_memory: fake")
-                    continue
-            tokens, accepted = verify_tree(tree)
-            results[rid] = StepResult(rid, r.step, tokens, accepted)
-            self.verified.append(tree)
-        self.inflight.append(InFlight(batch, results))
+        self.inflight.append(InFlight(batch, self.driver.speculate(batch)))
         return True
 
     def finish_one(self, index: int = 0) -> list[StepOutput]:
         done = self.inflight.pop(index)
-        outputs = self.core.observe(done.batch, done.results, self.tick())
+        outputs = self.driver.finish(done.batch, done.results, self.tick())
         for r in done.batch.members:
             rid = r.request_id
             if self.kv is None or rid not in self.core.requests or rid not in self.kv.held:
@@ -351,7 +360,6 @@ class FakeExecutor:
             if r.kv == "resident" and not r.is_prefilling and r.prefill_tokens:
                 self.kv.trim(rid, len(r.all_tokens) - 1)
         self.take_outputs(outputs)
-        self.release()
         return outputs
 
     def step(self) -> list[StepOutput]:

@@ -2,7 +2,7 @@
 token budget is charged only for the tokens the verifier must compute, a prefix shared by
 requests arriving together is computed once, and a verifier that lost its cache still answers
 right. The core is built as the service builds it and driven as the service drives it (its
-`verify_entries`), against a real verifier on the tiny target."""
+`verify_requests`), against a real verifier on the tiny target."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.scheduler.service import verify_entries
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
-from shared.scheduling.core import SchedulerCore, StepResult
+from shared.scheduling.core import SchedulerCore
+from shared.scheduling.executor import step_results, verify_requests
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
@@ -56,14 +56,9 @@ def step(core: SchedulerCore, verifier: Verifier, now: float) -> tuple[int, int]
     assert batch is not None
     trees = core.select_trees(batch, {}, now)
     before = verifier.runner.num_tokens_forwarded
-    answers = verifier.step(verify_entries(core, batch, trees))
+    answers = verifier.step(verify_requests(core, batch, trees))
     computed = verifier.runner.num_tokens_forwarded - before - len(batch.decode)
-    results = {
-        a.request_id: StepResult(
-            a.request_id, a.step, a.new_tokens, len(a.accepted), cached_tokens=a.cached_tokens
-        )
-        for a in answers
-    }
+    results = step_results(answers)
     core.observe(batch, results, now)
     for release in core.take_releases():
         verifier.free(release.request_id)

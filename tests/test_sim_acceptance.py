@@ -10,6 +10,7 @@ import pytest
 
 from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -151,7 +152,9 @@ class Alternate:
 def test_a_request_whose_draft_changes_continues_the_same_text() -> None:
     drafts = {"a": flat_profile(1.0, "a"), "b": flat_profile(1.0, "b")}
     cost = CostModel(CostProfile(target=flat_profile(10.0, "t"), drafts=drafts))
-    config = SimConfig(planner="fixed", selector="global-greedy", drafts=("a", "b"))
+    config = SimConfig(
+        SchedulerConfig(planner="fixed", tree_selection="global-greedy"), drafts=("a", "b")
+    )
     sim = Simulator(config, cost, two_drafts())
     sim.core.chooser = Alternate()
     calls: list[tuple[str, str, int, int]] = []

@@ -12,6 +12,7 @@ from bench.load.trace import TraceError, TraceRequest
 from bench.sim.prefix import hashed_prompt, trace_hit_rate
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from bench.traces import scale_hash_blocks, with_system_prompt
+from shared.scheduling.config import SchedulerConfig
 from tests.test_simulator import VERIFY_MS, chain_recording, made_up_cost
 
 # (arrival s, input length, hash ids): r1 and r2 arrive together and share r0's first block;
@@ -26,8 +27,7 @@ TRACE = [
 
 def run(caching: bool) -> tuple[Simulator, list[float]]:
     config = SimConfig(
-        planner="fixed",  # type: ignore[arg-type]
-        selector="global-greedy",
+        SchedulerConfig(planner="fixed", tree_selection="global-greedy"),
         drafts=("d",),
         max_context=4096,
         prefix_caching=caching,

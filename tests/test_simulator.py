@@ -11,6 +11,7 @@ import pytest
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session, accepted_node
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -43,9 +44,14 @@ def chain_recording(accepted: int = 2) -> AcceptanceModel:
     return AcceptanceModel("t", CHAIN, [Session("chat", "d", 0, (step,))])
 
 
-def simulate(requests: list[SimRequest], **config: object) -> list[RequestRecord]:
-    settings = {"planner": "fixed", "selector": "global-greedy", "drafts": ("d",), **config}
-    sim = Simulator(SimConfig(**settings), made_up_cost(), chain_recording())  # type: ignore[arg-type]
+def simulate(
+    requests: list[SimRequest], micro_batches: int = 1, **config: object
+) -> list[RequestRecord]:
+    scheduler = SchedulerConfig(
+        planner="fixed", tree_selection="global-greedy", micro_batches=micro_batches
+    )
+    settings = {"drafts": ("d",), **config}
+    sim = Simulator(SimConfig(scheduler, **settings), made_up_cost(), chain_recording())  # type: ignore[arg-type]
     return sim.run(requests)
 
 
@@ -99,7 +105,7 @@ def test_micro_batches_pipeline_on_separate_devices() -> None:
 
 def test_nothing_accepted_means_one_token_per_step() -> None:
     sim = Simulator(
-        SimConfig(planner="fixed", selector="global-greedy", drafts=("d",)),
+        SimConfig(SchedulerConfig(planner="fixed", tree_selection="global-greedy"), drafts=("d",)),
         made_up_cost(),
         chain_recording(accepted=0),
     )

@@ -14,11 +14,12 @@ from services.gateway.body import APIError, parse_generation
 from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
 from shared.bus.profiles import TARGET, publish_profile
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile, ForwardCurve, ModelProfile
 from shared.scheduling.slo_classes import baseline_latency_ms, effective_class, resolve_tpot_slo
 from shared.settings import SloSettings
@@ -159,7 +160,7 @@ def test_the_configured_classes_decide_what_is_known() -> None:
 # ---- the in-process engine -----------------------------------------------------------------------
 def make_engine(target_dir: Path, cost: CostModel | None, **slo: Any) -> SpecEngine:
     runner = ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=1 << 20)
-    return SpecEngine(Verifier(runner), config=EngineConfig(slo=SloSettings(**slo)), cost=cost)
+    return SpecEngine(Verifier(runner), config=SchedulerConfig(slo=SloSettings(**slo)), cost=cost)
 
 
 def test_the_engine_resolves_a_class(tiny_target_dir: Path, cost: CostModel) -> None:

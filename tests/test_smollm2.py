@@ -8,11 +8,12 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import draft_dirs, target_dir
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 
@@ -75,7 +76,7 @@ def test_speculative_greedy_equals_plain_on_real_prompts(target, prompts, method
     plain = SpecEngine(Verifier(ModelRunner(target))).generate(prompts, params)
     drafter = Drafter(ModelRunner(load_model(draft_dirs()["draft-s"], target_path=target_dir())))
     engine = SpecEngine(
-        Verifier(ModelRunner(target)), drafter, method, EngineConfig(max_tokens_per_step=40)
+        Verifier(ModelRunner(target)), drafter, method, SchedulerConfig(max_tokens_per_step=40)
     )
     spec = engine.generate(prompts, params)
     assert [r.output for r in spec] == [r.output for r in plain]

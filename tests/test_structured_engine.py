@@ -18,14 +18,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine import spec_engine
 from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import EngineConfig, SpecEngine
+from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
 from shared.grammar.matcher import GrammarBook
 from shared.model import load_model
 from shared.model.runner import ModelRunner
+from shared.scheduling import executor
+from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, StructuredOutput, processed_probs
 from tests.conftest import make_tiny_checkpoint
@@ -96,7 +97,7 @@ def engine_for(target_dir, draft_dir=None, method=None, **config) -> SpecEngine:
         Verifier(runner),
         drafter,
         method if drafter is not None else None,
-        EngineConfig(**config),
+        SchedulerConfig(**config),
         eos_token_ids=[EOS],
         grammar=char_grammar(),
     )
@@ -152,8 +153,8 @@ def padded(output: list[int]) -> tuple[int, ...]:
 def test_constrained_sampling_follows_the_masked_target(dirs, monkeypatch, name):
     target_dir, draft_dir = dirs
     counter = itertools.count(20_000)
-    monkeypatch.setattr(spec_engine.secrets, "randbits", lambda bits: next(counter))
-    engine = engine_for(target_dir, draft_dir, SAMPLED[name], max_running=NUM_REQUESTS)
+    monkeypatch.setattr(executor.secrets, "randbits", lambda bits: next(counter))
+    engine = engine_for(target_dir, draft_dir, SAMPLED[name], max_running_requests=NUM_REQUESTS)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=OUT_LEN, structured=REGEX)
     results = engine.generate([PROMPT] * NUM_REQUESTS, params)
     assert all(text_of(r.output) in LANGUAGE for r in results)

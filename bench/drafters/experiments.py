@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel
 from shared.settings import LbssSettings
 
@@ -105,19 +106,17 @@ def simulate(
     switches: Counter[str] | None = None,
 ) -> list[RequestRecord]:
     """The run's records; `switches` (if given) gets the core's draft-switch counts."""
-    config = SimConfig(
-        max_running=setup.batch_size,
-        micro_batches=micro_batches,
-        auto_micro_batches=auto_micro_batches,
+    scheduler = SchedulerConfig(
+        max_running_requests=setup.batch_size,
+        micro_batches="auto" if auto_micro_batches else micro_batches,
+        max_micro_batches=micro_batches,
         micro_batch_split=micro_batch_split,
-        drafts=run.drafts,
         draft_chooser=run.chooser,
         lbss=setup.lbss,
-        oracle=dict(oracle or {}),
-        shared_device=False,
         fast_switching=run.fast_switching,
         planner=setup.planner,
     )
+    config = SimConfig(scheduler, drafts=run.drafts, oracle=dict(oracle or {}), shared_device=False)
     simulator = Simulator(config, setup.cost, setup.acceptance)
     records = simulator.run(requests)
     if switches is not None:

@@ -34,12 +34,13 @@ def serve(
 
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.cost_profiles import load_or_measure
     from shared.model.model_set import draft_dirs, target_dir
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
 
     torch.set_num_threads(args.threads)
     tdir = target_dir()
@@ -50,7 +51,9 @@ def serve(
         ModelRunner(load_model(draft_dirs()[args.draft], target_path=tdir)), name=args.draft
     )
     cost = load_or_measure(verifier.runner, {args.draft: drafter.runner}, target_name=tdir.name)
-    config = EngineConfig(max_running=1, policy="laps-sd", length_predictor="oracle", laps=laps)
+    config = SchedulerConfig(
+        max_running_requests=1, policy="laps-sd", length_predictor="oracle", laps=laps
+    )
     engine = SpecEngine(
         verifier, drafter, DEFAULT_METHOD, config,
         eos_token_ids=target.cfg.eos_token_ids, cost=cost,

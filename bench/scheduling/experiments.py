@@ -28,6 +28,7 @@ from bench.load.records import RequestRecord
 from bench.scheduling.workloads import Labelled, burst, draw, poisson, pool, sim_requests
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel
 from shared.settings import LapsSettings
 
@@ -76,10 +77,12 @@ def simulate(
     draft: str,
 ) -> list[RequestRecord]:
     config = SimConfig(
-        max_running=batch_size,
-        policy=run.policy,
-        length_predictor=run.predictor,
-        laps=laps,
+        SchedulerConfig(
+            max_running_requests=batch_size,
+            policy=run.policy,
+            length_predictor=run.predictor,
+            laps=laps,
+        ),
         drafts=(draft,),
         shared_device=machine.shared_device,
         step_overhead_ms=machine.step_overhead_ms,

@@ -399,11 +399,12 @@ def record(
     from shared.datasets import eval_prompts
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
-    from shared.engine.spec_engine import EngineConfig, SpecEngine
+    from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
     from shared.model.model_set import all_draft_dirs, target_dir
     from shared.model.runner import ModelRunner
+    from shared.scheduling.config import SchedulerConfig
     from shared.values.sampling import SamplingParams
 
     method = method or DEFAULT_METHOD
@@ -411,7 +412,7 @@ def record(
     tokenizer = AutoTokenizer.from_pretrained(tdir)
     target = ModelRunner(load_model(tdir), kv_memory_bytes=64 << 20)
     verifier = Verifier(target)
-    config = EngineConfig(planner="fixed", tree_selection="global-greedy")
+    config = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
     sessions: list[Session] = []
     jobs = [(k, d, i) for d in drafts for k in kinds for i in range(per_kind)]
     prompts = {k: [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)] for k in kinds}

@@ -13,6 +13,7 @@ from bench.load.readers import read_trace
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.prefix import trace_hit_rate
 from bench.sim.simulator import SimConfig, SimRequest, Simulator
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     config = SimConfig(
         max_context=1 << 18,
-        max_running=args.max_running,
+        scheduler=SchedulerConfig(max_running_requests=args.max_running),
         drafts=(args.draft,),
         prefix_caching=True,
         prefix_cache_blocks=args.cache_blocks,

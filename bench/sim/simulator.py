@@ -34,21 +34,28 @@ from dataclasses import dataclass, field
 from bench.load.records import RequestRecord
 from bench.sim.acceptance import AcceptanceModel, Session
 from bench.sim.prefix import hashed_prompt
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
-    CoreConfig,
     MicroBatch,
-    SchedulerCore,
     StepOutput,
     StepResult,
     mean_context,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.factory import make_chooser, make_policy, make_selector
+from shared.scheduling.executor import (
+    DraftJob,
+    DraftKey,
+    DraftRound,
+    Resolved,
+    StepDriver,
+    new_request,
+)
+from shared.scheduling.factory import TargetInfo, make_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import RequestState
-from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
+from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 from shared.values.tree import TokenTree
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
@@ -63,24 +70,11 @@ def step_overhead_ms(fixed_ms: float, per_request_ms: float, num_decoding: int) 
 
 @dataclass(frozen=True)
 class SimConfig:
+    # the scheduling, as the engine and the scheduler service are given it
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     vocab_size: int = 49152
     max_context: int = 8192
-    token_budget: int = 512  # B, as `engine.max_tokens_per_step`
-    max_running: int = 64  # as `scheduler.max_running_requests`
-    micro_batches: int = 1  # as `scheduler.micro_batches` (with auto: the most in flight)
-    auto_micro_batches: bool = False  # as `scheduler.micro_batches = auto`
-    micro_batch_drop: float = 0.1
-    micro_batch_split: str = "policy"  # as `scheduler.micro_batch_split`
-    policy: str = "fcfs"
-    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
-    laps: LapsSettings = field(default_factory=LapsSettings)
-    selector: str = "goodput"
-    slo: SloSettings = field(default_factory=SloSettings)  # for the SLO-aware selectors
-    draft_chooser: str = "fixed"
-    lbss: LbssSettings = field(default_factory=LbssSettings)  # for draft_chooser "lbss"
-    fast_switching: bool = False  # as `scheduler.fast_switching`
     oracle: dict[str, str] = field(default_factory=dict)  # "oracle": request id -> best draft
-    planner: str = "goodput"
     drafts: tuple[str, ...] = ("draft-s",)
     method: DraftMethod | None = None  # None: the acceptance recording's method
     shared_device: bool = True
@@ -147,33 +141,20 @@ class Simulator:
         # `oracle` length predictor is given
         self._lengths: dict[str, int] = {}
         method = config.method or acceptance.method
-        self.core = SchedulerCore(
-            CoreConfig(
-                vocab_size=config.vocab_size,
-                max_context=config.max_context,
-                eos_token_ids=(EOS_TOKEN,),
-                token_budget=config.token_budget,
-                max_running=config.max_running,
-                micro_batches=config.micro_batches,
-                auto_micro_batches=config.auto_micro_batches,
-                micro_batch_drop=config.micro_batch_drop,
-                micro_batch_split=config.micro_batch_split,  # type: ignore[arg-type]
-                method=method if config.drafts else None,
-                planner=config.planner,  # type: ignore[arg-type]
-                fast_switching=config.fast_switching,
-            ),
-            policy=make_policy(config.policy, config.length_predictor, config.laps, self._lengths),
-            chooser=make_chooser(
-                config.draft_chooser, list(config.drafts), config.lbss, config.oracle
-            ),
-            selector=make_selector(config.selector, config.slo),
-            cost=cost,
+        self.core = make_core(
+            config.scheduler,
+            TargetInfo(config.vocab_size, config.max_context, (EOS_TOKEN,)),
+            config.drafts,
+            cost,
+            method=method if config.drafts else None,
             # the core's index as large as the cache it mirrors (it forgets no more than that)
             prefix_index=(
                 PrefixIndex(config.block_size, max_blocks=config.prefix_cache_blocks)
                 if config.prefix_caching
                 else None
             ),
+            true_lengths=self._lengths,
+            best_drafts=config.oracle,
         )
         # the simulated verifier's prefix cache, and its count of prompt tokens (vLLM's queries
         # and hits; a recomputed request's tokens count again)
@@ -194,6 +175,11 @@ class Simulator:
         self._text_at: dict[str, int] = {}  # request -> where its recorded text has got to
         self._free_at: dict[str, float] = {}  # device -> when it is next free
         self._order = itertools.count()
+        # the micro-batch being dispatched: when it started, when its drafting and its
+        # verification end, and the recorded step each drafted request follows
+        self._now = self._draft_done = self._verify_done = 0.0
+        self._drafted: dict[str, tuple[Session, int]] = {}
+        self.driver = StepDriver(self.core, self)
 
     # ---- the run ---------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest]) -> list[RequestRecord]:
@@ -209,7 +195,7 @@ class Simulator:
                     break
                 self._add(index, requests[index])
                 next_arrival += 1
-            while len(in_flight) < self.config.micro_batches:
+            while len(in_flight) < self.core.config.micro_batches:
                 batch = self.core.next_batch(now)
                 if batch is None:
                     break
@@ -224,8 +210,7 @@ class Simulator:
             now = max(now, min(times))
             while in_flight and in_flight[0].done_at <= now:
                 done = heapq.heappop(in_flight)
-                self._outputs(self.core.observe(done.batch, done.results, now), now)
-                self.core.take_releases()  # no memory to free on a virtual clock
+                self._outputs(self.driver.finish(done.batch, done.results, now), now)
         return [self.records[f"sim-{i}"] for i in range(len(requests))]
 
     def _add(self, index: int, request: SimRequest) -> None:
@@ -238,14 +223,10 @@ class Simulator:
             prompt = hashed_prompt(
                 request.hash_ids, request.num_prompt_tokens, self.config.vocab_size
             )
-        state = RequestState(
-            rid,
-            list(prompt),
-            params,
-            seed=index,
-            arrival_time=request.arrival_s,
-            priority=request.priority,
-            tpot_slo_ms=request.tpot_slo_ms,
+        # the trace's objective as it is: no class is resolved against a baseline here
+        resolved = Resolved(seed=index, tpot_slo_ms=request.tpot_slo_ms, slo_class=None)
+        state = new_request(
+            rid, prompt, params, resolved, arrival_time=request.arrival_s, priority=request.priority
         )
         record = RequestRecord(
             index=index,
@@ -264,59 +245,88 @@ class Simulator:
             record.error = str(error)
             record.finish_s = request.arrival_s
 
-    # ---- one micro-batch -------------------------------------------------------------------
+    # ---- one micro-batch: the simulator's transport (`shared.scheduling.executor`) --------------
     def _dispatch(self, batch: MicroBatch, now: float) -> _InFlight:
-        drafted: dict[str, TokenTree] = {}
-        sessions: dict[str, tuple[Session, int]] = {}
-        draft_done = now
-        by_model: dict[str, list[str]] = {}
-        for rid, plan in batch.drafts.items():
-            by_model.setdefault(plan.model, []).append(rid)
-        for model, rids in sorted(by_model.items()):
+        self._now = self._draft_done = self._verify_done = now
+        self._drafted = {}
+        results = self.driver.run(batch)
+        return _InFlight(self._verify_done, next(self._order), batch, results)
+
+    def draft(self, drafts: DraftRound) -> dict[DraftKey, DraftedTree]:
+        """Each draft model's trees from the recording, the model's device busy for their
+        forwards; then fast switching's warm-ups."""
+        answers: dict[DraftKey, DraftedTree] = {}
+        by_model: dict[str, list[DraftJob]] = {}
+        for job in drafts.jobs:
+            if job.role == "draft":
+                by_model.setdefault(job.plan.model, []).append(job)
+        for model, jobs in sorted(by_model.items()):
             layers: dict[int, int] = {}
-            root_tokens = 0
-            for rid in rids:
-                plan = batch.drafts[rid]
-                session, step = self._session_step(rid, model)
+            for job in jobs:
+                rid, plan = job.entry.request_id, job.plan
+                session, step = self._drafted[rid] = self._session_step(rid, model)
                 tree, sizes = self.acceptance.drafted(session, step, plan.max_depth, plan.method)
-                drafted[rid] = tree
-                sessions[rid] = (session, step)
-                root_tokens += len(plan.new_tokens)
+                answers[job.key] = DraftedTree(rid, job.entry.step, tree)
                 for depth, size in enumerate(sizes, start=1):
                     layers[depth] = layers.get(depth, 0) + size
-                self.core.note_drafted(rid, True)
             ms = self.cost.draft_tree_ms(
                 model,
-                root_tokens,
+                sum(len(job.plan.new_tokens) for job in jobs),
                 [layers[d] for d in sorted(layers)] or [0],
-                mean_context([self.core.requests[r] for r in rids]),
-                len(rids),
+                mean_context([self.core.requests[job.entry.request_id] for job in jobs]),
+                len(jobs),
             )
-            draft_done = max(draft_done, self._occupy(f"draft:{model}", now, ms))
-        self._warm(batch, now)
-        trees = self.core.select_trees(batch, drafted, draft_done)
-        results = self._verify(batch, trees, sessions)
-        # what the core expected cached and the verifier did not find: computed all the same
-        missed = sum(n - results[rid].cached_tokens for rid, n in batch.prefill_cached.items())
-        num_tokens = batch.prefill_tokens + missed + sum(t.num_nodes for t in trees.values())
-        ms = self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
-        ms += max(0.0, self.overhead_ms(len(batch.decode)))
-        done = self._occupy("verifier", draft_done, ms)
-        return _InFlight(done, next(self._order), batch, results)
+            self._draft_done = max(self._draft_done, self._occupy(f"draft:{model}", self._now, ms))
+        answers |= self._warm([job for job in drafts.jobs if job.role == "warm"])
+        return answers
 
-    def _warm(self, batch: MicroBatch, now: float) -> None:
+    def _warm(self, jobs: Sequence[DraftJob]) -> dict[DraftKey, DraftedTree]:
         """Fast switching's warm-ups: each standby draft appends the committed tokens it lacks,
         on its own device once that is free (after its part of this step's drafting); the step
-        does not wait for them unless the device is shared."""
-        by_model: dict[str, list[str]] = {}
-        for rid, plan in batch.warm.items():
-            by_model.setdefault(plan.model, []).append(rid)
-        for model, rids in sorted(by_model.items()):
-            tokens = sum(len(batch.warm[rid].new_tokens) for rid in rids)
-            context = mean_context([self.core.requests[r] for r in rids])
-            self._occupy(f"draft:{model}", now, self.cost.draft_forward_ms(model, tokens, context))
-            for rid in rids:
-                self.core.note_warmed(rid, batch.warm[rid], True)
+        does not wait for them unless the device is shared. Answered with the root alone (the
+        tree of a warm-up is not used)."""
+        by_model: dict[str, list[DraftJob]] = {}
+        for job in jobs:
+            by_model.setdefault(job.plan.model, []).append(job)
+        answers: dict[DraftKey, DraftedTree] = {}
+        for model, group in sorted(by_model.items()):
+            tokens = sum(len(job.plan.new_tokens) for job in group)
+            context = mean_context([self.core.requests[job.entry.request_id] for job in group])
+            ms = self.cost.draft_forward_ms(model, tokens, context)
+            self._occupy(f"draft:{model}", self._now, ms)
+            for job in group:
+                rid = job.entry.request_id
+                root = TokenTree.root_only(self.core.requests[rid].all_tokens[-1])
+                answers[job.key] = DraftedTree(rid, job.entry.step, root)
+        return answers
+
+    def draft_time(self) -> float:
+        return self._draft_done
+
+    def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
+        """What the target accepted of each selected tree, as recorded; the verifier busy for
+        the forward from the end of drafting."""
+        verified = [self._verify_one(entry) for entry in entries]
+        # what the core expected cached and the verifier did not find: computed all the same
+        found = {v.request_id: v.cached_tokens for v in verified}
+        missed = sum(n - found[rid] for rid, n in batch.prefill_cached.items())
+        nodes = sum(e.tree.num_nodes for e in entries if e.tree is not None)
+        num_tokens = batch.prefill_tokens + missed + nodes
+        ms = self.cost.verify_ms(num_tokens, mean_context(batch.members), len(batch.members))
+        ms += max(0.0, self.overhead_ms(len(batch.decode)))
+        self._verify_done = self._occupy("verifier", self._draft_done, ms)
+        return verified
+
+    def swap_out(self, request: RequestState) -> None:
+        raise AssertionError("the simulator gives the core no KV view: nothing is swapped")
+
+    swap_in = swap_out
+
+    def free_target(self, request_id: str) -> None:
+        pass  # no memory to free on a virtual clock
+
+    def free_draft(self, model: str, replica: str, request_id: str) -> None:
+        pass
 
     def overhead_ms(self, num_decoding: int) -> float:
         return step_overhead_ms(
@@ -351,41 +361,29 @@ class Simulator:
         self._text_at[rid] = session.end_of(step)
         return session, step
 
-    def _verify(
-        self,
-        batch: MicroBatch,
-        trees: dict[str, TokenTree],
-        sessions: dict[str, tuple[Session, int]],
-    ) -> dict[str, StepResult]:
-        results: dict[str, StepResult] = {}
-        for request, chunk in batch.prefill:
-            is_last = request.num_prefilled + chunk == len(request.prefill_tokens)
-            tokens = (BONUS_TOKEN,) if is_last else ()
-            cached = self._prefill_cached(request, chunk)
-            results[request.request_id] = StepResult(
-                request.request_id, request.step, tokens, cached_tokens=cached
-            )
-        for request in batch.decode:
-            rid = request.request_id
-            tree = trees[rid]
-            accepted = 0
-            if tree.num_nodes > 1 and rid in sessions:
-                session, step = sessions[rid]
-                accepted = self.acceptance.num_accepted(session, step, tree)
-            tokens = self._committed(request, accepted + 1)  # only their number matters
-            results[rid] = StepResult(rid, request.step, tokens, min(accepted, len(tokens) - 1))
-        return results
+    def _verify_one(self, entry: VerifyRequest) -> VerifiedRequest:
+        request = self.core.requests[entry.request_id]
+        if entry.tree is None:  # a prompt chunk
+            cached = self._prefill_cached(request, entry)
+            bonus = BONUS_TOKEN if entry.chunk_is_last else None
+            return VerifiedRequest(entry.request_id, entry.step, bonus=bonus, cached_tokens=cached)
+        accepted = 0
+        if entry.tree.num_nodes > 1 and entry.request_id in self._drafted:
+            session, step = self._drafted[entry.request_id]
+            accepted = self.acceptance.num_accepted(session, step, entry.tree)
+        tokens = self._committed(request, accepted + 1)  # only their number matters
+        return VerifiedRequest(entry.request_id, entry.step, tokens[:-1], tokens[-1])
 
-    def _prefill_cached(self, request: RequestState, chunk: int) -> int:
+    def _prefill_cached(self, request: RequestState, entry: VerifyRequest) -> int:
         """The chunk's first tokens the verifier finds cached (as `Verifier.step` looks them
         up); its blocks are cached from then on."""
-        start, tokens = request.num_prefilled, request.prefill_tokens
+        start, chunk, tokens = entry.chunk_start, len(entry.chunk), request.prefill_tokens
         self.prompt_tokens += chunk
         cache = self.verifier_cache
         if cache is None:
             return 0
         cached = 0
-        if not self.core.wants_features(request):
+        if not entry.want_features:
             cached = cache.cached_tokens(tokens, start, start + chunk)
         cache.insert(tokens, start + chunk)
         self.cached_prompt_tokens += cached

@@ -23,6 +23,7 @@ from bench.scheduling.experiments import Machine
 from bench.sim.acceptance import AcceptanceModel
 from bench.sim.simulator import SimConfig, Simulator, step_overhead_ms
 from bench.slo.workloads import CLASSES, Mix, SloRequest, Workload, sim_requests, urgent_share_mix
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import BASELINE_BATCH
 from shared.settings import SloSettings
 
@@ -77,9 +78,9 @@ def simulate_selector(
     requests: Sequence[SloRequest], setup: Setup, selector: str
 ) -> list[RequestRecord]:
     config = SimConfig(
-        max_running=setup.batch_size,
-        selector=selector,
-        slo=setup.slo,
+        SchedulerConfig(
+            max_running_requests=setup.batch_size, tree_selection=selector, slo=setup.slo
+        ),
         drafts=(setup.draft,),
         shared_device=setup.machine.shared_device,
         step_overhead_ms=setup.machine.step_overhead_ms,

@@ -41,40 +41,38 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.scheduler.drafters import DrafterDirectory
 from services.scheduler.gateways import GatewayDirectory
 from services.scheduler.replies import Replies
-from services.scheduler.store import REMEMBER_FINISHED, RequestStore, Resolved, StoredRequest
+from services.scheduler.store import REMEMBER_FINISHED, RequestStore, StoredRequest
 from shared.bus import Bus, DeadLetterError, Delivery, Heartbeater, StreamConsumer
 from shared.bus.cell_stats import QueueTimes, publish_forever, publish_scheduler_stats
 from shared.bus.lease import Lease
 from shared.bus.preemptions import add_preemptions
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.scheduling.core import (
-    MicroBatch,
-    Release,
-    SchedulerCore,
-    StepOutput,
-    StepResult,
-    draft_request,
-    mean_context,
-    request_history,
+from shared.scheduling.core import MicroBatch, StepOutput, mean_context
+from shared.scheduling.executor import (
+    Drafted,
+    DraftKey,
+    DraftRound,
+    Resolved,
+    new_request,
+    resolve,
+    route_releases,
+    step_results,
+    verify_requests,
 )
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
-from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
 from shared.settings import AugurySettings
-from shared.values.sampling import SEED_BITS
-from shared.values.tree import TokenTree
 from shared.wire import (
     Cancel,
     CandidateTrees,
+    DraftedTree,
     DraftJob,
-    DraftRequest,
     FinishReason,
     RequestError,
     Submit,
     Tokens,
     VerifiedRequest,
     VerifyJob,
-    VerifyRequest,
     VerifyResult,
     WireMessage,
 )
@@ -133,43 +131,22 @@ def _slo_statistics(out: StepOutput, request: RequestState | None) -> dict[str, 
     }
 
 
-def verify_entries(
-    core: SchedulerCore, batch: MicroBatch, trees: dict[str, TokenTree]
-) -> tuple[VerifyRequest, ...]:
-    """The verifier's entries for a micro-batch: each decoding request's tree, each prefilling
-    request's chunk (with the tokens the verifier is expected to find cached: it computes only
-    what it does not find)."""
-    entries = [
-        VerifyRequest(
-            request_id=r.request_id,
-            step=r.step,
-            sampling=r.params,
-            seed=r.seed,
-            max_new_tokens=r.tokens_left,
-            tree=trees[r.request_id],
-            context_len=r.num_tokens - 1,
-            want_features=core.wants_features(r),
-            history=request_history(r, core.config.eos_token_ids),
-        )
-        for r in batch.decode
-    ]
-    for r, chunk in batch.prefill:
-        start = r.num_prefilled
-        entries.append(
-            VerifyRequest(
-                request_id=r.request_id,
-                step=r.step,
-                sampling=r.params,
-                seed=r.seed,
-                max_new_tokens=r.tokens_left,
-                chunk=tuple(r.prefill_tokens[start : start + chunk]),
-                chunk_start=start,
-                chunk_is_last=start + chunk == len(r.prefill_tokens),
-                want_features=core.wants_features(r),
-                history=request_history(r, core.config.eos_token_ids),
-            )
-        )
-    return tuple(entries)
+class ReleaseJobs:
+    """The service's `Releaser`: each release as a release-only job to the verifier or to one
+    drafter replica."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.service = service
+        self.messages: list[tuple[str, WireMessage]] = []
+
+    def free_target(self, request_id: str) -> None:
+        job = VerifyJob(RELEASE_ONLY, (), (request_id,))
+        self.messages.append((verify_stream(self.service.cell), job))
+        self.service._forget(request_id)
+
+    def free_draft(self, model: str, replica: str, request_id: str) -> None:
+        stream = draft_stream(self.service.cell, model, replica)
+        self.messages.append((stream, DraftJob(RELEASE_ONLY, (), (request_id,))))
 
 
 class SchedulerService:
@@ -411,21 +388,16 @@ class SchedulerService:
         if resolved is None:
             # the cost model may still be None: a class objective then needs
             # slo.baseline_latency_ms
-            seed = submit.sampling.seed
-            resolved = Resolved(
-                seed if seed is not None else secrets.randbits(SEED_BITS),
-                resolve_tpot_slo(submit.slo_class, submit.tpot_slo_ms, self.slo, self.core.cost),
-                effective_class(submit.slo_class, submit.tpot_slo_ms, self.slo),
+            resolved = resolve(
+                submit.sampling, submit.slo_class, submit.tpot_slo_ms, self.slo, self.core.cost
             )
-        return RequestState(
+        return new_request(
             submit.request_id,
-            list(submit.prompt),
+            submit.prompt,
             submit.sampling,
-            resolved.seed,
+            resolved,
             arrival_time=submit.arrival_time,
             priority=submit.priority,
-            tpot_slo_ms=resolved.tpot_slo_ms,
-            slo_class=resolved.slo_class,
             requested_draft=submit.draft_model,
             speculate=submit.speculate,
             app=submit.app,
@@ -494,24 +466,11 @@ class SchedulerService:
             await self._count_preemptions()  # the core's, up to this batch
             if batch.is_empty:
                 return
-            drafted, partners, draft_ms = await self._draft(batch)
-            trees = self.core.select_trees(batch, drafted, time.time(), partners)
-            job = VerifyJob(batch.id, self._verify_entries(batch, trees))
+            drafted, draft_ms = await self._draft(batch)
+            trees = self.core.select_trees(batch, drafted.trees, time.time(), drafted.partners)
+            job = VerifyJob(batch.id, verify_requests(self.core, batch, trees))
             result = await self._verify(job)
-            results = {
-                e.request_id: StepResult(
-                    e.request_id,
-                    e.step,
-                    e.new_tokens,
-                    len(e.accepted),
-                    e.error,
-                    e.features,
-                    e.logprobs,
-                    cached_tokens=e.cached_tokens,
-                    prompt_logprobs=e.prompt_logprobs,
-                )
-                for e in result.entries
-            }
+            results = step_results(result.entries)
             outputs = self.core.observe(batch, results, time.time())
             members = {r.request_id: r for r in batch.members}
             for rid, request in members.items():
@@ -547,72 +506,49 @@ class SchedulerService:
         )
 
     # ---- drafting --------------------------------------------------------------------------------
-    async def _draft(
-        self, batch: MicroBatch
-    ) -> tuple[dict[str, TokenTree], dict[str, TokenTree], float]:
-        """The trees the drafters answered in time, the standby replicas' trees to merge with
-        them (`batch.merge`), and the slowest replica's drafting time. Fast switching's
-        warm-ups (`batch.warm`) go to the standby replicas in the same round: a replica that
-        only warms works beside the drafting ones."""
-        standby = batch.standby_plans
-        jobs: dict[tuple[str, str], list[DraftRequest]] = {}
-        for rid, plan in [*batch.drafts.items(), *standby.items()]:
-            request = self.core.requests[rid]
-            jobs.setdefault((plan.model, plan.replica), []).append(
-                draft_request(request, plan, self.core.config.eos_token_ids)
-            )
+    async def _draft(self, batch: MicroBatch) -> tuple[Drafted, float]:
+        """The trees the drafters answered in time (`DraftRound.apply`), and the slowest
+        replica's drafting time. Fast switching's warm-ups (`batch.warm`) and the standby
+        trees to merge go to the standby replicas in the same round: one DraftJob per replica."""
+        drafts = DraftRound.of(self.core, batch)
+        jobs = drafts.by_replica()
         if not jobs:
-            return {}, {}, 0.0
-        waits = {replica: self._candidates.expect((batch.id, replica)) for _, replica in jobs}
+            return drafts.apply(self.core, {}), 0.0
+        waits = {key: self._candidates.expect((batch.id, key[1])) for key in jobs}
         await self._publish(
             [
-                (draft_stream(self.cell, model, replica), DraftJob(batch.id, tuple(entries)))
-                for (model, replica), entries in jobs.items()
+                (
+                    draft_stream(self.cell, model, replica),
+                    DraftJob(batch.id, tuple(job.entry for job in group)),
+                )
+                for (model, replica), group in jobs.items()
             ]
         )
         done, pending = await asyncio.wait(waits.values(), timeout=self.draft_timeout_s)
         self.stats.draft_timeouts += len(pending)
-        sent = {(replica, e.request_id): e for (_, replica), es in jobs.items() for e in es}
-        on_standby = {(plan.replica, rid): plan for rid, plan in standby.items()}
-        trees: dict[str, TokenTree] = {}
-        partners: dict[str, TokenTree] = {}
+        answers: dict[DraftKey, DraftedTree] = {}
         draft_ms = 0.0
-        for replica, wait in waits.items():
+        for (model, replica), wait in waits.items():
             if wait not in done or wait.cancelled():
-                continue
+                continue  # no answer in time: that drafter's state is unknown
             answer = wait.result()
             draft_ms = max(draft_ms, answer.draft_ms)
             for drafted in answer.entries:
-                key = (replica, drafted.request_id)
-                entry = sent.get(key)
-                if entry is None or entry.step != drafted.step:
-                    continue
-                del sent[key]
-                root = self.core.requests[drafted.request_id].all_tokens[-1]
-                ok = drafted.tree is not None and drafted.tree.root_token == root
-                if key in on_standby:
-                    self.core.note_warmed(drafted.request_id, on_standby[key], ok)
-                    if ok and drafted.request_id in batch.merge:
-                        assert drafted.tree is not None
-                        partners[drafted.request_id] = drafted.tree
-                    continue
-                self.core.note_drafted(drafted.request_id, ok)
-                if ok:
-                    assert drafted.tree is not None
-                    trees[drafted.request_id] = drafted.tree
-        for key in sent:  # no answer in time: that drafter's state is unknown
-            if key in on_standby:
-                self.core.note_warmed(key[1], on_standby[key], False)
-            else:
-                self.core.note_drafted(key[1], False)
-        return trees, partners, draft_ms
+                key = (model, replica, drafted.request_id)
+                if key not in answers or answers[key].step != drafted.step:
+                    answers[key] = self._rooted(drafted)  # the first of the step asked wins
+        return drafts.apply(self.core, answers), draft_ms
+
+    def _rooted(self, drafted: DraftedTree) -> DraftedTree:
+        """The answer, or an error where its tree grows from another token than the request's
+        last committed one (a drafter out of step)."""
+        request = self.core.requests.get(drafted.request_id)
+        tree = drafted.tree
+        if tree is None or (request is not None and tree.root_token == request.all_tokens[-1]):
+            return drafted
+        return DraftedTree(drafted.request_id, drafted.step, None, error="wrong_root")
 
     # ---- verification ----------------------------------------------------------------------------
-    def _verify_entries(
-        self, batch: MicroBatch, trees: dict[str, TokenTree]
-    ) -> tuple[VerifyRequest, ...]:
-        return verify_entries(self.core, batch, trees)
-
     async def _verify(self, job: VerifyJob) -> VerifyResult:
         answer = self._results.expect(job.micro_batch_id)
         for attempt in range(VERIFY_ATTEMPTS):
@@ -664,28 +600,18 @@ class SchedulerService:
 
     def _releases(self) -> list[tuple[str, WireMessage]]:
         """Release jobs for what the core let go: the verifier's KV, a drafter replica's state."""
-        messages: list[tuple[str, WireMessage]] = []
-        for release in self.core.take_releases():
-            messages += self._release(release)
-        if messages:
+        releases = ReleaseJobs(self)
+        if route_releases(self.core, releases):
             self._notify()
-        return messages
+        return releases.messages
 
-    def _release(self, release: Release) -> list[tuple[str, WireMessage]]:
-        rid = release.request_id
-        out: list[tuple[str, WireMessage]] = []
-        if release.target:
-            out.append((verify_stream(self.cell), VerifyJob(RELEASE_ONLY, (), (rid,))))
-            if rid not in self.core.requests:  # finished (its last output is already built)
-                self._remember(rid)
-                self.store.stage_finished(rid)
-                self.reply_to.pop(rid, None)
-        if release.draft is not None:
-            model, replica = release.draft
-            out.append(
-                (draft_stream(self.cell, model, replica), DraftJob(RELEASE_ONLY, (), (rid,)))
-            )
-        return out
+    def _forget(self, request_id: str) -> None:
+        """A request's target state is freed: once finished, it is stored and answered no more
+        (its last output is already built)."""
+        if request_id not in self.core.requests:
+            self._remember(request_id)
+            self.store.stage_finished(request_id)
+            self.reply_to.pop(request_id, None)
 
     def _remember(self, request_id: str) -> None:
         self._finished[request_id] = None

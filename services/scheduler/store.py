@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from redis.asyncio.client import Pipeline
 
 from shared.bus import Bus
+from shared.scheduling.executor import Resolved
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.wire import Submit
 from shared.wire.base import SCHEMA_VERSION
@@ -60,15 +61,6 @@ RESUME_STEP_GAP = 1024
 
 class StoredRequestError(ValueError):
     """A stored record that cannot be read back."""
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """What the scheduler decided for a Submit that the Submit does not say."""
-
-    seed: int
-    tpot_slo_ms: float | None
-    slo_class: str | None
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,9 @@ lines: schedule, run, observe.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import ModelFreeDrafter
@@ -24,52 +21,33 @@ from shared.errors import InvalidRequestError, OutOfKVMemoryError
 from shared.grammar.matcher import GrammarBook
 from shared.grammar.spec import check_structured
 from shared.model.kv_cache import SwappedKV
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
-    CoreConfig,
-    MergePolicy,
     MicroBatch,
-    SchedulerCore,
-    SpeculationPlanner,
     StepOutput,
     StepResult,
-    draft_request,
-    request_history,
     tree_capacity_with,
 )
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.factory import make_chooser, make_policy, make_selector, resolve_merge
+from shared.scheduling.executor import (
+    DraftKey,
+    DraftRound,
+    StepDriver,
+    new_request,
+    resolve,
+    route_releases,
+)
+from shared.scheduling.factory import TargetInfo, make_core
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.request import AcceptanceStats, RequestState
-from shared.scheduling.slo_classes import effective_class, resolve_tpot_slo
-from shared.settings import LapsSettings, LbssSettings, SloSettings
 from shared.text.stop_strings import OutputText
 from shared.values.methods import DraftMethod
-from shared.values.sampling import SEED_BITS, SamplingParams
-from shared.values.steps import DraftRequest, VerifyRequest
-from shared.values.tree import TokenTree
+from shared.values.sampling import SamplingParams
+from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 
 # Sees each verified micro-batch (selected trees in `batch.trees`) and its results before the core
 # commits them; `bench.acceptance` records acceptance this way.
 StepObserver = Callable[[MicroBatch, Mapping[str, StepResult]], None]
-
-
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_tokens_per_step: int = Field(512, ge=1)  # B: prompt chunks and trees of one forward
-    max_running: int = Field(64, ge=1)
-    policy: str = "fcfs"
-    length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
-    laps: LapsSettings = LapsSettings()
-    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy, counterfactual
-    lbss: LbssSettings = LbssSettings()
-    fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
-    # the standby (or, "model-free", a model-free draft) also drafts a tree, merged (SpecInfer);
-    # "auto": "model-free" where the engine has a model-free draft beside a model draft, else off
-    merge_drafts: MergePolicy | Literal["auto"] = "auto"
-    tree_selection: str = "goodput"
-    planner: SpeculationPlanner = "goodput"
-    slo: SloSettings = SloSettings()  # SLO classes (add_request) and the SLO-aware selectors
 
 
 class RunnerKV:
@@ -101,13 +79,65 @@ class RunnerKV:
 AnyDrafter = Drafter | ModelFreeDrafter
 
 
+class LocalTransport:
+    """The engine's half of the executor contract (`shared.scheduling.executor.Transport`):
+    the verifier and the drafters in this process, called directly."""
+
+    def __init__(
+        self, verifier: Verifier, drafters: Mapping[str, AnyDrafter], clock: Callable[[], float]
+    ) -> None:
+        self.verifier = verifier
+        self.drafters = drafters
+        self.clock = clock
+        self._swapped: dict[str, SwappedKV] = {}
+
+    def swap_out(self, request: RequestState) -> None:
+        rid = request.request_id
+        self._swapped[rid] = self.verifier.runner.swap_out(rid)
+
+    def swap_in(self, request: RequestState) -> None:
+        rid = request.request_id
+        self.verifier.runner.swap_in(rid, self._swapped.pop(rid))
+
+    def draft(self, drafts: DraftRound) -> dict[DraftKey, DraftedTree]:
+        """One drafter call per (model, method); a request's own drafter and its standby are
+        different models."""
+        groups: dict[tuple[str, DraftMethod], list[DraftKey]] = {}
+        entries = {job.key: job.entry for job in drafts.jobs}
+        for job in drafts.jobs:
+            rid, drafter = job.entry.request_id, self.drafters[job.plan.model]
+            if job.plan.base_len == 0 and drafter.has_request(rid):
+                drafter.free(rid)  # the core starts this drafter's copy over
+            groups.setdefault((job.plan.model, job.plan.method), []).append(job.key)
+        answers: dict[DraftKey, DraftedTree] = {}
+        for (model, method), keys in groups.items():
+            requests = [entries[key] for key in keys]
+            trees = self.drafters[model].draft(requests, method.for_batch(len(requests)))
+            for key, request in zip(keys, requests, strict=True):
+                answers[key] = DraftedTree(request.request_id, request.step, trees[key[2]])
+        return answers
+
+    def draft_time(self) -> float:
+        return self.clock()
+
+    def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
+        return self.verifier.step(entries) if entries else []
+
+    def free_target(self, request_id: str) -> None:
+        self.verifier.free(request_id)
+        self._swapped.pop(request_id, None)
+
+    def free_draft(self, model: str, replica: str, request_id: str) -> None:
+        self.drafters[model].free(request_id)
+
+
 class SpecEngine:
     def __init__(
         self,
         verifier: Verifier,
         drafter: AnyDrafter | Mapping[str, AnyDrafter] | None = None,
         method: DraftMethod | None = None,
-        config: EngineConfig | None = None,
+        config: SchedulerConfig | None = None,
         eos_token_ids: Sequence[int] = (),
         *,
         cost: CostModel | None = None,
@@ -134,47 +164,36 @@ class SpecEngine:
                 if isinstance(d, Drafter):
                     d.grammar = grammar
         model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
-        has_models = len(model_free) < len(self.drafters)
-        self.config = config or EngineConfig()
+        self.config = config or SchedulerConfig()
         self.clock = clock
         self.observer = observer
         runner = verifier.runner
-        self.core = SchedulerCore(
-            CoreConfig(
+        self.core = make_core(
+            self.config,
+            TargetInfo(
                 vocab_size=runner.cfg.vocab_size,
                 max_context=runner.max_context,
                 eos_token_ids=tuple(eos_token_ids),
-                token_budget=self.config.max_tokens_per_step,
-                max_running=self.config.max_running,
-                method=method if self.drafters else None,
-                planner=self.config.planner,
+                hidden_size=runner.cfg.hidden_size,
                 feature_drafts=frozenset(
                     name for name, d in self.drafters.items() if d.is_feature_level
                 ),
-                feature_size=runner.cfg.hidden_size,
-                fast_switching=self.config.fast_switching,
-                merge_drafts=resolve_merge(self.config.merge_drafts, bool(model_free), has_models),
                 model_free_drafts=model_free,
             ),
-            policy=make_policy(self.config.policy, self.config.length_predictor, self.config.laps),
-            chooser=make_chooser(
-                self.config.draft_chooser,
-                list(self.drafters),
-                self.config.lbss,
-                model_free=model_free,
-            ),
-            selector=make_selector(self.config.tree_selection, self.config.slo),
-            cost=cost,
+            list(self.drafters),
+            cost,
+            method=method if self.drafters else None,
             # the verifier attaches cached prefixes itself (`RunnerKV`); the index holds back a
             # request whose prefix another's chunk is computing, so that it is computed once
             prefix_index=(PrefixIndex(runner.cache.block_size) if runner.prefix_caching else None),
         )
         self.core.set_drafters({name: ["local"] for name in self.drafters})
         self.kv = RunnerKV(verifier)
+        self.transport = LocalTransport(verifier, self.drafters, clock)
+        self.driver = StepDriver(self.core, self.transport)
         self.requests: dict[str, RequestState] = {}  # every request given, until popped
         # with a tokenizer: every request's text (cut at its stop string), until popped
         self.texts: dict[str, OutputText] = {}
-        self._swapped: dict[str, SwappedKV] = {}
         self._ids = 0
 
     @property
@@ -232,21 +251,17 @@ class SpecEngine:
                 f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
                 param="draft_model",
             )
-        slo = self.config.slo
-        objective_ms = resolve_tpot_slo(slo_class, tpot_slo_ms, slo, self.core.cost)
+        resolved = resolve(params, slo_class, tpot_slo_ms, self.config.slo, self.core.cost)
         if request_id is None:
             request_id = f"req-{self._ids}"
             self._ids += 1
-        seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
-        request = RequestState(
+        request = new_request(
             request_id,
-            list(prompt),
+            prompt,
             params,
-            seed,
+            resolved,
             arrival_time=self.clock(),
             priority=priority,
-            tpot_slo_ms=objective_ms,
-            slo_class=effective_class(slo_class, tpot_slo_ms, slo),
             requested_draft=draft_model,
             speculate=speculate,
             method=method,
@@ -302,12 +317,12 @@ class SpecEngine:
         batch = self.core.next_batch(self.clock(), self.kv)
         if batch is None:
             return []
-        results = self._run(batch)
+        results = self.driver.run(batch)
         if self.observer is not None:
             self.observer(batch, results)
-        outputs = batch.failed + self.core.observe(batch, results, self.clock())
+        outputs = batch.failed + self.driver.finish(batch, results, self.clock())
         outputs = [self._detokenize(output) for output in outputs]
-        self._release()
+        self._release()  # a stop string's request, cancelled by `_detokenize`
         return outputs
 
     def _detokenize(self, output: StepOutput) -> StepOutput:
@@ -336,96 +351,8 @@ class SpecEngine:
             logprobs=logprobs,
         )
 
-    def _run(self, batch: MicroBatch) -> dict[str, StepResult]:
-        runner = self.verifier.runner
-        for request in batch.swap_out:
-            self._swapped[request.request_id] = runner.swap_out(request.request_id)
-        for request in batch.swap_in:
-            runner.swap_in(request.request_id, self._swapped.pop(request.request_id))
-        self._release()  # drafts left behind by preemption or a change of draft model
-        drafted, partners = self._draft(batch)
-        trees = self.core.select_trees(batch, drafted, self.clock(), partners)
-        eos = self.core.config.eos_token_ids
-        entries = [
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
-                chunk=tuple(r.prefill_tokens[r.num_prefilled : r.num_prefilled + chunk]),
-                chunk_start=r.num_prefilled,
-                chunk_is_last=r.num_prefilled + chunk == len(r.prefill_tokens),
-                want_features=self.core.wants_features(r),
-                history=request_history(r, eos),
-            )
-            for r, chunk in batch.prefill
-        ]
-        entries += [
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
-                tree=trees[r.request_id],
-                want_features=self.core.wants_features(r),
-                history=request_history(r, eos),
-            )
-            for r in batch.decode
-        ]
-        verified = self.verifier.step(entries) if entries else []
-        return {
-            v.request_id: StepResult(
-                v.request_id,
-                v.step,
-                v.new_tokens,
-                len(v.accepted),
-                features=v.features,
-                logprobs=v.logprobs,
-                cached_tokens=v.cached_tokens,
-                prompt_logprobs=v.prompt_logprobs,
-                error=v.error,
-            )
-            for v in verified
-        }
-
-    def _draft(self, batch: MicroBatch) -> tuple[dict[str, TokenTree], dict[str, TokenTree]]:
-        """The step's trees, and the standby drafters' trees to merge with them (`batch.merge`);
-        fast switching's warm-ups (`batch.warm`) run beside them and only bring the standby
-        drafters' KV in step. A request's own drafter and its standby are different models."""
-        standby = batch.standby_plans
-        groups: dict[tuple[str, DraftMethod], list[DraftRequest]] = {}
-        for rid, plan in [*batch.drafts.items(), *standby.items()]:
-            request = self.core.requests[rid]
-            drafter = self.drafters[plan.model]
-            if plan.base_len == 0 and drafter.has_request(rid):
-                drafter.free(rid)  # the core starts this drafter's copy over
-            groups.setdefault((plan.model, plan.method), []).append(
-                draft_request(request, plan, self.core.config.eos_token_ids)
-            )
-        trees: dict[str, TokenTree] = {}
-        partners: dict[str, TokenTree] = {}
-        for (model, method), requests in groups.items():
-            drafted = self.drafters[model].draft(requests, method.for_batch(len(requests)))
-            for r in requests:
-                rid = r.request_id
-                if rid in standby and standby[rid].model == model:
-                    self.core.note_warmed(rid, standby[rid], True)
-                    if rid in batch.merge:
-                        partners[rid] = drafted[rid]
-                else:
-                    self.core.note_drafted(rid, True)
-                    trees[rid] = drafted[rid]
-        return trees, partners
-
     def _release(self) -> None:
-        for release in self.core.take_releases():
-            if release.target:
-                self.verifier.free(release.request_id)
-                self._swapped.pop(release.request_id, None)
-            if release.draft is not None:
-                self.drafters[release.draft[0]].free(release.request_id)
+        route_releases(self.core, self.transport)
 
     # ---- conveniences -------------------------------------------------------------------------
     def generate(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import CoreConfig, MergePolicy, SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.counterfactual import Counterfactual
@@ -84,7 +85,35 @@ def build_core(
     *,
     first_batch_id: int = 1,
 ) -> SchedulerCore:
-    config = settings.scheduler
+    """The scheduler service's core, from the settings."""
+    engine = settings.engine
+    return make_core(
+        SchedulerConfig.from_settings(settings),
+        target,
+        draft_models,
+        cost,
+        method=method_from_settings(settings.scheduler.speculation),
+        first_batch_id=first_batch_id,
+        # the verifier's prefix cache, as far as the core can tell from token ids
+        prefix_index=PrefixIndex(engine.block_size) if engine.enable_prefix_caching else None,
+    )
+
+
+def make_core(
+    config: SchedulerConfig,
+    target: TargetInfo,
+    draft_models: Sequence[str],
+    cost: CostModel | None,
+    *,
+    method: DraftMethod | None,
+    first_batch_id: int = 1,
+    prefix_index: PrefixIndex | None = None,
+    true_lengths: Mapping[str, int] | None = None,
+    best_drafts: Mapping[str, str] | None = None,
+) -> SchedulerCore:
+    """The core every executor drives: `config` with what the executor knows of its target
+    and drafts (`method`: the default drafting method; None: no speculation). `true_lengths`
+    and `best_drafts` are for the oracles of an experiment (`make_policy`, `make_chooser`)."""
     model_free = tuple(m for m in target.model_free_drafts if m in draft_models)
     has_models = len(model_free) < len(draft_models)
     return SchedulerCore(
@@ -92,36 +121,33 @@ def build_core(
             vocab_size=target.vocab_size,
             max_context=target.max_context,
             eos_token_ids=target.eos_token_ids,
-            token_budget=settings.engine.max_tokens_per_step,
+            token_budget=config.max_tokens_per_step,
             max_running=config.max_running_requests,
-            micro_batches=(
-                config.max_micro_batches if config.micro_batches == "auto" else config.micro_batches
-            ),
+            micro_batches=config.most_micro_batches,
             auto_micro_batches=config.micro_batches == "auto",
             micro_batch_drop=config.micro_batch_drop,
             micro_batch_split=config.micro_batch_split,
-            method=method_from_settings(config.speculation),
-            planner=config.speculation.planner,
+            method=method,
+            planner=config.planner,
             feature_drafts=target.feature_drafts,
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,
             merge_drafts=resolve_merge(config.merge_drafts, bool(model_free), has_models),
             model_free_drafts=model_free,
         ),
-        policy=make_policy(config.policy, config.length_predictor, config.laps),
+        policy=make_policy(config.policy, config.length_predictor, config.laps, true_lengths),
         chooser=make_chooser(
-            config.draft_chooser, draft_models, config.lbss, model_free=model_free
+            config.draft_chooser,
+            list(draft_models),
+            config.lbss,
+            best_drafts,
+            model_free=model_free,
         ),
         matcher=make_matcher(config.replica_matcher),
         selector=make_selector(config.tree_selection, config.slo),
         cost=cost,
         first_batch_id=first_batch_id,
-        # the verifier's prefix cache, as far as the core can tell from token ids
-        prefix_index=(
-            PrefixIndex(settings.engine.block_size)
-            if settings.engine.enable_prefix_caching
-            else None
-        ),
+        prefix_index=prefix_index,
     )
 
 

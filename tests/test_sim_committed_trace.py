@@ -1,0 +1,91 @@
+"""The simulator's numbers on the committed trace (`docs/results/load-testing/trace.jsonl`) with
+the committed profile and acceptance recordings are pinned: a change to the scheduler core, the
+executor contract or the simulator that moves any request's record fails here. The digests are
+those of the simulator before it became a `Transport` of `shared.scheduling.executor` (the same
+digests from both). Regenerate them only for a change meant to move the numbers, and say so."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.load.readers import read_trace
+from bench.sim.acceptance import AcceptanceModel
+from bench.sim.simulator import SimConfig, Simulator
+from bench.simulate import to_sim_requests
+from shared.scheduling.config import SchedulerConfig
+from shared.scheduling.cost_model import CostModel, CostProfile
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO / "docs/results/load-testing/trace.jsonl"
+PROFILE = REPO / "profiles/SmolLM2-135M-Instruct-cpu-amd-epyc-float32-t2.json"
+ONE_DRAFT = REPO / "profiles/acceptance-SmolLM2-135M-Instruct.json.gz"
+THREE_DRAFTS = REPO / "profiles/acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
+NUM_REQUESTS = 60
+DRAFTS = ("draft-s", "draft-m", "draft-l")
+
+CONFIGS: dict[str, tuple[Path, SchedulerConfig, dict[str, Any]]] = {
+    "default": (
+        ONE_DRAFT,
+        SchedulerConfig(),
+        {"step_overhead_ms": 12.4, "request_overhead_ms": 16.5},
+    ),
+    "two-micro-batches-lbss": (
+        THREE_DRAFTS,
+        SchedulerConfig(micro_batches=2, draft_chooser="lbss"),
+        {"drafts": DRAFTS, "shared_device": False},
+    ),
+    "fast-switching": (
+        THREE_DRAFTS,
+        SchedulerConfig(fast_switching=True, draft_chooser="lbss"),
+        {"drafts": DRAFTS},
+    ),
+    "prefix-adaserve-laps": (
+        ONE_DRAFT,
+        SchedulerConfig(
+            tree_selection="adaserve",
+            policy="laps-sd",
+            max_tokens_per_step=256,
+            max_running_requests=16,
+        ),
+        {"prefix_caching": True},
+    ),
+}
+GOLDEN = {
+    "default": "c9c2cc9610105caa8a5fb84088d0f44987cbc8851b2e1a483723609ede2e54b7",
+    "two-micro-batches-lbss": "f18981fe467b1639a3d60378d23179ead52640d2225ab81a1e4b227c40c1a97e",
+    "fast-switching": "5ef601d4d33b47ec991b79c99a9e9fa2d622d466eb9c3976ac19d7d42ce674ad",
+    "prefix-adaserve-laps": "954fb99c9ed1d1a97e5ddb64c5656e880e4234fd81bc1b7456b847947c59f807",
+}
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 9 significant digits: the digest pins the schedule, not the last ulp."""
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
+def digest(name: str) -> str:
+    acceptance, scheduler, fields = CONFIGS[name]
+    requests = to_sim_requests(read_trace(TRACE)[:NUM_REQUESTS], 1.0, REPO)
+    cost = CostModel(CostProfile.load(PROFILE))
+    sim = Simulator(SimConfig(scheduler, **fields), cost, AcceptanceModel.load(acceptance))
+    lines = [json.dumps(_rounded(dataclasses.asdict(r)), sort_keys=True) for r in sim.run(requests)]
+    extra = {"switches": dict(sim.core.switches), "cached": sim.cached_prompt_tokens}
+    lines.append(json.dumps(extra, sort_keys=True))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_simulators_records_on_the_committed_trace_are_unchanged(name: str) -> None:
+    assert digest(name) == GOLDEN[name]
