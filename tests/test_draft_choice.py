@@ -464,7 +464,7 @@ def test_at_risk_standby_catches_up_instead_of_prefilling_again(monkeypatch) -> 
     )
     core.set_drafters({"small": ["s0"], "big": ["b0"]})
     spells = itertools.cycle([True] * 3 + [False] * 3)  # behind for 3 steps, on track for 3
-    monkeypatch.setattr(core, "_merges", lambda request: next(spells))
+    monkeypatch.setattr(core.standby, "merges", lambda request: next(spells))
     ex = executor(core, FakeKV())
     core.add(make_request("r", 5, max_tokens=40))
     ex.run()
