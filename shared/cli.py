@@ -30,6 +30,7 @@ from shared.model.precision import check_target_dtype
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
+from shared.scheduling.request import AcceptanceStats
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -58,6 +59,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion for a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    _add_model_args(gen)
+    _add_method_args(gen)
+    _add_sampling_args(gen)
+    _add_run_args(gen)
+    return parser.parse_args(argv)
+
+
+def _add_model_args(gen: argparse.ArgumentParser) -> None:
+    """The target, the draft and the target's precision."""
     gen.add_argument(
         "--model-set",
         choices=MODEL_SETS,
@@ -87,6 +97,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16); speculation "
         "gives the greedy output of plain decoding at this precision",
     )
+
+
+def _add_method_args(gen: argparse.ArgumentParser) -> None:
+    """The drafting method and its shape."""
     gen.add_argument("--method", choices=["chain", "static", "beam", "dynamic"], default=M.kind)
     gen.add_argument("--k", type=int, default=M.k, help="chain length")
     gen.add_argument("--expansion", type=int, nargs="+", default=list(M.expansion))
@@ -99,6 +113,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=M.min_path_prob,
         help="draft no node the draft expects the target to accept with less probability",
     )
+
+
+def _add_sampling_args(gen: argparse.ArgumentParser) -> None:
+    """Sampling, stops, and what to print beside the text."""
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -129,6 +147,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument(
         "--include-stop-str", action="store_true", help="keep the stop string in the output"
     )
+
+
+def _add_run_args(gen: argparse.ArgumentParser) -> None:
+    """How the engine runs: chat template, threads, tensor parallelism, planner, int8 drafts."""
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     gen.add_argument(
@@ -152,7 +174,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the draft's linear layers with int8 weights (auto: on a CPU that has the kernels); "
         "outputs are the same either way",
     )
-    return parser.parse_args(argv)
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -249,16 +270,43 @@ def _generate(
         cost=cost if args.planner == "goodput" else None,
         tokenizer=tokenizer,
     )
+    prompt = _encode_prompt(args, tokenizer)
+    params = _sampling_params(args)
+    start = time.perf_counter()
+    rid = engine.add_request(
+        prompt, params, stop=args.stop, include_stop_str_in_output=args.include_stop_str
+    )
+    output, first_token_at = _stream(engine, rid)
+    request = engine.requests.pop(rid)
+    engine.texts.pop(rid)
+    _print_timing(len(prompt), len(output), start, first_token_at)
+    if request.prompt_logprobs is not None:
+        print("prompt", end=" ")  # the first prompt token has none
+        _print_logprobs(tokenizer, prompt[1:], request.prompt_logprobs)
+    if request.logprobs is not None:
+        _print_logprobs(tokenizer, output, request.logprobs)
+    stats = engine.stats
+    print(f"target forwards       {stats.num_target_forwards} (after prefill)")
+    if drafter is not None:
+        extra = f", merged with {args.model_free}" if len(drafters) > 1 else ""
+        print(f"draft                 {draft_path} ({args.method}{extra})")
+        _print_draft_stats(stats)
+    return 0
+
+
+def _encode_prompt(args: argparse.Namespace, tokenizer: Any) -> list[int]:
     if args.raw:
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        messages = [{"role": "user", "content": args.prompt}]
-        prompt = list(
-            tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+        return tokenizer.encode(args.prompt)
+    messages = [{"role": "user", "content": args.prompt}]
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    params = SamplingParams(
+    )
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -273,13 +321,14 @@ def _generate(
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
+
+
+def _stream(engine: SpecEngine, rid: str) -> tuple[list[int], float | None]:
+    """Step the engine until the request finishes, printing its text as it comes; its output
+    tokens, and when the first came (None: none did)."""
     output: list[int] = []
     printed = 0
-    start = time.perf_counter()
     first_token_at = None
-    rid = engine.add_request(
-        prompt, params, stop=args.stop, include_stop_str_in_output=args.include_stop_str
-    )
     text = engine.texts[rid]  # detokenized by the engine, cut at a stop string
     while engine.requests[rid].finish_reason is None:
         for out in engine.step():
@@ -289,38 +338,34 @@ def _generate(
         sys.stdout.write(text.text[printed:])
         sys.stdout.flush()
         printed = len(text.text)
-    request = engine.requests.pop(rid)
-    engine.texts.pop(rid)
+    return output, first_token_at
+
+
+def _print_timing(
+    num_prompt: int, num_output: int, start: float, first_token_at: float | None
+) -> None:
     elapsed = time.perf_counter() - start
-    stats = engine.stats
     print("\n")
-    print(f"prompt tokens         {len(prompt)}")
+    print(f"prompt tokens         {num_prompt}")
     print(
-        f"generated tokens      {len(output)} in {elapsed:.2f} s: "
-        f"{len(output) / elapsed:.1f} tokens/s"
+        f"generated tokens      {num_output} in {elapsed:.2f} s: "
+        f"{num_output / elapsed:.1f} tokens/s"
     )
     if first_token_at is not None:
         decode_s = time.perf_counter() - first_token_at
-        rest = max(len(output) - 1, 0)
+        rest = max(num_output - 1, 0)
         print(f"time to first token   {1000 * (first_token_at - start):.0f} ms")
         if rest and decode_s > 0:
             print(f"decode                {rest / decode_s:.1f} tokens/s after the first")
-    if request.prompt_logprobs is not None:
-        print("prompt", end=" ")  # the first prompt token has none
-        _print_logprobs(tokenizer, prompt[1:], request.prompt_logprobs)
-    if request.logprobs is not None:
-        _print_logprobs(tokenizer, output, request.logprobs)
-    print(f"target forwards       {stats.num_target_forwards} (after prefill)")
-    if drafter is not None:
-        extra = f", merged with {args.model_free}" if len(drafters) > 1 else ""
-        print(f"draft                 {draft_path} ({args.method}{extra})")
-        print(f"draft tokens          {stats.num_draft_tokens}, accepted {stats.num_accepted}")
-        print(f"acceptance rate       {stats.acceptance_rate:.1%}")
-        print(f"mean accepted length  {stats.mean_accepted_length:.2f} tokens per target forward")
-        if stats.accepted_per_position and stats.num_drafts:
-            rates = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_position)
-            print(f"accepted by position  {rates}")
-    return 0
+
+
+def _print_draft_stats(stats: AcceptanceStats) -> None:
+    print(f"draft tokens          {stats.num_draft_tokens}, accepted {stats.num_accepted}")
+    print(f"acceptance rate       {stats.acceptance_rate:.1%}")
+    print(f"mean accepted length  {stats.mean_accepted_length:.2f} tokens per target forward")
+    if stats.accepted_per_position and stats.num_drafts:
+        rates = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_position)
+        print(f"accepted by position  {rates}")
 
 
 def _logit_bias(pairs: Sequence[str]) -> dict[int, float]:

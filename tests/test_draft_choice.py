@@ -311,7 +311,7 @@ def test_each_request_is_charged_its_own_share_of_the_step() -> None:
         r.draft_model = model
         batch.decode.append(r)
         batch.trees[rid] = chain if model else TokenTree.root_only(5)
-    shares = core._cost_shares(batch)
+    shares = core.learner.cost_shares(batch)
     verify = 7.0  # 3 + 3 + 1 tokens at 1 ms
     slow_drafting, fast_drafting = 2 * 10.0, 2 * 1.0  # a root forward and one level each
     assert shares["c"] == pytest.approx(verify / 7)
@@ -450,7 +450,8 @@ def test_at_risk_merges_only_requests_behind_their_objective() -> None:
     for r in (behind, on_track, no_slo):
         r.output = [1, 2, 3]
         r.first_token_time, r.last_token_time = 0.0, 0.1  # 50 ms per token after the first
-    assert core._merges(behind) and not core._merges(on_track) and not core._merges(no_slo)
+    merges = core.standby.merges
+    assert merges(behind) and not merges(on_track) and not merges(no_slo)
 
 
 def test_at_risk_standby_catches_up_instead_of_prefilling_again(monkeypatch) -> None:
@@ -464,7 +465,7 @@ def test_at_risk_standby_catches_up_instead_of_prefilling_again(monkeypatch) -> 
     )
     core.set_drafters({"small": ["s0"], "big": ["b0"]})
     spells = itertools.cycle([True] * 3 + [False] * 3)  # behind for 3 steps, on track for 3
-    monkeypatch.setattr(core, "_merges", lambda request: next(spells))
+    monkeypatch.setattr(core.standby, "merges", lambda request: next(spells))
     ex = executor(core, FakeKV())
     core.add(make_request("r", 5, max_tokens=40))
     ex.run()
@@ -552,4 +553,4 @@ def test_a_merged_step_teaches_the_current_draft_only_what_its_own_tree_achieved
         core.add(make_request(rid, 5, max_tokens=40))
     ex.run()
     assert core.stats.num_accepted > 20  # the merged trees carried the good draft's paths
-    assert core._model_estimate("bad").successes == 0  # ... which "bad" is not credited with
+    assert core.pool.model_estimate("bad").successes == 0  # ... which "bad" is not credited with

@@ -131,7 +131,7 @@ def test_greedy_with_a_feature_draft_equals_plain(
     reqs = engine.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [r.output for r in reqs] == plain_outputs
     assert engine.stats.num_draft_tokens > 0
-    assert not engine.core._features  # finished requests leave no features behind
+    assert not engine.core.features  # finished requests leave no features behind
 
 
 def test_each_tree_reads_the_target_features_before_its_root(

@@ -448,7 +448,7 @@ def test_the_planner_charges_a_new_drafter_only_the_uncached_prompt():
     )
     request = RequestState("r", SHARED + [50, 51], SamplingParams(max_tokens=4), seed=0)
     request.num_cached_prompt_tokens = 16
-    assert core._drafter_backlog(request, "d") == 20 - 16
-    assert core._drafter_backlog(request, "e") == 20
+    assert core.planner.drafter_backlog(request, "d") == 20 - 16
+    assert core.planner.drafter_backlog(request, "e") == 20
     request.num_seen_by_drafter = 18
-    assert core._drafter_backlog(request, "d") == 2
+    assert core.planner.drafter_backlog(request, "d") == 2

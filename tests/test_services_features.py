@@ -72,7 +72,7 @@ async def test_services_greedy_with_a_feature_draft_equals_plain(
         assert dict(drafter.stats.errors) == {}
         assert stack.scheduler.core.stats.num_draft_tokens > 0
         # finished requests leave neither features in the core nor state in the drafter
-        await until(lambda: not stack.scheduler.core._features, what="features dropped")
+        await until(lambda: not stack.scheduler.core.features, what="features dropped")
         await until(
             lambda: not any(drafter.runner.has_request(f"f{i}") for i in range(len(PROMPTS))),
             timeout_s=30,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from shared.errors import UnsupportedModelError
 from shared.model.config import ModelConfig
-from shared.model.llama import LlamaModel
+from shared.model.llama import DecoderLayer, LlamaModel
 
 OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
 EMBED_PROJ_KEY = "augury.embed_proj.weight"
@@ -54,6 +54,7 @@ class _Tensors:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
+        self.path = path
         self._handles: dict[str, Any] = {}
         self._stored: dict[str, torch.Tensor] = {}
         for file in files:
@@ -81,6 +82,12 @@ class _Tensors:
         self._stored.pop(name, None)
         self._handles.pop(name, None)
         return tensor
+
+    def take(self, name: str) -> torch.Tensor:
+        """Pop a tensor the model needs (refused by name if the checkpoint lacks it)."""
+        if name not in self:
+            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return self.pop(name)
 
 
 def read_target_embedding(
@@ -139,62 +146,18 @@ def load_model(
     if cfg.shares_target_head:
         rows = w[OUTPUT_TOKEN_IDS_KEY].long() if OUTPUT_TOKEN_IDS_KEY in w else slice(None)
         w["lm_head.weight"] = read_target_embedding(path, target_path, head=True)[rows]
-
-    def take(name: str) -> torch.Tensor:
-        if name not in w:
-            raise UnsupportedModelError(f"checkpoint {path} lacks tensor {name!r}")
-        return w.pop(name)
-
     model = LlamaModel(cfg)
-    model.embed_tokens.weight.copy_(take(EMBED_KEY))
+    model.embed_tokens.weight.copy_(w.take(EMBED_KEY))
     if model.embed_proj is not None:
-        model.embed_proj.weight.copy_(take(EMBED_PROJ_KEY))
+        model.embed_proj.weight.copy_(w.take(EMBED_PROJ_KEY))
     if model.feature_fc is not None:
-        model.feature_fc.weight.copy_(take(FEATURE_FC_KEY))
+        model.feature_fc.weight.copy_(w.take(FEATURE_FC_KEY))
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-        layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
-        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))
-        if cfg.has_qkv_bias:
-            layer.qkv_proj.bias.copy_(
-                torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-            )
-        layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-        if cfg.has_o_bias:
-            layer.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
-        if layer.q_norm is not None and layer.k_norm is not None:
-            layer.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
-            layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
-        gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-        layer.gate_up_proj.weight.copy_(torch.cat(gate_up, 0))
-        layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-        if cfg.has_mlp_bias:
-            gate_up_bias = [take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]
-            layer.gate_up_proj.bias.copy_(torch.cat(gate_up_bias, 0))
-            layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
-    model.norm.copy_(take("model.norm.weight"))
-    plainly_tied = (
-        cfg.tie_word_embeddings
-        and cfg.num_output_tokens is None
-        and cfg.embedding_rank is None
-        and not cfg.shares_target_embedding
-    )
-    if "lm_head.weight" in w:
-        head = take("lm_head.weight")
-        if plainly_tied and not torch.equal(head, model.embed_tokens.weight.to(head.dtype)):
-            raise UnsupportedModelError(
-                f"checkpoint {path} ties its embeddings (tie_word_embeddings) but stores a "
-                "different lm_head.weight"
-            )
-        model.lm_head.weight.copy_(head)
-    elif plainly_tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        raise UnsupportedModelError(f"checkpoint {path} lacks lm_head.weight")
+        _load_layer(layer, cfg, w, f"model.layers.{i}.")
+    model.norm.copy_(w.take("model.norm.weight"))
+    _load_head(model, cfg, w)
     if OUTPUT_TOKEN_IDS_KEY in w:
-        model.output_token_ids = take(OUTPUT_TOKEN_IDS_KEY).long()
+        model.output_token_ids = w.take(OUTPUT_TOKEN_IDS_KEY).long()
     unused = sorted(n for n in w if not n.endswith(IGNORED_TENSOR_SUFFIXES))
     if unused:
         shown = ", ".join(repr(n) for n in unused[:8]) + (" ..." if len(unused) > 8 else "")
@@ -207,3 +170,50 @@ def load_model(
     if int8:
         model.quantize_int8()
     return model.eval()
+
+
+def _load_layer(layer: DecoderLayer, cfg: ModelConfig, w: _Tensors, p: str) -> None:
+    """One decoder layer's weights (prefix `p`), q/k/v and gate/up fused."""
+    layer.input_norm.copy_(w.take(p + "input_layernorm.weight"))
+    layer.post_attn_norm.copy_(w.take(p + "post_attention_layernorm.weight"))
+    qkv = [w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+    layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))
+    if cfg.has_qkv_bias:
+        layer.qkv_proj.bias.copy_(
+            torch.cat([w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+        )
+    layer.o_proj.weight.copy_(w.take(p + "self_attn.o_proj.weight"))
+    if cfg.has_o_bias:
+        layer.o_proj.bias.copy_(w.take(p + "self_attn.o_proj.bias"))
+    if layer.q_norm is not None and layer.k_norm is not None:
+        layer.q_norm.copy_(w.take(p + "self_attn.q_norm.weight"))
+        layer.k_norm.copy_(w.take(p + "self_attn.k_norm.weight"))
+    gate_up = [w.take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+    layer.gate_up_proj.weight.copy_(torch.cat(gate_up, 0))
+    layer.down_proj.weight.copy_(w.take(p + "mlp.down_proj.weight"))
+    if cfg.has_mlp_bias:
+        gate_up_bias = [w.take(p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]
+        layer.gate_up_proj.bias.copy_(torch.cat(gate_up_bias, 0))
+        layer.down_proj.bias.copy_(w.take(p + "mlp.down_proj.bias"))
+
+
+def _load_head(model: LlamaModel, cfg: ModelConfig, w: _Tensors) -> None:
+    """The output head: stored, or tied to the input embedding where the config says so."""
+    plainly_tied = (
+        cfg.tie_word_embeddings
+        and cfg.num_output_tokens is None
+        and cfg.embedding_rank is None
+        and not cfg.shares_target_embedding
+    )
+    if "lm_head.weight" in w:
+        head = w.take("lm_head.weight")
+        if plainly_tied and not torch.equal(head, model.embed_tokens.weight.to(head.dtype)):
+            raise UnsupportedModelError(
+                f"checkpoint {w.path} ties its embeddings (tie_word_embeddings) but stores a "
+                "different lm_head.weight"
+            )
+        model.lm_head.weight.copy_(head)
+    elif plainly_tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        raise UnsupportedModelError(f"checkpoint {w.path} lacks lm_head.weight")

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,64 +146,22 @@ def measure_curve(
             f"{runner.max_context}"
         )
     _check_room(runner, contexts, tokens, max_requests)
-    cfg, cuda = runner.cfg, runner.device.type == "cuda"
     num_requests = min(tokens[-1], max_requests)
     rids = [[f"{_PREFIX}{j}_{i}" for i in range(num_requests)] for j in range(len(contexts))]
-    vocab = cfg.vocab_size
-    rng = np.random.default_rng(0)
-    # a feature-level draft reads one feature row per token; their values do not change the cost
-    feature_size, gen = cfg.feature_size, torch.Generator().manual_seed(0)
+    timer = _ForwardTimer(runner, max_requests)
     times = np.zeros((len(tokens), len(contexts), repeats))
-
-    def made_up_features(k: int) -> torch.Tensor:
-        # on the model's device before the clock starts, so no copy is timed
-        rows = torch.randn(k, feature_size, generator=gen)
-        return rows.to(runner.device, runner.dtype)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(runner.device)
-
-    def once(j: int, n: int) -> float:
-        r = min(n, max_requests)
-        items = [
-            ForwardItem(
-                rid,
-                rng.integers(0, vocab, k).tolist(),
-                list(range(-1, k - 1)),
-                "all",
-                None if feature_size is None else made_up_features(k),
-            )
-            for rid, k in zip(rids[j][:r], _split(n, r), strict=True)
-        ]
-        sync()
-        start = time.perf_counter()
-        runner.forward(items)
-        sync()
-        elapsed = time.perf_counter() - start
-        for item in items:
-            runner.discard_tree(item.request_id)
-        return elapsed * 1e3
-
     try:
-        for j, c in enumerate(contexts):
-            for rid in rids[j]:
-                if c == 0:
-                    runner.add_request(rid)
-                else:
-                    shape = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
-                    zeros = torch.zeros(shape, dtype=runner.dtype)
-                    runner.swap_in(rid, SwappedKV(k=zeros, v=zeros))
+        _add_requests(runner, rids, contexts)
         for _ in range(warmup):
             for j in range(len(contexts)):
                 for n in tokens:
-                    once(j, n)
+                    timer.once(rids[j], n)
         # Every repeat sweeps the whole grid: a burst of background load spreads over all points
         # instead of spoiling one context's column.
         for rep in range(repeats):
             for j in range(len(contexts)):
                 for i, n in enumerate(tokens):
-                    times[i, j, rep] = once(j, n)
+                    times[i, j, rep] = timer.once(rids[j], n)
                 if progress is not None:
                     progress(len(tokens))
     finally:
@@ -216,6 +176,67 @@ def measure_curve(
         rel_spread=np.round((p75 - p25) / median, 4).tolist(),
         repeats=repeats,
     )
+
+
+def _add_requests(runner: ModelRunner, rids: list[list[str]], contexts: Sequence[int]) -> None:
+    """The grid's requests, those of `rids[j]` with a committed prefix of `contexts[j]` tokens
+    (zero KV swapped in)."""
+    cfg = runner.cfg
+    for j, c in enumerate(contexts):
+        for rid in rids[j]:
+            if c == 0:
+                runner.add_request(rid)
+            else:
+                shape = (cfg.num_layers, c, cfg.num_kv_heads, cfg.head_dim)
+                zeros = torch.zeros(shape, dtype=runner.dtype)
+                runner.swap_in(rid, SwappedKV(k=zeros, v=zeros))
+
+
+class _ForwardTimer:
+    """Times one forward of made-up tokens spread over some of the grid's requests."""
+
+    def __init__(self, runner: ModelRunner, max_requests: int) -> None:
+        self.runner = runner
+        self.max_requests = max_requests
+        self.cuda = runner.device.type == "cuda"
+        self.rng = np.random.default_rng(0)
+        # a feature-level draft reads one feature row per token; their values do not change the
+        # cost
+        self.feature_size = runner.cfg.feature_size
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _made_up_features(self, k: int) -> torch.Tensor:
+        # on the model's device before the clock starts, so no copy is timed
+        rows = torch.randn(k, self.feature_size, generator=self.gen)
+        return rows.to(self.runner.device, self.runner.dtype)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.runner.device)
+
+    def once(self, rids: Sequence[str], n: int) -> float:
+        """Milliseconds of a forward of `n` tokens as chains over min(n, max_requests) of
+        `rids`; the tokens are discarded after it."""
+        r = min(n, self.max_requests)
+        vocab = self.runner.cfg.vocab_size
+        items = [
+            ForwardItem(
+                rid,
+                self.rng.integers(0, vocab, k).tolist(),
+                list(range(-1, k - 1)),
+                "all",
+                None if self.feature_size is None else self._made_up_features(k),
+            )
+            for rid, k in zip(rids[:r], _split(n, r), strict=True)
+        ]
+        self._sync()
+        start = time.perf_counter()
+        self.runner.forward(items)
+        self._sync()
+        elapsed = time.perf_counter() - start
+        for item in items:
+            self.runner.discard_tree(item.request_id)
+        return elapsed * 1e3
 
 
 def measure_profile(
@@ -262,33 +283,10 @@ def measure_profile(
 
         total = 2 * len(runners) * len(contexts) * repeats * len(tokens)
         bar = tqdm(total=total, desc="profiling forwards", unit="fwd")
-
-    def measure(runner: ModelRunner, name: str) -> ModelProfile:
-        if bar is not None:
-            bar.set_postfix_str(name)
-        curves = [
-            measure_curve(
-                runner,
-                tokens,
-                contexts,
-                repeats=repeats,
-                max_requests=layout,
-                progress=bar.update if bar is not None else None,
-            )
-            for layout in (max_requests, 1)  # spread over requests, then one request's chain
-        ]
-        plan = runner.model.linear_plan
-        return ModelProfile(
-            key=profile_key(runner, name),
-            curve=curves[0],
-            single=curves[1],
-            max_requests=max_requests,
-            kernels=plan.to_dict() if plan is not None else None,
-        )
-
+    grid = _Grid(tokens, contexts, repeats, max_requests)
     try:
-        target_profile = measure(target, target_name)
-        draft_profiles = {name: measure(runner, name) for name, runner in drafts.items()}
+        target_profile = _measure_model(target, target_name, grid, bar)
+        draft_profiles = {name: _measure_model(r, name, grid, bar) for name, r in drafts.items()}
     finally:
         if bar is not None:
             bar.close()
@@ -299,3 +297,36 @@ def measure_profile(
         f"warm-up; {'quick' if quick else 'full'} grid"
     )
     return CostProfile(target=target_profile, drafts=draft_profiles, method=method, notes=notes)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    tokens: Sequence[int]
+    contexts: Sequence[int]
+    repeats: int
+    max_requests: int
+
+
+def _measure_model(runner: ModelRunner, name: str, grid: _Grid, bar: Any) -> ModelProfile:
+    """One model's profile: its curve spread over requests, then one request's chain."""
+    if bar is not None:
+        bar.set_postfix_str(name)
+    curves = [
+        measure_curve(
+            runner,
+            grid.tokens,
+            grid.contexts,
+            repeats=grid.repeats,
+            max_requests=layout,
+            progress=bar.update if bar is not None else None,
+        )
+        for layout in (grid.max_requests, 1)  # spread over requests, then one request's chain
+    ]
+    plan = runner.model.linear_plan
+    return ModelProfile(
+        key=profile_key(runner, name),
+        curve=curves[0],
+        single=curves[1],
+        max_requests=grid.max_requests,
+        kernels=plan.to_dict() if plan is not None else None,
+    )

@@ -1,0 +1,187 @@
+"""Learning from outcomes: after a verified step, each decoding request's acceptance feeds the
+planner's estimates, the selector's calibration and the draft chooser (a bandit, with each
+request's share of the step's modeled cost), and a model-free tree proposed beside it is scored
+by the tokens the target then commits (its counterfactual acceptance)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+
+from shared.scheduling.core_types import (
+    MicroBatch,
+    PendingCounterfactual,
+    StepResult,
+    mean_context,
+    own_part,
+)
+from shared.scheduling.draft_choice import DraftOutcome
+from shared.scheduling.pool import RequestPool
+from shared.scheduling.request import AcceptanceStats, RequestState
+from shared.scheduling.speculation import CALIBRATION_CLIP, DECAY
+from shared.values.tree import TokenTree, counterfactual_accepted
+
+
+class Learner:
+    def __init__(self, pool: RequestPool) -> None:
+        self.pool = pool
+        self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
+        # per model-free draft: its counterfactual acceptance on the steps it was not run
+        self.counterfactual_stats: dict[str, AcceptanceStats] = {}
+
+    def learn_step(
+        self,
+        batch: MicroBatch,
+        request: RequestState,
+        result: StepResult,
+        elapsed_ms: float,
+        shares: Mapping[str, float],
+    ) -> int:
+        """Learn from a decoding request's verified step; returns the draft tokens verified."""
+        rid = request.request_id
+        tree = batch.trees.get(rid)
+        drafted = tree.num_nodes - 1 if tree is not None else 0
+        depth = 0
+        if drafted:
+            assert tree is not None
+            depth = int(tree.depths().max())
+            learned, accepted = tree, result.num_accepted
+            if rid in batch.own_trees:  # merged: the current draft's part of it
+                learned, accepted = own_part(
+                    tree, batch.own_trees[rid], result.tokens[: result.num_accepted]
+                )
+            if learned.num_nodes > 1:
+                depth_learned = int(learned.depths().max())
+                self._learn(request, learned, depth_learned, accepted, elapsed_ms, shares.get(rid))
+        partner = batch.model_free_trees.get(rid)
+        if partner is not None:
+            self._note_model_free(batch, request, partner, tree, result, elapsed_ms)
+        request.record_step(drafted, result.num_accepted, request.draft_model, depth)
+        self.stats.record(drafted, result.num_accepted, depth)
+        self.pool.step_shape.observe(1 + drafted, depth)
+        return drafted
+
+    def _learn(
+        self,
+        request: RequestState,
+        tree: TokenTree,
+        depth: int,
+        num_accepted: int,
+        elapsed_ms: float,
+        share_ms: float | None = None,
+    ) -> None:
+        assert request.draft_model is not None
+        self._learn_state(request, request.draft_model, tree, depth, num_accepted)
+        self.pool.chooser.observe(
+            DraftOutcome(
+                request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
+                elapsed_ms, share_ms,
+            )
+        )  # fmt: skip
+
+    def _learn_state(
+        self, request: RequestState, model: str, tree: TokenTree, depth: int, num_accepted: int
+    ) -> None:
+        """The planner's acceptance estimate and the selector's calibration of `model`."""
+        state = self.pool.state(request, model)
+        state.estimate.observe(num_accepted, depth)
+        self.pool.model_estimate(model).observe(num_accepted, depth)
+        predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
+        if predicted > 0:
+            ratio = min(max(num_accepted / predicted, CALIBRATION_CLIP[0]), CALIBRATION_CLIP[1])
+            state.calibration = DECAY * state.calibration + (1 - DECAY) * ratio
+
+    # ---- model-free drafts' counterfactuals ----------------------------------------------------
+    def _note_model_free(
+        self,
+        batch: MicroBatch,
+        request: RequestState,
+        partner: TokenTree,
+        verified: TokenTree | None,
+        result: StepResult,
+        step_ms: float,
+    ) -> None:
+        """A model-free partner's tree: learn from its verified part where it was merged, and
+        wait for the tokens that settle its counterfactual acceptance."""
+        model = batch.merge[request.request_id].model
+        if verified is not None and request.request_id in batch.own_trees:
+            part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
+            if part.num_nodes > 1:
+                self._learn_state(request, model, part, int(part.depths().max()), accepted)
+        node_ms = None
+        cost = self.pool.cost
+        if cost is not None:
+            nodes = sum(verified_nodes(batch, r.request_id) for r in batch.decode)
+            nodes += batch.prefill_tokens
+            node_ms = cost.verify_ms(nodes, mean_context(batch.members), len(batch.members))
+            node_ms /= nodes
+        self.pool.counterfactuals.setdefault(request.request_id, []).append(
+            PendingCounterfactual(model, partner, request.num_tokens, step_ms, node_ms)
+        )
+
+    def settle_counterfactuals(self, request: RequestState) -> None:
+        """Report each pending model-free tree whose acceptance the committed tokens settle (all
+        of them once the request is finished) to the chooser, as an outcome not run."""
+        if request.request_id not in self.pool.counterfactuals:
+            return
+        tokens = request.all_tokens
+        waiting = []
+        for pending in self.pool.counterfactuals.pop(request.request_id):
+            accepted, final = counterfactual_accepted(pending.tree, tokens[pending.start :])
+            if not (final or request.is_finished):
+                waiting.append(pending)
+                continue
+            drafted = pending.tree.num_nodes - 1
+            self.counterfactual_stats.setdefault(pending.model, AcceptanceStats()).record(
+                drafted, accepted
+            )
+            # what verifying it would have cost: the root, the accepted path and the node
+            # where it stopped (the selector keeps about that much of a calibrated tree)
+            share = None if pending.node_ms is None else pending.node_ms * (2 + accepted)
+            self.pool.chooser.observe(
+                DraftOutcome(
+                    request.request_id, pending.model, drafted, accepted, pending.step_ms, share,
+                    counterfactual=True,
+                )
+            )  # fmt: skip
+        if waiting:
+            self.pool.counterfactuals[request.request_id] = waiting
+
+    # ---- cost shares ---------------------------------------------------------------------------
+    def cost_shares(self, batch: MicroBatch) -> dict[str, float]:
+        """Each decoding request's share of the step's modeled time: of the verifier's forward
+        by the nodes it verified, and of its draft model's drafting by the nodes that model
+        drafted for it. What one request's choice of draft costs, where the step's wall time is
+        the same for every request in it."""
+        cost = self.pool.cost
+        if cost is None or not batch.decode or not self.pool.chooser.learns:
+            return {}
+        nodes = {r.request_id: verified_nodes(batch, r.request_id) for r in batch.decode}
+        total = sum(nodes.values()) + batch.prefill_tokens
+        context = mean_context(batch.members)
+        verify_ms = cost.verify_ms(total, context, len(batch.members))
+        shares = {rid: verify_ms * n / total for rid, n in nodes.items()}
+        by_model: dict[str, list[RequestState]] = {}
+        for r in batch.decode:
+            if r.draft_model is not None and nodes[r.request_id] > 1:
+                by_model.setdefault(r.draft_model, []).append(r)
+        for model, requests in by_model.items():
+            if not cost.has_draft(model):
+                continue
+            layers: Counter[int] = Counter()
+            for r in requests:
+                for depth in batch.trees[r.request_id].depths()[1:].tolist():
+                    layers[int(depth)] += 1
+            draft_ms = cost.draft_tree_ms(
+                model, len(requests), [layers[d] for d in sorted(layers)], context, len(requests)
+            )
+            drafted = sum(layers.values())
+            for r in requests:
+                shares[r.request_id] += draft_ms * (nodes[r.request_id] - 1) / drafted
+        return shares
+
+
+def verified_nodes(batch: MicroBatch, request_id: str) -> int:
+    tree = batch.trees.get(request_id)
+    return tree.num_nodes if tree is not None else 1

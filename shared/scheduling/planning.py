@@ -1,0 +1,224 @@
+"""The speculation planner: each decoding request's draft model, replica and depth this step
+(the goodput planner sizes it from the cost model, zero included), the one-level probes that
+re-estimate acceptance after depth 0, and the probes' place in the selected trees."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from shared.scheduling.core_types import DraftPlan, MicroBatch, Release, mean_context
+from shared.scheduling.pool import RequestPool
+from shared.scheduling.request import RequestState
+from shared.scheduling.speculation import (
+    FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
+    OPTIMISTIC_RATE,
+    DepthQuery,
+    plan_depths,
+)
+from shared.values.methods import DraftMethod
+from shared.values.tree import DETERMINISTIC, TokenTree
+
+# request id -> (draft model, replica, method) it was placed on this step
+Placements = dict[str, tuple[str, str, DraftMethod]]
+
+
+class DraftPlanner:
+    def __init__(self, pool: RequestPool) -> None:
+        self.pool = pool
+        # draft-model switches: "warm" (to a standby in step, fast switching) and "cold", and
+        # "<kind>_tokens", the committed tokens the new drafter still had to append at them
+        self.switches: Counter[str] = Counter()
+
+    def plan(self, batch: MicroBatch) -> None:
+        """Fill `batch.drafts` (and `batch.probes`) for its decoding requests."""
+        queries, placed = self._queries(batch)
+        if not queries:
+            return
+        depths = self._depths(batch, queries)
+        for q in queries:
+            if depths[q.request_id] >= 1:
+                plan = self._draft_plan(q, depths[q.request_id], placed[q.request_id])
+                if plan is not None:
+                    batch.drafts[q.request_id] = plan
+
+    def _queries(self, batch: MicroBatch) -> tuple[list[DepthQuery], Placements]:
+        """Choose and place each decoding request's draft model; what the depth planner asks."""
+        pool = self.pool
+        methods = {}
+        for request in batch.decode:
+            method = pool.step_method(request, len(batch.decode))
+            if method is not None and pool.drafters and pool.max_depth(request) >= 1:
+                methods[request.request_id] = method
+        live = sorted(pool.drafters)
+        drafting = [r for r in batch.decode if r.request_id in methods]
+        choice = pool.chooser.assign(drafting, live, pool.cost) if drafting else {}
+        queries: list[DepthQuery] = []
+        placed: Placements = {}
+        for request in drafting:
+            method = methods[request.request_id]
+            if request.requested_draft in live:  # the client asked for this one
+                model: str | None = request.requested_draft
+            else:
+                model = choice.get(request.request_id)
+            if model is None:
+                continue
+            if model in pool.config.model_free_drafts:
+                method = pool.config.model_free_method
+            self.place(request, model)
+            state = pool.state(request, model)
+            prior = pool.model_estimate(model).rate()
+            placed[request.request_id] = (model, request.drafter or "", method)
+            queries.append(
+                DepthQuery(
+                    request.request_id,
+                    model,
+                    method,
+                    min(pool.max_depth(request), method.num_layers),
+                    state.estimate.rate(prior),
+                    self.drafter_backlog(request, model),
+                    request.tokens_left,
+                )
+            )
+        return queries, placed
+
+    def _depths(self, batch: MicroBatch, queries: list[DepthQuery]) -> dict[str, int]:
+        """Each query's depth: the goodput planner's (a probe of one level where one is due and
+        a good draft would pay), else the full depth."""
+        pool = self.pool
+        if pool.config.planner != "goodput" or pool.cost is None or not pool.selector.plans_depth:
+            return {q.request_id: q.max_depth for q in queries}
+        step = {
+            "prefill_tokens": 0,  # planned before prompt chunks (they do not weigh on it)
+            "budget": pool.config.token_budget,
+            "context": mean_context(batch.decode),
+            "num_requests": len(batch.decode),
+        }
+        depths = plan_depths(queries, pool.cost, **step)
+        due = [q for q in queries if self._probe_due(q.request_id, depths[q.request_id])]
+        if due:  # probe only where a good draft would pay: a step of many requests may not
+            hopeful = [replace(q, rate=max(q.rate, OPTIMISTIC_RATE)) for q in queries]
+            would = plan_depths(hopeful, pool.cost, **step)
+            for q in due:
+                if would[q.request_id] > 0:
+                    depths[q.request_id] = 1
+                    batch.probes.add(q.request_id)
+        return depths
+
+    def _draft_plan(
+        self, q: DepthQuery, depth: int, placed: tuple[str, str, DraftMethod]
+    ) -> DraftPlan | None:
+        """The drafter's job for a request planned at `depth` (None: a feature-level draft whose
+        features were never computed, so this step verifies the root alone)."""
+        request = self.pool.requests[q.request_id]
+        model, replica, method = placed
+        base = request.num_seen_by_drafter
+        tokens = request.all_tokens
+        if base >= len(tokens):  # nothing new to root a tree at: start that drafter over
+            base = 0
+        features = None
+        if model in self.pool.config.feature_drafts:
+            planned = self._plan_features(request, base)
+            if planned is None:
+                return None
+            base, features = planned
+        nodes = sum(method.tokens_at_depth(d) for d in range(1, depth + 1))
+        return DraftPlan(
+            model,
+            replica,
+            method,
+            base,
+            tuple(tokens[base:]),
+            depth,
+            min(nodes, method.max_draft_tokens),
+            features,
+        )
+
+    def _plan_features(self, request: RequestState, base: int) -> tuple[int, np.ndarray] | None:
+        """(base, features) for a feature-level draft of the request: the features before each
+        token it appends, from `base` or, if those are not held, from 0; None if neither is."""
+        log = self.pool.features.get(request.request_id)
+        end = request.num_tokens - 1  # the root's feature is not computed yet
+        for start in (base, 0):
+            lo = max(start, 1) - 1
+            if log is not None and log.covers(lo, end):
+                return start, log.take(lo, end)
+        return None
+
+    def drafter_backlog(self, request: RequestState, model: str) -> int:
+        """Committed tokens the drafter must still forward: those it has not seen, less, for a
+        drafter new to the request, the prompt prefix the target found cached (a token-level
+        draft's prefix cache names the same blocks for the same requests: most likely it holds
+        them too; a feature-level draft's target computed every position, so no count)."""
+        unseen = request.num_tokens - request.num_seen_by_drafter
+        if request.num_seen_by_drafter == 0 and model not in self.pool.config.feature_drafts:
+            unseen -= request.num_cached_prompt_tokens
+        return unseen
+
+    def place(self, request: RequestState, model: str) -> None:
+        """Draft the request on a replica of `model` (its current one while it lives; a warm
+        standby replica of `model` when it switches to it)."""
+        pool = self.pool
+        replicas = pool.drafters[model]
+        if model != request.draft_model:
+            standby = request.standby
+            if standby is not None and not (
+                standby.model == model and standby.replica in replicas and standby.num_seen > 0
+            ):
+                standby = None  # not a standby of this model that holds anything
+            if request.draft_model is not None:  # a switch: what the new drafter must catch up
+                kind = "warm" if standby is not None else "cold"
+                self.switches[kind] += 1
+                self.switches[f"{kind}_tokens"] += request.num_tokens - (
+                    standby.num_seen if standby is not None else 0
+                )
+            if standby is not None:
+                pool.release_current(request)
+                request.standby = None
+                replica = pool.matcher.place(request.request_id, standby.replica, replicas)
+                request.draft_model, request.drafter = model, replica
+                request.num_seen_by_drafter = standby.num_seen
+                return
+            pool.release_draft(request)
+        replica = pool.matcher.place(request.request_id, request.drafter, replicas)
+        if replica != request.drafter:
+            if request.drafter is not None and request.draft_model == model:
+                pool.releases.append(Release(request.request_id, False, (model, request.drafter)))
+            request.num_seen_by_drafter = 0  # a new replica starts from the first token
+        request.draft_model, request.drafter = model, replica
+
+    def _probe_due(self, request_id: str, depth: int) -> bool:
+        """Whether a request planned at `depth` is due a one-level probe: after planned depth 0
+        for an interval of steps that doubles with every probe (reset when it drafts again)."""
+        request = self.pool.requests[request_id]
+        assert request.draft_model is not None
+        state = self.pool.state(request, request.draft_model)
+        if depth > 0:
+            state.idle_steps = 0
+            state.probe_interval = FIRST_PROBE_INTERVAL
+            return False
+        state.idle_steps += 1
+        if state.idle_steps < state.probe_interval:
+            return False
+        state.idle_steps = 0
+        state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
+        return True
+
+
+def keep_probes(batch: MicroBatch, drafted: Mapping[str, TokenTree], room: int) -> None:
+    """A probe is verified, or it would teach nothing: where the selector kept only a probed
+    request's root, its drafted tree's best first node goes in, while the verifier's forward
+    has `room` for it (a probe may not push it past the budget B)."""
+    for rid in sorted(batch.probes):
+        drafted_tree = drafted[rid]
+        if room > 0 and batch.trees[rid].num_nodes == 1 and drafted_tree.num_nodes > 1:
+            room -= 1
+            kids = drafted_tree.children()[0]
+            # sampled siblings go in draw order: choosing by token would bias sampling
+            sampled = drafted_tree.proposal_of[kids[0]] != DETERMINISTIC
+            best = kids[0] if sampled else max(kids, key=lambda n: drafted_tree.logq[n])
+            batch.trees[rid] = drafted_tree.subtree([0, best])
