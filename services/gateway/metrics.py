@@ -117,7 +117,13 @@ def _bucket_label(bound: float) -> str:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._add_cell_metrics(self.registry)
+        self._add_latency_metrics(self.registry)
+        self._add_request_metrics(self.registry)
+        self._add_speculation_metrics(self.registry)
+
+    def _add_cell_metrics(self, r: CollectorRegistry) -> None:
+        """What the cells publish (read at scrape) and the cost profiles in force."""
         self.preemptions = PreemptionTotals()
         r.register(self.preemptions)
         self.cell_load = CellLoad()
@@ -143,6 +149,8 @@ class GatewayMetrics:
             ["cell", "role", "source", "published"],
             registry=r,
         )
+
+    def _add_latency_metrics(self, r: CollectorRegistry) -> None:
         self.time_to_first_token = Histogram(
             "augury_time_to_first_token_seconds",
             "Time to first token.",
@@ -161,6 +169,9 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests and their tokens, by outcome."""
         self.running = Gauge(
             "augury_num_requests_running",
             "Requests this gateway is serving (queued or running in the cell).",
@@ -201,6 +212,9 @@ class GatewayMetrics:
             ["slo_class", "attained"],
             registry=r,
         )
+
+    def _add_speculation_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's speculative-decoding counters."""
         self.spec_drafts = Counter(
             "augury_spec_decode_num_drafts", "Verification steps that checked a draft.", registry=r
         )
