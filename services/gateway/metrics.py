@@ -115,6 +115,13 @@ class GatewayMetrics:
         r.register(self.preemptions)
         self.cell_load = CellLoad()
         r.register(self.cell_load)
+        self._add_cell_metrics(r)
+        self._add_latency_metrics(r)
+        self._add_request_metrics(r)
+        self._add_speculation_metrics(r)
+
+    def _add_cell_metrics(self, r: CollectorRegistry) -> None:
+        """Aborts and the model services' cost profiles."""
         self.aborted = Counter(
             "augury_num_requests_aborted",
             "Requests of this gateway that ended without finishing: the client left, or the "
@@ -136,6 +143,9 @@ class GatewayMetrics:
             ["role", "source", "published"],
             registry=r,
         )
+
+    def _add_latency_metrics(self, r: CollectorRegistry) -> None:
+        """Latencies, and the requests in flight."""
         self.time_to_first_token = Histogram(
             "augury_time_to_first_token_seconds",
             "Time to first token.",
@@ -159,6 +169,9 @@ class GatewayMetrics:
             "Requests this gateway is serving (queued or running in the cell).",
             registry=r,
         )
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Tokens and finished requests, by outcome."""
         self.prompt_tokens = Counter(
             "augury_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
@@ -194,6 +207,9 @@ class GatewayMetrics:
             ["slo_class", "attained"],
             registry=r,
         )
+
+    def _add_speculation_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's speculative-decoding counters."""
         self.spec_drafts = Counter(
             "augury_spec_decode_num_drafts", "Verification steps that checked a draft.", registry=r
         )
