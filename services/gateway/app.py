@@ -16,7 +16,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -530,122 +530,16 @@ class Gateway:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        created = int(time.time())
-        kind = "chat.completion.chunk" if gen.chat else "text_completion"
-
-        def chunk(choices_now: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            event = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": self.model_name,
-                "choices": choices_now,
-            }
-            if gen.continuous_usage:
-                event["usage"] = self._usage(gen, choices)
-            return {**event, **extra}
-
-        # per choice: tokens whose logprobs were sent, and the length of their texts
-        logprobs_sent: dict[int, tuple[int, int]] = {}
-        echo_offset = len(self._prompt_text(gen)) if gen.echo else 0
-        prompt_sent: set[int] = set()  # choices whose prompt logprobs went out
-
-        def choice_logprobs_now(choice: Choice) -> dict[str, Any] | None:
-            """The logprobs of the tokens the choice added since its last chunk (an echo's
-            first chunk: the prompt's first)."""
-            start, offset = logprobs_sent.get(choice.index, (0, echo_offset))
-            logprobs = self._logprobs(gen, choice.progress, start, offset)
-            if logprobs is not None:
-                texts = logprobs["content"] if gen.chat else logprobs["tokens"]
-                offset += sum(len(t["token"] if gen.chat else t) for t in texts)
-                logprobs_sent[choice.index] = (len(output_ids(gen, choice.progress)), offset)
-                echoed = self._echo_logprobs(gen, choice.progress)
-                if echoed is not None and choice.index not in prompt_sent:
-                    logprobs = joined(echoed, logprobs)
-            return logprobs
-
-        def prompt_logprobs_now(choice: Choice) -> dict[str, Any]:
-            """vLLM's `prompt_logprobs`, on the first chunk after they arrived."""
-            if choice.index in prompt_sent or choice.progress.prompt_logprobs is None:
-                return {}
-            prompt_sent.add(choice.index)
-            return {"prompt_logprobs": self._vllm_prompt_logprobs(gen, choice.progress)}
-
-        # chat with tools: each choice's output parsed into content and calls as it comes
-        tools = gen.tools
-        parsers = {
-            c.index: ToolCallParser(gen.call_format, tools.forced)
-            for c in choices
-            if tools is not None
-        }
-
-        def chat_deltas(delta: ChoiceDelta) -> list[dict[str, Any]]:
-            """The delta objects of a chat choice's new text (one, maybe empty, at least)."""
-            parser = parsers.get(delta.choice.index)
-            if parser is None:
-                return [{"content": delta.text} if delta.text else {}]
-            pieces = [parser.push(delta.text)]
-            if delta.finish_reason:
-                pieces.append(parser.finish())
-            return stream_deltas(pieces) or [{}]
-
-        def choice_event(
-            delta: ChoiceDelta, content: dict[str, Any] | None = None, last: bool = True
-        ) -> dict[str, Any]:
-            index, text = delta.choice.index, delta.text
-            finish = delta.finish_reason if last else None
-            logprobs = choice_logprobs_now(delta.choice) if last else None
-            if gen.chat:
-                parser = parsers.get(index)
-                if parser is not None:
-                    finish = finish_reason(finish, bool(parser.calls))
-                event = {
-                    "index": index,
-                    "delta": content or {},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }
-            else:
-                event = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }
-                event |= prompt_logprobs_now(delta.choice)
-            if finish:
-                event["stop_reason"] = delta.choice.progress.stop_reason
-            return event
-
+        events = _StreamEvents(self, request_id, gen, choices)
         try:
             if gen.chat:
-                # with tools, as OpenAI: no content until some comes (maybe none: calls alone)
-                role = {"role": "assistant", "content": None if gen.tools else ""}
-                for choice in choices:
-                    opening = {"index": choice.index, "delta": role, "finish_reason": None}
-                    await send_event(response, chunk([opening]))
+                for opening in events.chat_openings():
+                    await send_event(response, opening)
             async for delta in deltas:
-                choice = delta.choice
-                progress = choice.progress
-                extra = {"augury": progress.statistics()} if delta.finish_reason else {}
-                if gen.chat:  # vLLM puts them on the response, not the choice
-                    extra |= prompt_logprobs_now(choice)
-                # with continuous usage, tokens that made no text yet still get their chunk
-                counted = gen.continuous_usage and len(progress.token_ids) > choice.sent_tokens
-                if not gen.chat:
-                    if delta.text or delta.finish_reason or counted:
-                        await send_event(response, chunk([choice_event(delta)], **extra))
-                        choice.sent_tokens = len(progress.token_ids)
-                    continue
-                bodies = chat_deltas(delta)
-                for position, body in enumerate(bodies):
-                    last = position == len(bodies) - 1
-                    if body or (last and (delta.finish_reason or counted)):
-                        event = choice_event(delta, body, last)
-                        await send_event(response, chunk([event], **(extra if last else {})))
-                        choice.sent_tokens = len(progress.token_ids)
+                for event in events.of_delta(delta):
+                    await send_event(response, event)
             if gen.include_usage:
-                await send_event(response, chunk([], usage=self._usage(gen, choices)))
+                await send_event(response, events.chunk([], usage=self._usage(gen, choices)))
         except APIError as error:
             with contextlib.suppress(ConnectionResetError):
                 await send_event(response, error.body())
@@ -655,6 +549,126 @@ class Gateway:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         return response
+
+
+class _StreamEvents:
+    """The events of one streamed answer, made as its choices' deltas come."""
+
+    def __init__(
+        self, gateway: Gateway, request_id: str, gen: GenerationRequest, choices: list[Choice]
+    ) -> None:
+        self.gateway = gateway
+        self.request_id = request_id
+        self.gen = gen
+        self.choices = choices
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if gen.chat else "text_completion"
+        # per choice: tokens whose logprobs were sent, and the length of their texts
+        self.logprobs_sent: dict[int, tuple[int, int]] = {}
+        self.echo_offset = len(gateway._prompt_text(gen)) if gen.echo else 0
+        self.prompt_sent: set[int] = set()  # choices whose prompt logprobs went out
+        # chat with tools: each choice's output parsed into content and calls as it comes
+        tools = gen.tools
+        self.parsers = {
+            c.index: ToolCallParser(gen.call_format, tools.forced)
+            for c in choices
+            if tools is not None
+        }
+
+    def chunk(self, choices_now: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        event = {
+            "id": self.request_id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.gateway.model_name,
+            "choices": choices_now,
+        }
+        if self.gen.continuous_usage:
+            event["usage"] = self.gateway._usage(self.gen, self.choices)
+        return {**event, **extra}
+
+    def chat_openings(self) -> list[dict[str, Any]]:
+        # with tools, as OpenAI: no content until some comes (maybe none: calls alone)
+        role = {"role": "assistant", "content": None if self.gen.tools else ""}
+        return [
+            self.chunk([{"index": choice.index, "delta": role, "finish_reason": None}])
+            for choice in self.choices
+        ]
+
+    def of_delta(self, delta: ChoiceDelta) -> Iterator[dict[str, Any]]:
+        """The chunks a choice's delta makes (none for a delta with nothing to show), each made
+        after the one before it was sent."""
+        gen, choice = self.gen, delta.choice
+        progress = choice.progress
+        extra = {"augury": progress.statistics()} if delta.finish_reason else {}
+        if gen.chat:  # vLLM puts them on the response, not the choice
+            extra |= self.prompt_logprobs_now(choice)
+        # with continuous usage, tokens that made no text yet still get their chunk
+        counted = gen.continuous_usage and len(progress.token_ids) > choice.sent_tokens
+        if not gen.chat:
+            if delta.text or delta.finish_reason or counted:
+                yield self.chunk([self.choice_event(delta)], **extra)
+                choice.sent_tokens = len(progress.token_ids)
+            return
+        bodies = self.chat_deltas(delta)
+        for position, body in enumerate(bodies):
+            last = position == len(bodies) - 1
+            if body or (last and (delta.finish_reason or counted)):
+                event = self.choice_event(delta, body, last)
+                yield self.chunk([event], **(extra if last else {}))
+                choice.sent_tokens = len(progress.token_ids)
+
+    def choice_logprobs_now(self, choice: Choice) -> dict[str, Any] | None:
+        """The logprobs of the tokens the choice added since its last chunk (an echo's
+        first chunk: the prompt's first)."""
+        gen = self.gen
+        start, offset = self.logprobs_sent.get(choice.index, (0, self.echo_offset))
+        logprobs = self.gateway._logprobs(gen, choice.progress, start, offset)
+        if logprobs is not None:
+            texts = logprobs["content"] if gen.chat else logprobs["tokens"]
+            offset += sum(len(t["token"] if gen.chat else t) for t in texts)
+            self.logprobs_sent[choice.index] = (len(output_ids(gen, choice.progress)), offset)
+            echoed = self.gateway._echo_logprobs(gen, choice.progress)
+            if echoed is not None and choice.index not in self.prompt_sent:
+                logprobs = joined(echoed, logprobs)
+        return logprobs
+
+    def prompt_logprobs_now(self, choice: Choice) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs`, on the first chunk after they arrived."""
+        if choice.index in self.prompt_sent or choice.progress.prompt_logprobs is None:
+            return {}
+        self.prompt_sent.add(choice.index)
+        return {"prompt_logprobs": self.gateway._vllm_prompt_logprobs(self.gen, choice.progress)}
+
+    def chat_deltas(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The delta objects of a chat choice's new text (one, maybe empty, at least)."""
+        parser = self.parsers.get(delta.choice.index)
+        if parser is None:
+            return [{"content": delta.text} if delta.text else {}]
+        pieces = [parser.push(delta.text)]
+        if delta.finish_reason:
+            pieces.append(parser.finish())
+        return stream_deltas(pieces) or [{}]
+
+    def choice_event(
+        self, delta: ChoiceDelta, content: dict[str, Any] | None = None, last: bool = True
+    ) -> dict[str, Any]:
+        index, text = delta.choice.index, delta.text
+        finish = delta.finish_reason if last else None
+        logprobs = self.choice_logprobs_now(delta.choice) if last else None
+        if self.gen.chat:
+            parser = self.parsers.get(index)
+            if parser is not None:
+                finish = finish_reason(finish, bool(parser.calls))
+            event = {"index": index, "delta": content or {}, "logprobs": logprobs}
+        else:
+            event = {"index": index, "text": text, "logprobs": logprobs}
+        event["finish_reason"] = finish
+        if not self.gen.chat:
+            event |= self.prompt_logprobs_now(delta.choice)
+        if finish:
+            event["stop_reason"] = delta.choice.progress.stop_reason
+        return event
 
 
 async def _noting_first(

@@ -38,11 +38,23 @@ completion so far, total) on every chunk; `include_usage` adds the final usage-o
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.gateway.body_fields import (
+    AuguryFields,
+    ChatLogprobs,
+    ChoicesFields,
+    CompletionLogprobs,
+    EchoField,
+    MaxTokensFields,
+    PriorityField,
+    PromptLogprobs,
+    SamplingFields,
+    ServingFlags,
+    token_ids_problem,
+)
 from services.gateway.errors import APIError, bad_request
 from services.gateway.messages import parse_conversation, turns_for_recording
 from services.gateway.structured import parse_structured
@@ -50,18 +62,11 @@ from services.gateway.tools import Tools, call_constraint, parse_tools
 from shared.errors import InvalidRequestError, UnsupportedOptionError
 from shared.settings import SloSettings
 from shared.text.chat_template import render_chat, template_features
-from shared.values.sampling import (
-    MAX_BIAS,
-    MAX_LOGPROBS,
-    SamplingParams,
-    StructuredOutput,
-    refuse_unsupported,
-)
+from shared.values.sampling import SamplingParams, StructuredOutput, refuse_unsupported
 from shared.wire.requests import MAX_APP_LEN, MAX_DRAFT_NAME_LEN
 
 __all__ = ["APIError", "GenerationRequest", "Tokenizer", "bad_request", "parse_generation"]
 
-MAX_PRIORITY = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64  # default of gateway.max_stop_token_ids
 MAX_MESSAGES = 256  # default of gateway.max_messages
 SLO_CLASSES = tuple(SloSettings().classes)  # default of scheduler.slo.classes
@@ -139,43 +144,6 @@ class GenerationRequest:
     structured_field: str | None = None
 
 
-def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{name} must be a number", name)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer", name)
-    return value
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean", name)
-    return value
-
-
-def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise bad_request(f"{name} must be a list of token ids", name)
-    if any(not 0 <= t < vocab_size for t in value):
-        raise bad_request(f"{name} holds token ids outside [0, {vocab_size})", name)
-    return tuple(value)
-
-
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     try:
         # the engine's list (one list for both), less what the gateway serves itself
@@ -184,68 +152,15 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request(str(error), error.param) from None
 
 
-# ---- logits processors and logprobs (the engine's shared/engine/processors.py) ------------------
-
-
-def _processors_and_logprobs(
-    body: Mapping[str, Any], chat: bool, vocab_size: int
-) -> dict[str, Any]:
-    """SamplingParams' processor and logprobs options from the body, checked here where a 400
-    must name the field as the client spelled it (the engine checks the ranges again).
-
-    Chat asks for logprobs with `logprobs: true` and `top_logprobs: N`; completions with
-    `logprobs: N` (0: the emitted tokens' own)."""
-    options: dict[str, Any] = {
-        "presence_penalty": _number(body, "presence_penalty", 0.0),
-        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
-        "min_p": _number(body, "min_p", 0.0),
-        "min_tokens": _integer(body, "min_tokens", 0) or 0,
-        "logit_bias": _logit_bias(body.get("logit_bias"), vocab_size),
-    }
-    if chat:
-        top = _integer(body, "top_logprobs", None)
-        wanted = _flag(body, "logprobs", False)
-        if top and not wanted:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        options["logprobs"] = (top or 0) if wanted else None
-    else:
-        number = _integer(body, "logprobs", None)
-        if number is not None and not 0 <= number <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        options["logprobs"] = number
-    prompt = _integer(body, "prompt_logprobs", None)
-    if prompt is not None and not 0 <= prompt <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
-    if prompt is None and not chat and _flag(body, "echo", False):
-        prompt = options["logprobs"]  # echo shows the prompt's tokens with the output's
-    options["prompt_logprobs"] = prompt
-    return options
-
-
-def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    """OpenAI's map of token ids (JSON string keys) to biases in [-100, 100]."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad_request("logit_bias must map token ids to biases", "logit_bias")
-    bias = {}
-    for key, amount in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
-            raise bad_request(
-                f"logit_bias keys are token ids in [0, {vocab_size}), got {key[:32]!r}",
-                "logit_bias",
-            )
-        if isinstance(amount, bool) or not isinstance(amount, int | float):
-            raise bad_request("logit_bias values must be numbers", "logit_bias")
-        if not -MAX_BIAS <= amount <= MAX_BIAS:  # NaN fails too
-            raise bad_request(
-                f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias"
-            )
-        bias[int(key)] = float(amount)
-    return bias
+def _logprobs(body: Mapping[str, Any], chat: bool) -> dict[str, int | None]:
+    """SamplingParams' logprobs options. Chat asks with `logprobs: true` and `top_logprobs: N`;
+    completions with `logprobs: N` (0: the emitted tokens' own)."""
+    model = ChatLogprobs if chat else CompletionLogprobs
+    logprobs = model.read(body).count()
+    prompt = PromptLogprobs.read(body).prompt_logprobs
+    if prompt is None and not chat and EchoField.read(body).echo:
+        prompt = logprobs  # echo shows the prompt's tokens with the output's
+    return {"logprobs": logprobs, "prompt_logprobs": prompt}
 
 
 def _sampling(
@@ -262,17 +177,9 @@ def _sampling(
             f"stop_token_ids holds {len(stop_ids)} ids, more than {max_stop_token_ids}",
             "stop_token_ids",
         )
+    fields = dict(SamplingFields.read(body, vocab_size=vocab_size))
     try:
-        return SamplingParams(
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            top_k=_top_k(body),
-            seed=_integer(body, "seed", None),
-            max_tokens=max_tokens,
-            stop_token_ids=_token_ids(stop_ids, "stop_token_ids", vocab_size),
-            ignore_eos=_flag(body, "ignore_eos", False),
-            **_processors_and_logprobs(body, chat, vocab_size),
-        )
+        return SamplingParams(max_tokens=max_tokens, **fields, **_logprobs(body, chat))
     except InvalidRequestError as error:
         param = error.param if error.param != "max_tokens" else max_tokens_field
         raise bad_request(str(error), param) from None
@@ -285,10 +192,17 @@ def _completion_prompt(
     if isinstance(prompt, str):
         return tuple(tokenizer.encode(prompt, add_special_tokens=True))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return _token_ids(prompt, "prompt", vocab_size)
+        return _prompt_token_ids(prompt, vocab_size)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return tuple(tokenizer.encode(prompt[0], add_special_tokens=True))
     raise bad_request("prompt must be a string or a list of token ids (one prompt)", "prompt")
+
+
+def _prompt_token_ids(prompt: list[Any], vocab_size: int) -> tuple[int, ...]:
+    problem = token_ids_problem(prompt, "prompt", vocab_size)
+    if problem is not None:
+        raise bad_request(problem, "prompt")
+    return tuple(prompt)
 
 
 def parse_generation(
@@ -308,7 +222,53 @@ def parse_generation(
 ) -> GenerationRequest:
     """The request, checked and tokenized (its output constraint is compiled by the caller,
     `structured.check_compiles`). `call_format`: the tool-call format (None: the one of the
-    tokenizer's chat template)."""
+    tokenizer's chat template). Fields are checked in a fixed order; the first failure is the
+    400 (or 404) answered."""
+    body = _served_body(body, model_name, chat)
+    n = ChoicesFields.read(body, max_n=max_n).checked()
+    stop = _stop_strings(body)
+    echo = False if chat else EchoField.read(body).echo
+    tools = parse_tools(body, chat)
+    call_format = call_format or template_features(tokenizer).call_format
+    structured = _constraint(body, tools, call_format)
+    conversation = parse_conversation(body, max_messages) if chat else None
+    if conversation is not None:
+        offered = [f.openai() for f in tools.functions] if tools and tools.in_prompt else []
+        prompt_ids = render_chat(tokenizer, conversation, offered, call_format)
+    else:
+        prompt_ids = _completion_prompt(body, tokenizer, vocab_size)
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", "messages" if chat else "prompt")
+    max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
+    max_tokens = _max_tokens(
+        body, max_tokens_field, len(prompt_ids), max_context, default_max_tokens, chat=chat
+    )
+    echo_only = echo and max_tokens == 0  # one token is generated (the prefill's) and dropped
+    sampling = _sampling(
+        body, max_tokens_field, vocab_size, max_stop_token_ids, 1 if echo_only else max_tokens, chat
+    )
+    if structured is not None:
+        sampling = dataclasses.replace(sampling, structured=structured[0])
+    _check_context(len(prompt_ids), sampling.max_tokens, max_context, chat)
+    return GenerationRequest(
+        **_serving_options(body, slo_classes),
+        chat=chat,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        messages=None if conversation is None else turns_for_recording(conversation),
+        prompt_text=None if chat else _prompt_text(body.get("prompt")),
+        stop=stop,
+        n=n,
+        echo=echo,
+        echo_only=echo_only,
+        tools=tools if tools is not None and tools.in_prompt else None,
+        call_format=call_format,
+        structured_field=None if structured is None else structured[1],
+    )
+
+
+def _served_body(body: Any, model_name: str, chat: bool) -> dict[str, Any]:
+    """The body, when it is an object naming the served model and no option refused by name."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None)
     model = body.get("model")
@@ -323,38 +283,22 @@ def parse_generation(
         )
     _refuse_unsupported(body)
     _refuse_vllm_extensions(body, chat)
-    n = _choices(body, max_n)
-    stop = _stop_strings(body)
-    echo = _echo(body, chat)
-    max_tokens_field = "max_completion_tokens" if chat else "max_tokens"
-    tools = parse_tools(body, chat)
-    call_format = call_format or template_features(tokenizer).call_format
-    structured = _constraint(body, tools, call_format)
-    conversation = parse_conversation(body, max_messages) if chat else None
-    if conversation is not None:
-        offered = [f.openai() for f in tools.functions] if tools and tools.in_prompt else []
-        prompt_ids = render_chat(tokenizer, conversation, offered, call_format)
-    else:
-        prompt_ids = _completion_prompt(body, tokenizer, vocab_size)
-    if not prompt_ids:
-        raise bad_request("the prompt is empty", "messages" if chat else "prompt")
-    max_tokens = _max_tokens(
-        body, max_tokens_field, len(prompt_ids), max_context, default_max_tokens, chat=chat
-    )
-    echo_only = echo and max_tokens == 0
-    if echo_only:
-        max_tokens = 1
-    sampling = _sampling(body, max_tokens_field, vocab_size, max_stop_token_ids, max_tokens, chat)
-    if structured is not None:
-        sampling = dataclasses.replace(sampling, structured=structured[0])
-    if len(prompt_ids) + sampling.max_tokens > max_context:
+    return body
+
+
+def _check_context(prompt_len: int, max_tokens: int, max_context: int, chat: bool) -> None:
+    if prompt_len + max_tokens > max_context:
         raise APIError(
             400,
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds "
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
             f"the context of {max_context} tokens",
             param="messages" if chat else "prompt",
             code="context_length_exceeded",
         )
+
+
+def _serving_options(body: Mapping[str, Any], slo_classes: Collection[str]) -> dict[str, Any]:
+    """How the request is served: streaming, the `augury` extension, its priority."""
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
@@ -362,53 +306,25 @@ def parse_generation(
     if not isinstance(extension, dict):
         raise bad_request("augury must be an object", "augury")
     _refuse_unknown_augury_fields(extension)
-    slo = extension.get("tpot_slo_ms")
-    if slo is not None and (
-        isinstance(slo, bool)
-        or not isinstance(slo, int | float)
-        or not 0 < slo < math.inf  # NaN fails too
-    ):
-        raise bad_request("augury.tpot_slo_ms must be a positive number", "augury.tpot_slo_ms")
-    slo_class = _slo_class(extension, slo_classes)
-    draft = extension.get("draft_model")
-    if draft is not None and not isinstance(draft, str):
-        raise bad_request("augury.draft_model must be a string", "augury.draft_model")
-    if draft is not None and not 0 < len(draft) <= MAX_DRAFT_NAME_LEN:
-        raise bad_request(
-            f"augury.draft_model must be 1 to {MAX_DRAFT_NAME_LEN} characters",
-            "augury.draft_model",
-        )
-    app = extension.get("app")
-    if app is not None and (not isinstance(app, str) or not 0 < len(app) <= MAX_APP_LEN):
-        raise bad_request(
-            f"augury.app must be a string of 1 to {MAX_APP_LEN} characters", "augury.app"
-        )
-    priority = _integer(body, "priority", 0) or 0
-    if abs(priority) > MAX_PRIORITY:
-        raise bad_request("priority is out of range", "priority")
-    return GenerationRequest(
-        chat=chat,
-        prompt_ids=prompt_ids,
-        sampling=sampling,
-        stream=_flag(body, "stream", False),
-        include_usage=_flag(options, "include_usage", False),
+    augury = AuguryFields.read(
+        extension,
+        slo_classes=slo_classes,
+        max_draft_name_len=MAX_DRAFT_NAME_LEN,
+        max_app_len=MAX_APP_LEN,
+    )
+    priority = PriorityField.read(body).priority
+    flags = ServingFlags.gather(body, options, extension)
+    return dict(
+        stream=flags.stream,
+        include_usage=flags.include_usage,
         priority=priority,
-        tpot_slo_ms=None if slo is None else float(slo),
-        draft_model=draft,
-        speculate=_flag(extension, "speculate", True),
-        continuous_usage=_flag(options, "continuous_usage_stats", False),
-        messages=None if conversation is None else turns_for_recording(conversation),
-        prompt_text=None if chat else _prompt_text(body.get("prompt")),
-        slo_class=slo_class,
-        app=app or "",
-        stop=stop,
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-        n=n,
-        echo=echo,
-        echo_only=echo_only,
-        tools=tools if tools is not None and tools.in_prompt else None,
-        call_format=call_format,
-        structured_field=None if structured is None else structured[1],
+        tpot_slo_ms=augury.tpot_slo_ms,
+        draft_model=augury.draft_model,
+        speculate=flags.speculate,
+        continuous_usage=flags.continuous_usage_stats,
+        slo_class=augury.slo_class,
+        app=augury.app,
+        include_stop_str_in_output=flags.include_stop_str_in_output,
     )
 
 
@@ -426,20 +342,6 @@ def _constraint(
             structured[1],
         )
     return call_constraint(tools, call_format), "tools"
-
-
-def _slo_class(extension: Mapping[str, Any], known: Collection[str]) -> str | None:
-    name = extension.get("slo_class")
-    if name is None:
-        return None
-    if not isinstance(name, str):
-        raise bad_request("augury.slo_class must be a string", "augury.slo_class")
-    if name not in known:
-        raise bad_request(
-            f"unknown SLO class {name[:64]!r}; known: {', '.join(sorted(known))}",
-            "augury.slo_class",
-        )
-    return name
 
 
 def _prompt_text(prompt: Any) -> str | None:
@@ -470,14 +372,6 @@ def _refuse_unknown_augury_fields(extension: Mapping[str, Any]) -> None:
         )
 
 
-def _top_k(body: Mapping[str, Any]) -> int:
-    """vLLM's top_k: -1 (and 0) mean no truncation."""
-    top_k = _integer(body, "top_k", 0) or 0
-    if top_k < -1:
-        raise bad_request(f"top_k must be positive, or -1 or 0 for off; got {top_k}", "top_k")
-    return 0 if top_k == -1 else top_k
-
-
 def _max_tokens(
     body: Mapping[str, Any],
     field: str,
@@ -489,9 +383,9 @@ def _max_tokens(
 ) -> int:
     """The request's max_tokens; without one, the rest of the context (as vLLM, for chat and
     completions alike), lowered to `gateway.default_max_tokens` when that is set."""
-    max_tokens = _integer(body, field, None)
+    max_tokens = getattr(MaxTokensFields.read({field: body.get(field)}), field)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None)
+        max_tokens = MaxTokensFields.read({"max_tokens": body.get("max_tokens")}).max_tokens
     if max_tokens is not None:
         return max_tokens
     rest = max_context - prompt_len
@@ -520,25 +414,3 @@ def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
             f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop"
         )
     return tuple(stops)
-
-
-def _choices(body: Mapping[str, Any], max_n: int) -> int:
-    """n, and best_of as far as it can be served without logprobs (best_of = n)."""
-    n = _integer(body, "n", 1)
-    assert n is not None
-    if not 1 <= n <= max_n:
-        raise bad_request(f"n must be 1 to {max_n}, got {n}", "n")
-    best_of = _integer(body, "best_of", None)
-    if best_of is not None and best_of < n:
-        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
-    if best_of is not None and best_of > n:
-        raise bad_request(
-            "best_of > n ranks candidates by their cumulative log-probability, which this "
-            "server does not compute yet; send best_of equal to n, or leave it out",
-            "best_of",
-        )
-    return n
-
-
-def _echo(body: Mapping[str, Any], chat: bool) -> bool:
-    return False if chat else _flag(body, "echo", False)
