@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/profile.py would shadow profile
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # tools/profile.py would shadow profile
 
 from kernels.cpu_tree_attention import CpuTreeAttention  # noqa: E402
 from kernels.reference import tree_attention_reference  # noqa: E402

@@ -31,7 +31,6 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
 from bench.hf_draft import hf_llama_from_draft
-from bench.prompts import chat_ids
 from shared.datasets import EVAL_KINDS, eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
@@ -45,6 +44,7 @@ from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.request import AcceptanceStats
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
+from tools.prompts import chat_ids
 
 METHODS = {
     "chain4": DraftMethod("chain", k=4),

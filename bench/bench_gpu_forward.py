@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.profile import kv_bytes_for, random_model
 from shared.model.kv_cache import SwappedKV
 from shared.model.runner import ForwardItem, ModelRunner
+from tools.profile import kv_bytes_for, random_model
 
 LAYOUTS = ((1, 1), (1, 16), (8, 1), (8, 2), (16, 16), (32, 16))  # (requests, tokens each)
 

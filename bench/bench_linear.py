@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# run as a file, the script's own folder leads sys.path, and bench/profile.py would then shadow
+# run as a file, the script's own folder leads sys.path, and tools/profile.py would then shadow
 # the standard library's profile module (torch imports it): the repository takes its place
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from bench.workloads import COPY_KINDS, conversation_ids, workload_messages
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
@@ -35,6 +34,7 @@ from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
 from shared.values.sampling import SamplingParams
+from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
 
 DATASET_KINDS = ("chat", "everyday", "code", "math")
 KV_BYTES = 256 << 20

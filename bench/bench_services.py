@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import chat_ids
 from services.run import Stack, start_stack
 from services.runtime import ModelPaths, run_async
 from shared.bus import redis_url
@@ -45,6 +44,7 @@ from shared.settings import AugurySettings, RedisSettings
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.test_services_support import Client
+from tools.prompts import chat_ids
 
 KV_BYTES = 256 << 20
 

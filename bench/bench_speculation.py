@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
@@ -41,6 +40,7 @@ from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 from shared.values.sampling import SamplingParams
+from tools.prompts import chat_ids
 
 KINDS = ("chat", "code", "math", "everyday")
 KV_BYTES = 256 << 20

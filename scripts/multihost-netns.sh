@@ -136,7 +136,7 @@ from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import target_dir
 from shared.model.runner import ModelRunner
-from bench.prompts import chat_ids
+from tools.prompts import chat_ids
 from shared.settings import GatewaySettings
 from shared.values.sampling import SamplingParams
 from transformers import AutoTokenizer

@@ -168,7 +168,7 @@ async def publish_own_profile(
         log.warning(
             "cost profile of %s: not published; the scheduler prices %s as free until a "
             "trusted profile is published (a restart on a quiet machine, or a committed one "
-            "from python -m bench.profile)",
+            "from python -m tools.profile)",
             name,
             name,
         )

@@ -151,7 +151,7 @@ class EngineSettings(_Group):
     block_size: PositiveInt = 16
     max_tokens_per_step: PositiveInt = 512  # hardware token budget B of one verifier forward
     max_context: PositiveInt | None = None  # None: the model's max_position_embeddings
-    # Cost profiles (python -m bench.profile): a matching one is loaded from here at start
+    # Cost profiles (python -m tools.profile): a matching one is loaded from here at start
     # (None: the repository's profiles/); without one, a quick one is measured if allowed.
     profile_dir: Path | None = None
     # quick profiles kept here (None: ~/.cache/augury/profiles)
@@ -325,7 +325,7 @@ class GatewaySettings(_Group):
     max_stop_token_ids: PositiveInt = 64
     max_messages: PositiveInt = 256  # chat turns in one request
     ready_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # /health/ready's one-token probe
-    # Recording accepted requests to augury:{cell}:recorded for replay (bench/load/recording.py)
+    # Recording accepted requests to augury:{cell}:recorded for replay (tools/load/recording.py)
     record_requests: bool = False
     record_maxlen: PositiveInt = 100_000  # XADD ... MAXLEN ~ N on the recording stream
     record_prompts: bool = False  # also the prompt text or messages (off: lengths only)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from bench.drafters.__main__ import RECORDING, main
 from bench.drafters.experiments import KINDS, Setup, chooser_runs, fig11, per_request_best
-from bench.load.records import RequestRecord
-from bench.sim.acceptance import AcceptanceModel
 from shared.scheduling.cost_model import CostModel, CostProfile
 from shared.settings import LbssSettings
+from tools.load.records import RequestRecord
+from tools.sim.acceptance import AcceptanceModel
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 H100 = PROFILES / "SmolLM2-135M-Instruct-cuda-nvidia-h100-80gb-hbm3-bfloat16-t0.json"

@@ -21,9 +21,9 @@ from bench.scheduling.workloads import (
     sim_requests,
     trace_requests,
 )
-from bench.sim.acceptance import AcceptanceModel
 from shared.scheduling.cost_model import CostModel, CostProfile
 from shared.settings import LapsSettings
+from tools.sim.acceptance import AcceptanceModel
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from bench.scheduling.experiments import Machine
-from bench.sim.acceptance import AcceptanceModel
 from bench.slo import experiments as ex
 from bench.slo.reports import rates_markdown, urgent_markdown
 from bench.slo.workloads import (
@@ -23,6 +22,7 @@ from bench.slo.workloads import (
     urgent_share_mix,
 )
 from shared.scheduling.cost_model import CostModel, CostProfile
+from tools.sim.acceptance import AcceptanceModel
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -142,9 +142,9 @@ def test_adaserve_replays_unpruned_beams(gpu: Machine, acceptance: AcceptanceMod
     probability), so a shallower beam of width 4 shaped from it has 4 nodes at each of its
     layers (and one of depth 1, w nodes); the default recording, pruned at path probability
     0.2, cannot give AdaServe that."""
-    from bench.sim.acceptance import beam_method
     from bench.slo.__main__ import BEAM_RECORDING
     from shared.values.methods import DraftMethod
+    from tools.sim.acceptance import beam_method
 
     beams = AcceptanceModel.load(BEAM_RECORDING)
     assert beams.method == beam_method(8, 4) and beams.method.min_path_prob == 0.0

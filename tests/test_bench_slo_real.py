@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.load.records import RequestRecord
 from bench.scheduling.real import policy_env, slug
 from bench.slo.real import (
     agreement,
@@ -21,6 +20,7 @@ from bench.slo.real import (
     traceback_of,
 )
 from shared.settings import AugurySettings, LapsSettings
+from tools.load.records import RequestRecord
 
 
 def test_the_selector_and_the_running_set_are_set_through_the_environment(
@@ -150,10 +150,10 @@ def test_the_experiment_end_to_end_on_fake_services(
     import bench.slo.real as slo_real
     from bench.scheduling.real import Running, Served
     from bench.scheduling.workloads import load_heldout
-    from bench.sim.acceptance import AcceptanceModel
     from bench.slo.workloads import Workload
     from shared.model.model_set import target_dir
     from shared.scheduling.cost_model import CostModel, CostProfile
+    from tools.sim.acceptance import AcceptanceModel
 
     profiles = Path(__file__).resolve().parent.parent / "profiles"
     cost = CostModel(CostProfile.load(sorted(profiles.glob("SmolLM2-135M-Instruct-cpu-*"))[0]))

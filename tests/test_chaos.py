@@ -1,4 +1,4 @@
-"""`python -m bench.chaos`: its verdict logic on hand-made records, and a bounded real run that
+"""`python -m tools.chaos`: its verdict logic on hand-made records, and a bounded real run that
 SIGKILLs and restarts the gateway, scheduler, verifier and drafter processes mid-replay."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, apply_event
-from bench.chaos.cluster import Draft
-from bench.chaos.compare import Reference, compare
-from bench.chaos.faults import Kill
-from bench.chaos.report import (
+from tests.conftest import make_tiny_checkpoint
+from tools.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, apply_event
+from tools.chaos.cluster import Draft
+from tools.chaos.compare import Reference, compare
+from tools.chaos.faults import Kill
+from tools.chaos.report import (
     DIFFERENT,
     FAILED_CLEARLY,
     HUNG_RESULT,
@@ -26,9 +27,8 @@ from bench.chaos.report import (
     phase_of,
     service_rows,
 )
-from bench.chaos.run import ChaosConfig, recovery_settings, run_chaos
-from bench.load.client import RequestFailed
-from tests.conftest import make_tiny_checkpoint
+from tools.chaos.run import ChaosConfig, recovery_settings, run_chaos
+from tools.load.client import RequestFailed
 
 # ---- comparison and report on hand-made records ---------------------------------------------
 

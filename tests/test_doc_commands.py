@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PACKAGES = ("bench", "shared", "services", "distill", "kernels")
+PACKAGES = ("tools", "bench", "shared", "services", "distill", "kernels")
 PYTHON = re.compile(r"^(?:\S*/)?python3?$")
 
 
@@ -143,9 +143,9 @@ def test_every_documented_command_exists_with_its_flags(doc):
 
 
 def test_a_stale_command_is_caught():
-    assert problems_of("python -m bench.traces synth --rate 1 --no-such-flag") == [
-        "bench.traces declares no --no-such-flag"
+    assert problems_of("python -m tools.traces synth --rate 1 --no-such-flag") == [
+        "tools.traces declares no --no-such-flag"
     ]
     assert problems_of("python -m bench.no_such_module") == ["no module bench.no_such_module"]
     assert problems_of("bash scripts/no-such.sh") == ["no script scripts/no-such.sh"]
-    assert problems_of("python -m bench.traces synth --input-range 1 2") == []
+    assert problems_of("python -m tools.traces synth --input-range 1 2") == []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prompts import chat_ids
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.presets import DEFAULT_METHOD
@@ -22,6 +21,7 @@ from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.runner import ModelRunner
 from shared.scheduling.cost_model import CostModel, CostProfile
 from shared.values.sampling import SamplingParams
+from tools.prompts import chat_ids
 
 PROFILE = "SmolLM2-135M-Instruct-cpu-amd-epyc-float32-t2-int8-drafts.json"
 KV_BYTES = 64 << 20

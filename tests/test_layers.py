@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "services", "bench", "distill", "kernels", "tests")
+PACKAGES = ("shared", "services", "tools", "bench", "distill", "kernels", "tests")
 
 # Bottom first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -146,3 +146,23 @@ if __name__ == "__main__":
     found = problems(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO)
     print("\n".join(found) or "the layers hold")
     sys.exit(1 if found else 0)
+
+
+def package_imports(root: Path, below: str, above: tuple[str, ...]) -> list[str]:
+    """The imports by `below`'s modules of modules in the `above` packages."""
+    graph = import_graph(root, (below, *above))
+    return [
+        f"{module} imports {name}"
+        for module, imported in sorted(graph.items())
+        if module.split(".")[0] == below
+        for name in sorted(imported)
+        if name.split(".")[0] in above
+    ]
+
+
+def test_the_product_never_imports_the_lab():
+    """services and shared run without tools/ and bench/; tools (what operators run) without
+    bench/ (the lab's experiments)."""
+    assert package_imports(REPO, "shared", ("services", "tools", "bench")) == []
+    assert package_imports(REPO, "services", ("tools", "bench")) == []
+    assert package_imports(REPO, "tools", ("bench",)) == []

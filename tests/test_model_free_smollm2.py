@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from bench.workloads import conversation_ids, workload_messages
 from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -16,6 +15,7 @@ from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
+from tools.workloads import conversation_ids, workload_messages
 
 pytestmark = pytest.mark.smollm2
 

@@ -22,13 +22,6 @@ import aiohttp
 import pytest
 import redis
 
-from bench.load.client import RequestFailed, apply_event, replay, schedule
-from bench.load.readers import read_trace
-from bench.load.recording import read_recorded, split_trace_url
-from bench.load.records import RequestRecord
-from bench.load.report import load_records
-from bench.load.trace import TraceRequest
-from bench.replay import main
 from services.gateway.body import GenerationRequest
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress import Progress
@@ -41,6 +34,13 @@ from shared.values.sampling import SamplingParams
 from shared.wire.streams import recorded_stream
 from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import make_settings
+from tools.load.client import RequestFailed, apply_event, replay, schedule
+from tools.load.readers import read_trace
+from tools.load.recording import read_recorded, split_trace_url
+from tools.load.records import RequestRecord
+from tools.load.report import load_records
+from tools.load.trace import TraceRequest
+from tools.replay import main
 
 pytestmark = pytest.mark.anyio
 
@@ -235,7 +235,7 @@ async def test_gateway_records_what_it_accepted_and_export_reads_it_back(
         # an entry of a record version we do not know is skipped with a warning
         client = redis.Redis.from_url(server.url)
         client.xadd(stream, {"v": "99", "record": "{}"})
-        with caplog.at_level(logging.WARNING, logger="bench.load.recording"):
+        with caplog.at_level(logging.WARNING, logger="tools.load.recording"):
             assert read_recorded(server.url, stream) == recorded
         assert "unknown record version" in caplog.text
 
@@ -400,7 +400,7 @@ async def test_replay_a_trace_against_the_services(
         assert key in report
     meta = report["meta"]
     assert meta["label"] == "tiny" and meta["rate_scale"] == 2.0 and meta["trace"] == str(trace)
-    assert meta["base_url"] == f"{base}/v1" and "bench.replay run" in meta["command"]
+    assert meta["base_url"] == f"{base}/v1" and "tools.replay run" in meta["command"]
     assert (out / "report.md").is_file() and (out / "records.jsonl").is_file()
 
 
@@ -500,7 +500,7 @@ def test_bad_input_is_one_line_and_exit_code_2(
     for argv, expected in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith("bench.replay: error: ") and expected in err, err
+        assert err.startswith("tools.replay: error: ") and expected in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
 
 
@@ -538,11 +538,11 @@ async def test_the_docs_synth_trace_replays_and_failures_exit_1_counted_by_reaso
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from bench.traces import main as traces_main
+    from tools.traces import main as traces_main
 
     # docs/load-testing.md's synth command, as written but for its size and paths
     trace = tmp_path / "trace.jsonl"
-    synth = doc_command("python -m bench.traces synth")
+    synth = doc_command("python -m tools.traces synth")
     synth = with_options(synth, {"--rate": ["4"], "--duration": ["1"], "--out": [str(trace)]})
     assert "--slo" in synth and synth[synth.index("--slo") + 1 :][:2] == ["tight=60", "loose=150"]
     assert traces_main([*synth, "--target", str(models.target)]) in (0, None)
@@ -558,7 +558,7 @@ async def test_the_docs_synth_trace_replays_and_failures_exit_1_counted_by_reaso
     )
     async with serving(server, models, "docs") as (_, base):
         # and its replay command (the server's classes know neither tight nor loose)
-        run = doc_command("python -m bench.replay run")
+        run = doc_command("python -m tools.replay run")
         run = with_options(run, {"--base-url": [base], "--out": [str(tmp_path / "ok")]})
         run = [part.replace("trace.jsonl", str(trace)) for part in run if not part.startswith("[")]
         argv = [*run, "--no-progress", "--no-plots", "--target", str(models.target)]

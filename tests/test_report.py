@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from bench.load.compare import compare
-from bench.load.plots import throughput_series
-from bench.load.records import RequestRecord, itls_ms
-from bench.load.report import load_records, stats, summarize, write_report
+from tools.load.compare import compare
+from tools.load.plots import throughput_series
+from tools.load.records import RequestRecord, itls_ms
+from tools.load.report import load_records, stats, summarize, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -305,7 +305,7 @@ def test_failures_are_counted_by_reason() -> None:
 def test_throughput_plot_marks_every_arrival() -> None:
     import matplotlib.pyplot as plt
 
-    from bench.load.plots import mark_arrivals
+    from tools.load.plots import mark_arrivals
 
     fig, ax = plt.subplots()
     mark_arrivals(ax, five_records())

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import (
     CostModel,
@@ -20,6 +18,8 @@ from shared.scheduling.cost_model import (
 )
 from shared.scheduling.request import RequestState
 from shared.values.methods import DraftMethod
+from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 RECORDING = Path(__file__).resolve().parent.parent / "profiles"
 RECORDING /= "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from bench.load.readers import read_trace
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, Simulator
-from bench.simulate import to_sim_requests
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile
+from tools.load.readers import read_trace
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.simulator import SimConfig, Simulator
+from tools.simulate import to_sim_requests
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "docs/results/load-testing/trace.jsonl"

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.load.readers import read_trace, write_trace
-from bench.load.trace import TraceError, TraceRequest
-from bench.sim.prefix import hashed_prompt, trace_hit_rate
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
-from bench.traces import scale_hash_blocks, with_system_prompt
 from shared.scheduling.config import SchedulerConfig
 from tests.test_simulator import VERIFY_MS, chain_recording, made_up_cost
+from tools.load.readers import read_trace, write_trace
+from tools.load.trace import TraceError, TraceRequest
+from tools.sim.prefix import hashed_prompt, trace_hit_rate
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
+from tools.traces import scale_hash_blocks, with_system_prompt
 
 # (arrival s, input length, hash ids): r1 and r2 arrive together and share r0's first block;
 # r3 continues r1's conversation (its full blocks; r1's last, partial one is a block of its own)

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.load.records import RequestRecord
-from bench.sim.acceptance import AcceptanceModel, RecordedStep, Session, accepted_node
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import (
     CostModel,
@@ -21,6 +18,9 @@ from shared.scheduling.cost_model import (
 )
 from shared.values.methods import DraftMethod
 from shared.values.tree import TokenTree
+from tools.load.records import RequestRecord
+from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session, accepted_node
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 VERIFY_MS = 10.0
 DRAFT_MS = 1.0
@@ -181,7 +181,7 @@ def test_a_malformed_recording_is_refused() -> None:
 
 
 def test_overheads_are_fitted_from_the_scheduler_log() -> None:
-    from bench.sim.calibrate import fit_overheads, parse_log
+    from tools.sim.calibrate import fit_overheads, parse_log
 
     # every step took the verify forward (10 ms) plus 3 ms plus 2 ms x sqrt(decoding requests)
     lines = [
@@ -198,7 +198,7 @@ def test_overheads_are_fitted_from_the_scheduler_log() -> None:
 def test_the_command_reports_the_hand_computed_latencies(tmp_path: Path) -> None:
     import json
 
-    from bench.simulate import main
+    from tools.simulate import main
 
     trace = tmp_path / "trace.jsonl"
     lines = [
@@ -232,7 +232,7 @@ def test_the_command_reports_the_hand_computed_latencies(tmp_path: Path) -> None
 def test_the_command_refuses_bad_input_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench.simulate import main
+    from tools.simulate import main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 7}\nnot json\n')

@@ -1,5 +1,5 @@
 """Load-test traces: the three readers, the JSONL writer, arrival processes, prompt building,
-synthetic traces and the `bench.traces` command line."""
+synthetic traces and the `tools.traces` command line."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.load.arrivals import arrival_times
-from bench.load.prompts import PromptBuilder, synthesize
-from bench.load.readers import read_trace, write_trace
-from bench.load.trace import TraceError, TraceRequest
-from bench.traces import main
+from tools.load.arrivals import arrival_times
+from tools.load.prompts import PromptBuilder, synthesize
+from tools.load.readers import read_trace, write_trace
+from tools.load.trace import TraceError, TraceRequest
+from tools.traces import main
 
 # ---- our JSONL ---------------------------------------------------------------------------------
 

@@ -1,12 +1,12 @@
-"""The copy-heavy workloads (`bench/workloads.py`) and the trace generator that mixes them."""
+"""The copy-heavy workloads (`tools/workloads.py`) and the trace generator that mixes them."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.load.prompts import synthesize
-from bench.load.readers import read_trace, write_trace
-from bench.workloads import COPY_KINDS, SIZES, workload_messages
+from tools.load.prompts import synthesize
+from tools.load.readers import read_trace, write_trace
+from tools.workloads import COPY_KINDS, SIZES, workload_messages
 
 
 @pytest.mark.parametrize("kind", COPY_KINDS)

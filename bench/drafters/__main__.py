@@ -105,9 +105,9 @@ def prompt_lengths(per_kind: int) -> dict[str, list[int]]:
     """Token counts of the recorded evaluation prompts, chat-templated as they were recorded."""
     from transformers import AutoTokenizer
 
-    from bench.prompts import chat_ids
     from shared.datasets import eval_prompts
     from shared.model.model_set import target_dir
+    from tools.prompts import chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir())
     return {
@@ -201,9 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.experiment == "real":
         return main_real(args, argv)
     from bench.drafters.experiments import Setup, fig11, fig13
-    from bench.sim.acceptance import AcceptanceModel
     from shared.scheduling.cost_model import CostModel, CostProfile
     from shared.settings import LbssSettings
+    from tools.sim.acceptance import AcceptanceModel
 
     acceptance = AcceptanceModel.load(args.recording)
     per_kind = min(

@@ -33,12 +33,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.load.records import RequestRecord
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel
 from shared.settings import LbssSettings
+from tools.load.records import RequestRecord
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 KINDS = ("chat", "code", "math")
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.drafters.experiments import goodput_tps, most_used
-from bench.load.records import RequestRecord
-from bench.load.trace import TraceRequest
 from bench.scheduling.real import replay_and_read, running
 from shared.model.model_set import REPO_ROOT
+from tools.load.records import RequestRecord
+from tools.load.trace import TraceRequest
 
 LOGS = REPO_ROOT / ".cache" / "bench-drafters"
 
@@ -102,7 +102,7 @@ def real(
     prune_z: float,
     say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict[str, Any]:
-    from bench.load.report import write_report
+    from tools.load.report import write_report
 
     rows: dict[str, Any] = {}
     for run in real_runs(drafts, choosers, prune_z):

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.simulate import add_laps_arguments, laps_settings
 from shared.model.model_set import REPO_ROOT
+from tools.simulate import add_laps_arguments, laps_settings
 
 OUT = REPO_ROOT / "docs" / "results" / "scheduling"
 PROFILES = REPO_ROOT / "profiles"
@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
         p.add_argument(
             "--step-overhead-ms", type=float, default=0.0,
-            help="per-step time outside the forwards, on CPU profiles (bench.sim.calibrate)",
+            help="per-step time outside the forwards, on CPU profiles (tools.sim.calibrate)",
         )  # fmt: skip
         p.add_argument("--request-overhead-ms", type=float, default=0.0)
         p.add_argument("--draws", type=int, default=5, help="random draws of the requests")
@@ -122,7 +122,7 @@ def machines(args: argparse.Namespace) -> list[Any]:
 
 
 def acceptance_model() -> Any:
-    from bench.sim.acceptance import AcceptanceModel
+    from tools.sim.acceptance import AcceptanceModel
 
     return AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
 

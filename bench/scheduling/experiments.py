@@ -2,7 +2,7 @@
 
 Every run is the real scheduler core with the named policy (`shared.scheduling`), on a virtual
 clock whose step times come from a cost profile and whose acceptance replays recorded sessions
-(`bench.sim`). Three experiments:
+(`tools.sim`). Three experiments:
 
 - `paper`: the LAPS-SD paper's Fig. 5. One request at a time (running set B = 1), 10 to 50
   requests arriving together, per workload: mean latency of each policy, averaged over several
@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.load.records import RequestRecord
 from bench.scheduling.workloads import Labelled, burst, draw, poisson, pool, sim_requests
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel
 from shared.settings import LapsSettings
+from tools.load.records import RequestRecord
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.simulator import SimConfig, Simulator
 
 
 @dataclass(frozen=True)

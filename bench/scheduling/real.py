@@ -17,7 +17,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,9 +27,6 @@ from typing import Any
 
 import aiohttp
 
-from bench.load.client import replay
-from bench.load.records import RequestRecord
-from bench.load.trace import TraceRequest
 from bench.scheduling.experiments import (
     BY_LABEL,
     mean_latency_s,
@@ -38,21 +34,19 @@ from bench.scheduling.experiments import (
     simulate,
 )
 from bench.scheduling.workloads import Labelled, burst, draw, pool, trace_requests
-from bench.sim.acceptance import AcceptanceModel
 from shared.model.model_set import REPO_ROOT
 from shared.scheduling.cost_model import CostModel, ModelProfile
 from shared.settings import LapsSettings
+from tools.load.client import replay
+from tools.load.records import RequestRecord
+from tools.load.trace import TraceRequest
+from tools.ports import free_port
+from tools.sim.acceptance import AcceptanceModel
 
 SPACING_S = 0.05
 READY_TIMEOUT_S = 600.0
 LOGS = REPO_ROOT / ".cache" / "bench-scheduling"
 REDIS_URL = os.environ.get("AUGURY_REDIS__URL", "redis://127.0.0.1:6379/0")  # the system's
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -226,9 +220,9 @@ def real(
     laps: LapsSettings,
     acceptance: AcceptanceModel,
 ) -> dict[str, Any]:
-    from bench.load.report import write_report
     from bench.scheduling.experiments import Machine
-    from bench.sim.calibrate import mean_overhead, parse_log
+    from tools.load.report import write_report
+    from tools.sim.calibrate import mean_overhead, parse_log
 
     items = draw(pool(heldout, args.workload), args.requests, seed=args.seed)
     arrivals = burst(len(items), SPACING_S)

@@ -10,8 +10,8 @@ from typing import Any
 
 from bench.scheduling import experiments as ex
 from bench.scheduling.workloads import Labelled
-from bench.sim.acceptance import AcceptanceModel
 from shared.settings import LapsSettings
+from tools.sim.acceptance import AcceptanceModel
 
 
 def _runs(args: argparse.Namespace) -> list[ex.PolicyRun]:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.load.trace import TraceRequest
-from bench.sim.simulator import SimRequest
 from shared.model.model_set import REPO_ROOT
+from tools.load.trace import TraceRequest
+from tools.sim.simulator import SimRequest
 
 HELDOUT = REPO_ROOT / "models" / "length-predictor" / "heldout-SmolLM2-135M-Instruct.jsonl"
 # The cap the labelled answers were generated under (`distill.lengths build --max-new-tokens`):

@@ -59,13 +59,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
         p.add_argument(
             "--step-overhead-ms", type=float, default=0.0,
-            help="per-step time outside the forwards, on CPU profiles (bench.sim.calibrate)",
+            help="per-step time outside the forwards, on CPU profiles (tools.sim.calibrate)",
         )  # fmt: skip
         p.add_argument("--requests", type=int, default=120, help="requests per trace")
         p.add_argument("--draws", type=int, default=3, help="random draws of the trace")
         p.add_argument(
             "--beam-recording", type=Path, default=BEAM_RECORDING,
-            help="adaserve's candidates: a recording of unpruned beams (bench.sim.acceptance "
+            help="adaserve's candidates: a recording of unpruned beams (tools.sim.acceptance "
             "--beam 8 4)",
         )  # fmt: skip
 
@@ -124,11 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench.scheduling.experiments import log_progress
     from bench.scheduling.workloads import load_heldout
-    from bench.sim.acceptance import AcceptanceModel
     from bench.slo import experiments, reports
     from bench.slo.workloads import Workload
     from shared.model.model_set import target_dir
     from shared.settings import SloSettings
+    from tools.sim.acceptance import AcceptanceModel
 
     args = parse_args(argv)
     started = time.monotonic()

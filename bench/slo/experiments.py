@@ -2,7 +2,7 @@
 
 Every run is the real scheduler core with the named selector (`shared.scheduling.slo`,
 `shared.scheduling.tree_selection`) on a virtual clock whose step times come from a cost profile
-and whose acceptance replays recorded sessions (`bench.sim`). Two experiments:
+and whose acceptance replays recorded sessions (`tools.sim`). Two experiments:
 
 - `rates`: AdaServe's Fig. 4-5. The request rate swept from light to overload: SLO attainment
   (share of requests whose TPOT met their class's objective) and goodput (output tokens per
@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.load.records import RequestRecord, meets_slo
-from bench.load.report import run_duration_s
 from bench.scheduling.experiments import Machine
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, Simulator, step_overhead_ms
 from bench.slo.workloads import CLASSES, Mix, SloRequest, Workload, sim_requests, urgent_share_mix
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import BASELINE_BATCH
 from shared.settings import SloSettings
+from tools.load.records import RequestRecord, meets_slo
+from tools.load.report import run_duration_s
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.simulator import SimConfig, Simulator, step_overhead_ms
 
 SELECTORS = (
     "adaserve",
@@ -52,7 +52,7 @@ class Setup:
     slo: SloSettings = field(default_factory=SloSettings)
     requests: int = 120
     draws: int = 3
-    # AdaServe's candidates replayed from unpruned beams (`python -m bench.sim.acceptance
+    # AdaServe's candidates replayed from unpruned beams (`python -m tools.sim.acceptance
     # --beam 8 4`): the default recording holds only the nodes a dynamic tree kept over its
     # min_path_prob, so a beam shaped from it has about 1.4 nodes. None: that recording.
     beam_acceptance: AcceptanceModel | None = None

@@ -14,14 +14,14 @@ of the cost profile the services themselves publish: read from the cell of the f
 is ready (before its replay), so the objectives are exactly the services' (every later run loads
 the same stored profile; a run whose published baseline differs is flagged).
 
-Each run's records go to `out_dir/real/<rate>/<selector>/` (`bench.load.report.write_report`);
+Each run's records go to `out_dir/real/<rate>/<selector>/` (`tools.load.report.write_report`);
 its row holds `slo_summary` (attainment, goodput, per class), mean TPOT and the failed requests
 (a failure counts as a missed objective, it does not stop the experiment; services that crash or
 never get ready leave an `error` and the traceback from their log in the row instead).
 
 Then the simulator serves the same traces with each selector (`bench.slo.experiments
 .simulate_selector`), on the profile the services published and the per-step overhead fitted
-(`bench.sim.calibrate.fit_overheads`: a + b * sqrt(decoding requests)) on the scheduler's DEBUG
+(`tools.sim.calibrate.fit_overheads`: a + b * sqrt(decoding requests)) on the scheduler's DEBUG
 logs of all runs. Per rate, the selectors are ranked by attainment (ties by goodput), really and
 simulated, and the two rankings compared by Kendall's tau and Spearman's rho.
 
@@ -52,12 +52,12 @@ from typing import Any
 
 from scipy import stats
 
-from bench.load.records import RequestRecord, tpot_ms
 from bench.scheduling.real import REDIS_URL, Served, replay_and_read, running
-from bench.sim.acceptance import AcceptanceModel
 from bench.slo.workloads import CLASSES, Mix, SloRequest, Workload, trace_requests
 from shared.model.model_set import REPO_ROOT
 from shared.scheduling.cost_model import CostModel
+from tools.load.records import RequestRecord, tpot_ms
+from tools.sim.acceptance import AcceptanceModel
 
 LOGS = REPO_ROOT / ".cache" / "bench-slo"
 TRACEBACK_LINES = 40
@@ -217,10 +217,10 @@ def real(
     idle timeout). `progress`: a line per run (default: stderr). `workload`: the requests'
     source (default: the held-out prompts chat-templated by the target's tokenizer).
     """
-    from bench.load.report import write_report
     from bench.scheduling.experiments import Machine
-    from bench.sim.calibrate import fit_overheads, mean_overhead, parse_log
     from bench.slo.experiments import Setup, simulate_selector
+    from tools.load.report import write_report
+    from tools.sim.calibrate import fit_overheads, mean_overhead, parse_log
 
     say = progress or to_stderr
     workload = workload or default_workload(seed)

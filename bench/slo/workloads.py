@@ -11,7 +11,7 @@ as the SplitWise trace AdaServe replays).
 
 A simulated request carries token counts; a replayed one sends its message with `max_tokens`
 = the answer length and `ignore_eos`, and its objective as an explicit `tpot_slo_ms` (its class
-name labels it in the report; `bench/load/client.py` sends the class only without an objective).
+name labels it in the report; `tools/load/client.py` sends the class only without an objective).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.load.arrivals import arrival_times
-from bench.load.prompts import PromptBuilder
-from bench.load.trace import TraceRequest
 from bench.scheduling.workloads import Labelled, pool
-from bench.sim.simulator import SimRequest
+from tools.load.arrivals import arrival_times
+from tools.load.prompts import PromptBuilder
+from tools.load.trace import TraceRequest
+from tools.sim.simulator import SimRequest
 
 CLASSES = ("urgent", "standard", "relaxed")  # AdaServe's categories 1, 2 and 3
 SHARES = (0.6, 0.2, 0.2)

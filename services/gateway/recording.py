@@ -1,5 +1,5 @@
 """Recording the requests a gateway accepted, for replay: one JSON record per request, appended
-to `augury:{cell}:recorded` when the request ends (`bench/load/recording.py` reads them back).
+to `augury:{cell}:recorded` when the request ends (`tools/load/recording.py` reads them back).
 
 An entry has two fields: `v`, the record format ("1"), and `record`, a JSON object:
 

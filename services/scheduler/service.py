@@ -490,7 +490,7 @@ class SchedulerService:
 
     @staticmethod
     def _log_step(batch: MicroBatch, draft_ms: float, verify_ms: float, wall_ms: float) -> None:
-        """One micro-batch's timings; bench.sim.calibrate fits the simulator's overheads on them."""
+        """One micro-batch's timings; tools.sim.calibrate fits the simulator's overheads on them."""
         log.debug(
             "micro-batch %d: %d decoding (%d tree nodes), %d prefilling (%d tokens), context %d; "
             "draft %.1f ms, verify %.1f ms, step %.1f ms",

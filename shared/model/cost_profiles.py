@@ -1,5 +1,5 @@
 """Finding the cost profile of the models this process runs: a matching one from the profile
-directory (`python -m bench.profile` writes them), else (when allowed) a quick measurement,
+directory (`python -m tools.profile` writes them), else (when allowed) a quick measurement,
 bounded to seconds, checked (`shared.model.profile_trust`) and logged; only a measurement that
 passes the checks is cached for later starts.
 
@@ -166,7 +166,7 @@ def choose_profile(
     if not verdict.trusted:
         log.warning(
             "cost profile of %s: measured %d times in %.1f s, still suspect (%s; %s): NOT kept "
-            "(python -m bench.profile on a quiet machine measures one to commit)",
+            "(python -m tools.profile on a quiet machine measures one to commit)",
             name, len(measurements), elapsed, verdict, measured_summary(combined),
         )  # fmt: skip
         return ProfileChoice(combined, SUSPECT, str(verdict))
@@ -175,7 +175,7 @@ def choose_profile(
     ).save(cache_dir / f"{key.file_stem}.json")
     log.info(
         "cost profile of %s: none in %s matches; measured a quick one in %.1f s (%d "
-        "measurement(s); %s), checked and kept in %s (python -m bench.profile measures the "
+        "measurement(s); %s), checked and kept in %s (python -m tools.profile measures the "
         "full one)",
         name, directory, elapsed, len(measurements), measured_summary(combined), saved,
     )  # fmt: skip

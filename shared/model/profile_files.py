@@ -18,7 +18,7 @@ from shared.scheduling.cost_model import CostProfile, ProfileKey, ProfileMismatc
 log = logging.getLogger(__name__)
 
 
-# Where `python -m bench.profile` saves profiles and where services look for one first.
+# Where `python -m tools.profile` saves profiles and where services look for one first.
 DEFAULT_PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
 

@@ -20,7 +20,7 @@ drift in background load hits all points alike) and each point keeps the median 
 `repeats` timings; on CUDA each forward is bracketed by `torch.cuda.synchronize`.
 
 `measure_profile` is what a service calls at start (quick mode: a few seconds on a CPU);
-`python -m bench.profile` runs the full grid and saves the profile under `profiles/`.
+`python -m tools.profile` runs the full grid and saves the profile under `profiles/`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ MAX_REQUESTS = 8
 # Quick mode (services at start): few points, few repeats.
 QUICK_CONTEXTS = (0, 512)
 QUICK_REPEATS = 3
-# Full mode (python -m bench.profile).
+# Full mode (python -m tools.profile).
 FULL_CONTEXTS = (0, 256, 1024)
 FULL_REPEATS = 7
 _PREFIX = "__profile_"
@@ -261,7 +261,7 @@ def measure_profile(
       the grid (`token_grid(max_tokens, quick)`).
     - `quick=True` (services at start; a few seconds on a 2-core CPU for SmolLM2-135M and the
       three drafts at max_tokens=64): token counts 1, 4, 16, ..., max_tokens, contexts (0, 512),
-      3 repeats. `quick=False` (`python -m bench.profile`): 1, 2, 4, 8, 12, 16, 24, ...,
+      3 repeats. `quick=False` (`python -m tools.profile`): 1, 2, 4, 8, 12, 16, 24, ...,
       contexts (0, 256, 1024), 7 repeats. `contexts` and `repeats` override either.
     - `progress`: a tqdm bar on stderr.
 

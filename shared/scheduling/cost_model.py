@@ -3,7 +3,7 @@
 A `CostProfile` holds, for the verifier (target) and for each draft model, a `ForwardCurve`: the
 latency in ms of one packed forward of n tokens (all requests of a step together) at a
 per-request context length, measured on a grid by `shared/model/profiling.py` (or
-`python -m bench.profile`) and saved as JSON under `profiles/`. `CostModel` answers the
+`python -m tools.profile`) and saved as JSON under `profiles/`. `CostModel` answers the
 scheduler's questions from it by piecewise-linear interpolation.
 
 A profile is valid only for the machine and the architecture it was measured on: `ProfileKey`

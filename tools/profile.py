@@ -1,7 +1,7 @@
 """Measure this machine's forward latencies (target and drafts) and save them as a cost profile.
 
-    python -m bench.profile --threads 2                         # CPU, fp32, the default models
-    python -m bench.profile --device cuda --dtype bfloat16 --max-tokens 512 --random-weights
+    python -m tools.profile --threads 2                         # CPU, fp32, the default models
+    python -m tools.profile --device cuda --dtype bfloat16 --max-tokens 512 --random-weights
 
 The profile (`shared/scheduling/cost_model.py`) goes to
 `profiles/<model>-<device>-<dtype>-t<threads>.json` unless `--out` says otherwise; the
@@ -167,7 +167,7 @@ def main() -> None:
         filter(
             None,
             [
-                f"measured {when} on {platform.node()} by python -m bench.profile",
+                f"measured {when} on {platform.node()} by python -m tools.profile",
                 f"torch {torch.__version__}",
                 "random weights" if args.random_weights else "",
                 f"CUDA graphs up to {target.graphs.max_tokens} tokens" if target.graphs else "",

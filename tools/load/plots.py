@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bench.load.records import NO_GROUP, RequestRecord, e2e_s, meets_slo, tpot_ms, ttft_s
+from tools.load.records import NO_GROUP, RequestRecord, e2e_s, meets_slo, tpot_ms, ttft_s
 
 matplotlib.use("Agg")  # before pyplot is imported: no display
 

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.client import COMPLETED, FAILED, HUNG, Received
-from bench.chaos.compare import Comparison, Reference, compare
-from bench.chaos.faults import Kill
+from tools.chaos.client import COMPLETED, FAILED, HUNG, Received
+from tools.chaos.compare import Comparison, Reference, compare
+from tools.chaos.faults import Kill
 
 IDENTICAL = "completed identical"
 DIFFERENT = "completed different"

@@ -1,10 +1,10 @@
 """Command line for load-test traces: synthesize one, convert one to our JSONL, summarize one.
 
-    python -m bench.traces synth --rate 4 --duration 300 --slo tight=60 loose=200 --out t.jsonl
-    python -m bench.traces convert AzureLLMInferenceTrace_conv.csv --out azure.jsonl --target
-    python -m bench.traces show t.jsonl
+    python -m tools.traces synth --rate 4 --duration 300 --slo tight=60 loose=200 --out t.jsonl
+    python -m tools.traces convert AzureLLMInferenceTrace_conv.csv --out azure.jsonl --target
+    python -m tools.traces show t.jsonl
 
-Traces are read by `bench.load.readers.read_trace` (our .jsonl, Azure .csv, ShareGPT .json) and
+Traces are read by `tools.load.readers.read_trace` (our .jsonl, Azure .csv, ShareGPT .json) and
 written as our JSONL. Errors print one line and exit with status 2.
 """
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from bench.load.arrivals import PROCESSES
-from bench.load.prompts import TRACE_KINDS, PromptBuilder, synthesize
-from bench.load.readers import CountTokens, read_trace, write_trace
-from bench.load.trace import TraceError, TraceRequest
-from bench.sim.prefix import MOONCAKE_BLOCK
 from shared.datasets import KINDS
+from tools.load.arrivals import PROCESSES
+from tools.load.prompts import TRACE_KINDS, PromptBuilder, synthesize
+from tools.load.readers import CountTokens, read_trace, write_trace
+from tools.load.trace import TraceError, TraceRequest
+from tools.sim.prefix import MOONCAKE_BLOCK
 
 _DEFAULT_TARGET = "default"  # --target without a directory: the SmolLM2 target
 
@@ -197,7 +197,7 @@ def _counter(tokenizer: Any) -> CountTokens:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.traces",
+        prog="python -m tools.traces",
         description="Make, convert and inspect load-test traces (our JSONL, Azure CSV, ShareGPT).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -238,7 +238,7 @@ def _add_synth(commands: Any) -> None:
         metavar="K,K",
         help=f"prompt kinds, taking turns, of {','.join(TRACE_KINDS)} (default: "
         f"{','.join(KINDS)}); code-edit, revision, passage-qa and agent are the copy-heavy "
-        "workloads of bench/workloads.py",
+        "workloads of tools/workloads.py",
     )
     p.add_argument(
         "--app-per-kind",

@@ -9,7 +9,7 @@ how many tokens have been generated so far and the record's `chunks` count token
 A trace's `tpot_slo_ms` goes as `augury.tpot_slo_ms`; its `slo_class` goes as
 `augury.slo_class` only when the trace gives no `tpot_slo_ms` (the server must then know the
 class). With both, the class only labels the request in the report, so a synthesized trace's
-made-up classes (`bench.traces synth --slo tight=60`) need no matching server classes. Its `app`
+made-up classes (`tools.traces synth --slo tight=60`) need no matching server classes. Its `app`
 goes as `augury.app`.
 A request that fails (an HTTP error, an `error` event mid-stream, a dropped connection, no
 answer within `request_timeout_s`) becomes a failed record; `replay` itself does not raise for
@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from bench.load.records import RequestRecord
-from bench.load.trace import TraceRequest
-from bench.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
+from tools.load.records import RequestRecord
+from tools.load.trace import TraceRequest
+from tools.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.load.arrivals import arrival_times
-from bench.prompts import chat_ids
 from shared.datasets import KINDS, eval_prompts
+from tools.load.arrivals import arrival_times
+from tools.prompts import chat_ids
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The faults: each listed service SIGKILLed in turn while the replay runs, and started again.
 A kill target is a service or one draft model's drafter (`drafter:<model>`, its first replica;
-`bench/chaos/cluster.py`); the killed instance is started again as a new replica.
+`tools/chaos/cluster.py`); the killed instance is started again as a new replica.
 
 The first kill comes `first_kill_s` after the start, each next one `spacing_s` after the
 previous service is back (its new replica's heartbeat is in Redis); when it is due, a kill
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.chaos.cluster import Cluster, wait_alive
+from tools.chaos.cluster import Cluster, wait_alive
 
 
 @dataclass

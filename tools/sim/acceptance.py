@@ -13,7 +13,7 @@ recorded tree cut at its depth (the drafter grows trees level by level, so that 
 would have drafted). Accepted length per step is thus a function of the selected tree's shape,
 drawn from real steps of that kind and draft, with the step-to-step correlation of one text.
 
-    python -m bench.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct-3drafts.json.gz \
+    python -m tools.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct-3drafts.json.gz \
         --drafts draft-s draft-m draft-l --per-kind 8 --max-tokens 128
 
 Sessions of one prompt under different drafts follow the same text (greedy decoding with the
@@ -395,7 +395,6 @@ def record(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from bench.prompts import chat_ids
     from shared.datasets import eval_prompts
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
@@ -406,6 +405,7 @@ def record(
     from shared.model.runner import ModelRunner
     from shared.scheduling.config import SchedulerConfig
     from shared.values.sampling import SamplingParams
+    from tools.prompts import chat_ids
 
     method = method or DEFAULT_METHOD
     tdir = target_dir()
@@ -466,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.model.model_set import ALL_DRAFT_NAMES
 
     parser = argparse.ArgumentParser(
-        prog="python -m bench.sim.acceptance",
+        prog="python -m tools.sim.acceptance",
         description="Record the acceptance model the simulator replays, from the real engine.",
     )
     parser.add_argument("--out", type=Path, required=True, help="file to write (.json or .json.gz)")

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bench.sse import RequestFailed, event_data, raise_error_event, raise_for_status, stream_events
+from tools.sse import RequestFailed, event_data, raise_error_event, raise_for_status, stream_events
 
 pytestmark = pytest.mark.anyio
 

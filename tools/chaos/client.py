@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.chaos.workload import ChaosRequest
-from bench.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
+from tools.chaos.workload import ChaosRequest
+from tools.sse import RequestFailed, raise_error_event, raise_for_status, stream_events
 
 PATH = "/v1/completions"
 RETRY_S = 0.25

@@ -1,10 +1,10 @@
-"""Side-by-side comparison of load-test runs (directories `bench.load.report.write_report` wrote).
+"""Side-by-side comparison of load-test runs (directories `tools.load.report.write_report` wrote).
 
 `compare` returns a Markdown table of the key metrics, one column per run (labelled by the run's
 `meta["label"]`, or else its directory name), and can write it with a PNG of bar charts and
 overlaid TPOT CDFs.
 
-    python -m bench.load.compare RUN_DIR RUN_DIR... [--out DIR]
+    python -m tools.load.compare RUN_DIR RUN_DIR... [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.load.records import tpot_ms
-from bench.load.report import (
+from tools.load.records import tpot_ms
+from tools.load.report import (
     RECORDS_JSONL,
     fmt,
     load_records,
@@ -127,7 +127,7 @@ def plot_compare(
     tpots: dict[str, list[float] | None],
 ) -> Path:
     """Bar charts of the key metrics per run, and the runs' TPOT CDFs overlaid."""
-    from bench.load import plots  # matplotlib only when plotting (plots selects Agg first)
+    from tools.load import plots  # matplotlib only when plotting (plots selects Agg first)
 
     plt, cdf, no_data = plots.plt, plots.cdf, plots.no_data
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))

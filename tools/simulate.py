@@ -1,14 +1,14 @@
 """Simulate serving a trace: the scheduler core and its policies on a virtual clock.
 
-    python -m bench.simulate --trace trace.jsonl --out runs/sim [--profile PATH]
+    python -m tools.simulate --trace trace.jsonl --out runs/sim [--profile PATH]
         [--policy fcfs] [--selector goodput] [--draft-chooser fixed] [--micro-batches 1]
         [--batch-size 64] [--drafts draft-s] [--rate-scale 1.0]
 
-Step latencies come from a cost profile (`python -m bench.profile`): `--profile PATH`, else the
+Step latencies come from a cost profile (`python -m tools.profile`): `--profile PATH`, else the
 stored profile matching this machine's models, else one is measured. Acceptance comes from a
-recording of the real engine (`python -m bench.sim.acceptance`). Policies are named as in the
+recording of the real engine (`python -m tools.sim.acceptance`). Policies are named as in the
 services' settings. The report (`report.json`, `report.md`, plots) has the same form as a real
-replay's (`python -m bench.replay run`), so the two compare with `python -m bench.replay compare`.
+replay's (`python -m tools.replay run`), so the two compare with `python -m tools.replay compare`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.load.trace import TraceError, TraceRequest
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile, ProfileMismatchError
 from shared.scheduling.draft_choice import CHOOSERS
@@ -31,6 +28,9 @@ from shared.scheduling.laps import PREDICTORS
 from shared.scheduling.ordering import POLICIES
 from shared.scheduling.tree_selection import SELECTORS
 from shared.settings import LapsSettings
+from tools.load.trace import TraceError, TraceRequest
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 LAPS = LapsSettings()  # the defaults of the services' settings
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -67,7 +67,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from shared.engine.presets import DEFAULT_DRAFT
 
     parser = argparse.ArgumentParser(
-        prog="python -m bench.simulate",
+        prog="python -m tools.simulate",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -122,7 +122,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="more time per micro-batch outside the forwards: this times the square root of "
-        "its decoding requests (python -m bench.sim.calibrate measures both)",
+        "its decoding requests (python -m tools.sim.calibrate measures both)",
     )
     parser.add_argument(
         "--prefix-caching",
@@ -182,7 +182,7 @@ def load_acceptance(args: argparse.Namespace, target: Path) -> AcceptanceModel:
     if not path.is_file():
         raise UsageError(
             f"no acceptance recording at {path}: record one with "
-            f"python -m bench.sim.acceptance --out {path}"
+            f"python -m tools.sim.acceptance --out {path}"
         )
     try:
         return AcceptanceModel.load(path)
@@ -192,8 +192,8 @@ def load_acceptance(args: argparse.Namespace, target: Path) -> AcceptanceModel:
 
 def load_trace(args: argparse.Namespace) -> list[TraceRequest]:
     """The trace's requests the replay would send with the same flags, in send order."""
-    from bench.load.client import schedule
-    from bench.load.readers import read_trace
+    from tools.load.client import schedule
+    from tools.load.readers import read_trace
 
     if not args.trace.is_file():
         raise UsageError(f"no trace at {args.trace}")
@@ -256,7 +256,7 @@ def target_limits(target: Path) -> tuple[int, int]:
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.load.report import write_report
+    from tools.load.report import write_report
 
     target = target_dir(args)
     trace = load_trace(args)
@@ -295,7 +295,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     records = simulator.run(requests)
     wall = time.perf_counter() - started
     meta = {
-        "command": "python -m bench.simulate " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.simulate " + " ".join(sys.argv[1:]),
         "label": args.label or args.out.name,
         "trace": str(args.trace),
         "rate_scale": args.rate_scale,

@@ -12,14 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.client import COMPLETED, FAILED, HUNG, Received, Replay
-from bench.chaos.cluster import SERVICES, Cluster, Draft, Models, kill_targets, wait_ready
-from bench.chaos.compare import Reference
-from bench.chaos.faults import FaultPlan, Kill, inject
-from bench.chaos.reference import plain_greedy_ids
-from bench.chaos.report import Outcome, Report, evaluate
-from bench.chaos.workload import ChaosRequest, load_tokenizer, make_workload
-from bench.scheduling.real import free_port
+from tools.chaos.client import COMPLETED, FAILED, HUNG, Received, Replay
+from tools.chaos.cluster import SERVICES, Cluster, Draft, Models, kill_targets, wait_ready
+from tools.chaos.compare import Reference
+from tools.chaos.faults import FaultPlan, Kill, inject
+from tools.chaos.reference import plain_greedy_ids
+from tools.chaos.report import Outcome, Report, evaluate
+from tools.chaos.workload import ChaosRequest, load_tokenizer, make_workload
+from tools.ports import free_port
 
 Say = Callable[[str], None]
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.workload import ChaosRequest
+from tools.chaos.workload import ChaosRequest
 
 KV_MEMORY_BYTES = 1 << 30
 BLOCK_SIZE = 16

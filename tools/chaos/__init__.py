@@ -1,4 +1,4 @@
-"""Fault injection (`python -m bench.chaos`): SIGKILL each service in turn during a replay.
+"""Fault injection (`python -m tools.chaos`): SIGKILL each service in turn during a replay.
 
 The services run as separate processes on one Redis (an embedded one, or `--redis-url`), in a
 fresh cell: gateway, scheduler, verifier and one drafter of one draft model (`cluster.py`).

@@ -21,9 +21,9 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from bench.load.arrivals import arrival_times
-from bench.load.trace import TraceError, TraceRequest
 from shared.datasets import iter_json_array
+from tools.load.arrivals import arrival_times
+from tools.load.trace import TraceError, TraceRequest
 
 CountTokens = Callable[[str], int]
 

@@ -14,7 +14,7 @@ step grows with the requests but less than linearly (a fit linear in the request
 1 to 16 requests predicted 1.7x the excess measured at 16 to 64). Calibrate on a run that spans
 the batch sizes you will simulate (an overloaded one does).
 
-    python -m bench.sim.calibrate services.log --profile PATH
+    python -m tools.sim.calibrate services.log --profile PATH
     -> --step-overhead-ms a --request-overhead-ms b  (the simulator's flags)
 """
 
@@ -95,7 +95,7 @@ def mean_overhead(steps: Sequence[StepTiming], cost: CostModel) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim.calibrate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.sim.calibrate", description=__doc__)
     parser.add_argument("log", type=Path, help="a scheduler service's log at DEBUG level")
     parser.add_argument(
         "--profile", type=Path, required=True, help="the cost profile the simulator will use"

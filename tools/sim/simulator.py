@@ -6,7 +6,7 @@ scheduler service), driving it exactly as they do: `next_batch`, drafting, `sele
 verification, `observe`. What it replaces is the work:
 
 - drafting a request returns the tree a real drafter proposed at that step of a recorded session
-  of the request's kind (`bench.sim.acceptance`), cut at the depth the core planned; a request
+  of the request's kind (`tools.sim.acceptance`), cut at the depth the core planned; a request
   follows one recorded prompt under every draft, so a changed draft continues the same text;
 - verification accepts what the target accepted of that tree, restricted to the selected subtree;
 - a request ends at its recorded length: by an end-of-sequence token where that is short of the
@@ -15,7 +15,7 @@ verification, `observe`. What it replaces is the work:
 - time comes from the cost profile: drafting a micro-batch costs `CostModel.draft_tree_ms` per
   draft model, verifying it `CostModel.verify_ms` over every prompt-chunk and tree node, plus a
   per-step overhead (scheduling, messaging, contention, which no forward measures): a fixed
-  part plus a part growing with the square root of the decoding requests (`bench.sim.calibrate`
+  part plus a part growing with the square root of the decoding requests (`tools.sim.calibrate`
   measures both from a running scheduler).
 
 Up to M micro-batches are in flight (the core's `micro_batches`). Devices are FIFO servers: the
@@ -31,9 +31,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.load.records import RequestRecord
-from bench.sim.acceptance import AcceptanceModel, Session
-from bench.sim.prefix import hashed_prompt
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
     MicroBatch,
@@ -57,6 +54,9 @@ from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
 from shared.values.tree import TokenTree
+from tools.load.records import RequestRecord
+from tools.sim.acceptance import AcceptanceModel, Session
+from tools.sim.prefix import hashed_prompt
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
@@ -80,10 +80,10 @@ class SimConfig:
     shared_device: bool = True
     # time of a micro-batch outside the forwards (scheduling, messages, contention on a shared
     # host): step_overhead_ms + request_overhead_ms * sqrt(decoding requests), as measured from
-    # the scheduler service's DEBUG log by `bench.sim.calibrate`
+    # the scheduler service's DEBUG log by `tools.sim.calibrate`
     step_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
-    # prefix caching (`bench/sim/prefix.py`): the verifier's cache of `block_size`-token blocks
+    # prefix caching (`tools/sim/prefix.py`): the verifier's cache of `block_size`-token blocks
     # (at most `prefix_cache_blocks`, least recently used out) and the core's index of it
     prefix_caching: bool = False
     block_size: int = 16

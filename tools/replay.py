@@ -1,12 +1,12 @@
 """Replay a trace against a running server, export recorded traffic, compare runs.
 
-    python -m bench.replay run --trace TRACE --base-url http://127.0.0.1:8000 --out runs/a \\
+    python -m tools.replay run --trace TRACE --base-url http://127.0.0.1:8000 --out runs/a \\
         [--rate-scale 2] [--duration 60] [--max-requests 500] [--label a] [--target DIR]
-    python -m bench.replay export --redis redis://host:6379/0 --out recorded.jsonl [--count N]
-    python -m bench.replay compare runs/a runs/b [--out runs/a-vs-b]
+    python -m tools.replay export --redis redis://host:6379/0 --out recorded.jsonl [--count N]
+    python -m tools.replay compare runs/a runs/b [--out runs/a-vs-b]
 
 TRACE is a trace file (`.jsonl`, Azure `.csv`, ShareGPT `.json` with `--rate`; see
-`bench/load/readers.py`) or the traffic the gateways recorded (`AUGURY_GATEWAY__RECORD_REQUESTS`),
+`tools/load/readers.py`) or the traffic the gateways recorded (`AUGURY_GATEWAY__RECORD_REQUESTS`),
 named by a Redis URL with the stream as a query parameter:
 
     redis://host:6379/0?stream=augury:{0}:recorded
@@ -15,7 +15,7 @@ named by a Redis URL with the stream as a query parameter:
 Without `stream`, the stream is `augury:<cell>:recorded` of `AUGURY_SERVICE__CELL` (default 0).
 Requests that give only lengths get prompts of those lengths, built from the datasets with the
 tokenizer of `--target` (default: SmolLM2-135M-Instruct). `run` waits until the server's
-`/health` answers 200, replays open-loop (`bench/load/client.py`), writes the report
+`/health` answers 200, replays open-loop (`tools/load/client.py`), writes the report
 (`report.json`, `report.md`, `records.jsonl`, plots) into `--out` and prints its tables.
 
 Bad input (no such trace, a malformed trace, an unreachable server or Redis) ends with one line
@@ -39,10 +39,10 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
-from bench.load.client import ReplayError, api_root, replay
-from bench.load.recording import is_redis_url, read_recorded, split_trace_url
-from bench.load.trace import TraceError, TraceRequest
 from shared.settings import redacted_url
+from tools.load.client import ReplayError, api_root, replay
+from tools.load.recording import is_redis_url, read_recorded, split_trace_url
+from tools.load.trace import TraceError, TraceRequest
 
 REQUESTS_FAILED = 1
 BAD_INPUT = 2
@@ -78,7 +78,7 @@ def load_trace(trace: str, *, rate: float | None, seed: int) -> list[TraceReques
     """A trace file's requests, or a recording's when `trace` is a Redis URL."""
     if is_redis_url(trace):
         return read_recording(trace, None)
-    from bench.load.readers import read_trace
+    from tools.load.readers import read_trace
 
     path = Path(trace)
     if not path.is_file():
@@ -94,7 +94,7 @@ def fill_prompts(
         return requests
     from transformers import AutoTokenizer
 
-    from bench.load.prompts import PromptBuilder
+    from tools.load.prompts import PromptBuilder
 
     if target is None:
         from shared.model.smollm2 import ensure_smollm2
@@ -133,7 +133,7 @@ async def wait_until_healthy(base_url: str, timeout_s: float) -> None:
 
 # ---- commands --------------------------------------------------------------------------------
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from bench.load.report import REPORT_MD, write_report
+    from tools.load.report import REPORT_MD, write_report
 
     requests = load_trace(args.trace, rate=args.rate, seed=args.seed)
     if not requests:
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     records = asyncio.run(serve())
     meta = {
-        "command": shlex.join(["python", "-m", "bench.replay", *argv]),
+        "command": shlex.join(["python", "-m", "tools.replay", *argv]),
         "trace": args.trace,
         "rate_scale": args.rate_scale,
         "label": args.label,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"{n} x {reason}" for reason, n in list(summary["failures_by_reason"].items())[:3]
         )
         print(
-            f"bench.replay: {summary['failed']} of {summary['requests']} requests failed: "
+            f"tools.replay: {summary['failed']} of {summary['requests']} requests failed: "
             f"{reasons} (all in {args.out / REPORT_MD})",
             file=sys.stderr,
         )
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from bench.load.readers import write_trace
+    from tools.load.readers import write_trace
 
     requests = read_recording(args.redis, args.stream, args.count)
     write_trace(args.out, requests)
@@ -189,7 +189,7 @@ def export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def compare_runs(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from bench.load.compare import compare
+    from tools.load.compare import compare
 
     try:
         print(compare(args.dirs, args.out), end="")
@@ -201,7 +201,7 @@ def compare_runs(args: argparse.Namespace, argv: Sequence[str]) -> int:
 # ---- the command line ------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
-        prog="python -m bench.replay",
+        prog="python -m tools.replay",
         description="Replay traces against a server, export recorded traffic, compare runs.",
     )
     commands = top.add_subparsers(dest="command", required=True)
@@ -276,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("compare", help="compare the reports of several runs")
     c.set_defaults(handler=compare_runs)
-    c.add_argument("dirs", type=Path, nargs="+", help="run directories (bench.replay run --out)")
+    c.add_argument("dirs", type=Path, nargs="+", help="run directories (tools.replay run --out)")
     c.add_argument(
         "--out", type=Path, metavar="DIR", help="also write compare.md and compare.png here"
     )
@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args, argv))
     except (CLIError, TraceError, ReplayError) as error:
         message = " ".join(str(error).split())  # one line, whatever the message held
-        print(f"bench.replay: error: {message}", file=sys.stderr)
+        print(f"tools.replay: error: {message}", file=sys.stderr)
     return BAD_INPUT
 
 

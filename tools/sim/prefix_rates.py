@@ -1,6 +1,6 @@
 """Hit rates of a Mooncake-style trace: its own count from `hash_ids` against the simulator's.
 
-python -m bench.sim.prefix_rates conversation_trace.jsonl --limit 300
+python -m tools.sim.prefix_rates conversation_trace.jsonl --limit 300
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.load.readers import read_trace
-from bench.sim.acceptance import AcceptanceModel
-from bench.sim.prefix import trace_hit_rate
-from bench.sim.simulator import SimConfig, SimRequest, Simulator
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile
+from tools.load.readers import read_trace
+from tools.sim.acceptance import AcceptanceModel
+from tools.sim.prefix import trace_hit_rate
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 DEFAULT_PROFILE = "SmolLM2-135M-Instruct-cpu-intel-r-xeon-r-processor-float32-t2.json"
@@ -24,7 +24,7 @@ DEFAULT_ACCEPTANCE = "acceptance-SmolLM2-135M-Instruct.json.gz"
 def main(argv: Sequence[str] | None = None) -> int:
     """Hit rates of a Mooncake trace: its own count and the simulator's (count-only)."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.sim.prefix_rates", description=main.__doc__
+        prog="python -m tools.sim.prefix_rates", description=main.__doc__
     )
     parser.add_argument("trace", type=Path, help="a Mooncake-style .jsonl with hash_ids")
     parser.add_argument("--limit", type=int, help="only the first N requests")

@@ -1,5 +1,5 @@
 """What one request did under load: the replay client and the simulator both produce these, and
-the report (`bench.load.report`) reads nothing else. The per-request measures (TTFT, TPOT,
+the report (`tools.load.report`) reads nothing else. The per-request measures (TTFT, TPOT,
 end-to-end latency, inter-token latencies, whether the TPOT objective was met) are here too.
 
 Times are seconds from the start of the run (the replay's wall clock, or the simulator's virtual

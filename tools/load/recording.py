@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 
-from bench.load.trace import TraceError, TraceRequest
+from tools.load.trace import TraceError, TraceRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""`python -m bench.chaos`: replay requests through the services while killing each in turn.
+"""`python -m tools.chaos`: replay requests through the services while killing each in turn.
 
-    python -m bench.chaos                                   # 100 requests, every service killed
-    python -m bench.chaos --kill gateway verifier drafter   # leave the scheduler alone
-    python -m bench.chaos --requests 24 --max-tokens 12 --redis-url redis://127.0.0.1:6379/0
-    python -m bench.chaos --drafts draft-s:2 draft-l --kill drafter:draft-s \
+    python -m tools.chaos                                   # 100 requests, every service killed
+    python -m tools.chaos --kill gateway verifier drafter   # leave the scheduler alone
+    python -m tools.chaos --requests 24 --max-tokens 12 --redis-url redis://127.0.0.1:6379/0
+    python -m tools.chaos --drafts draft-s:2 draft-l --kill drafter:draft-s \
         --env AUGURY_SCHEDULER__DRAFT_CHOOSER=lbss     # a replica of draft-s dies under LBSS
 
-Exits 0 when the run passed, 1 when it found a problem (see bench/chaos/report.py), 2 on bad
+Exits 0 when the run passed, 1 when it found a problem (see tools/chaos/report.py), 2 on bad
 arguments. The table goes to stdout and, with chaos.json, to `--out`.
 """
 
@@ -17,9 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.cluster import SERVICES, Draft
-from bench.chaos.run import ChaosConfig, recovery_settings, run_chaos
 from shared.model.model_set import DRAFT_NAMES, REPO_ROOT
+from tools.chaos.cluster import SERVICES, Draft
+from tools.chaos.run import ChaosConfig, recovery_settings, run_chaos
 
 OUT = REPO_ROOT / ".cache" / "bench-chaos" / "latest"
 LOGS = REPO_ROOT / ".cache" / "bench-chaos"
@@ -27,7 +27,7 @@ LOGS = REPO_ROOT / ".cache" / "bench-chaos"
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.chaos",
+        prog="python -m tools.chaos",
         description="Fault injection: SIGKILL each service in turn during an open-loop replay "
         "and check every answer against plain greedy decoding of the target.",
     )

@@ -12,7 +12,7 @@ Four sets, each item a chat conversation (role, content) ending in a user turn:
 They were written for Augury (not taken from any data set) and are used by no draft's training
 (`distill/` reads `shared.datasets` only), so a draft's acceptance on them is not inflated by
 having seen them. `workload_messages(kind, n)` gives the first n conversations of a kind;
-`bench.traces synth --kinds ...` mixes them with the chat, code, math and everyday sets, and
+`tools.traces synth --kinds ...` mixes them with the chat, code, math and everyday sets, and
 `--app-per-kind` names each kind as the request's application (`augury.app`), so a `suffix`
 draft shares its cache among the requests of one kind.
 """

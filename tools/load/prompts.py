@@ -18,10 +18,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bench.load.arrivals import Process, arrival_times
-from bench.load.readers import CountTokens, chars_to_tokens
-from bench.load.trace import TraceRequest
-from bench.workloads import COPY_KINDS, Conversation, workload_messages
 from shared.datasets import (
     CHAT_EVAL_END,
     CODE_EVAL_END,
@@ -34,10 +30,14 @@ from shared.datasets import (
     package_file,
     sharegpt_conversations,
 )
+from tools.load.arrivals import Process, arrival_times
+from tools.load.readers import CountTokens, chars_to_tokens
+from tools.load.trace import TraceRequest
+from tools.workloads import COPY_KINDS, Conversation, workload_messages
 
 DEFAULT_OUTPUT_LENGTH = 128  # output tokens when the dataset has no reference answer
 # what a synthesized trace may mix: the datasets' kinds, the everyday questions and the
-# copy-heavy workloads written for the project (`bench/workloads.py`), which have no text to cut
+# copy-heavy workloads written for the project (`tools/workloads.py`), which have no text to cut
 # to a length (no `input_length` for them)
 TRACE_KINDS = (*KINDS, "everyday", *COPY_KINDS)
 SloAssignment = Literal["round_robin", "random"]
@@ -101,7 +101,7 @@ class PromptBuilder:
     def hashed_text(self, hash_ids: Sequence[int], input_length: int) -> str:
         """A user message of about `input_length` templated tokens made of one chat text of
         `hash_block` tokens per id, drawn from the id: requests whose ids agree on a prefix
-        agree on that prefix of text (Mooncake's `hash_ids`, `bench/sim/prefix.py`)."""
+        agree on that prefix of text (Mooncake's `hash_ids`, `tools/sim/prefix.py`)."""
         texts = self._kind_ids("chat")
         ids: list[int] = []
         for hash_id in hash_ids:

@@ -2,8 +2,8 @@
 
 `summarize` computes the numbers (as vLLM's serving benchmark defines them, plus SLO attainment
 and goodput); `write_report` writes `report.json`, `records.jsonl`, `report.md` and the PNG plots
-(`bench.load.plots`) into a directory; `load_records` reads `records.jsonl` back so a report can
-be recomputed or compared (`bench.load.compare`).
+(`tools.load.plots`) into a directory; `load_records` reads `records.jsonl` back so a report can
+be recomputed or compared (`tools.load.compare`).
 
 Latencies (TTFT, TPOT, ITL, E2E) are taken over completed requests only, as vLLM does; failed
 requests count in `requests`/`failed` and as SLO misses, and `failures_by_reason` counts them by
@@ -11,7 +11,7 @@ their error (the HTTP status and the server's message, or what else ended them).
 statistic is a dict of `count`, `mean`, `p50`, `p90`, `p99`, with None (never NaN) when there is
 nothing to measure.
 
-    python -m bench.load.report RUN_DIR   # recompute RUN_DIR's report from its records.jsonl
+    python -m tools.load.report RUN_DIR   # recompute RUN_DIR's report from its records.jsonl
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.load.records import (
+from tools.load.records import (
     NO_GROUP,
     RequestRecord,
     e2e_s,
@@ -199,7 +199,7 @@ def write_report(
 ) -> dict[str, Any]:
     """Write report.json, records.jsonl, report.md (and the PNG plots) into `out_dir`.
 
-    `meta` (command, trace, settings, `label` for `bench.load.compare`) goes under "meta" in
+    `meta` (command, trace, settings, `label` for `tools.load.compare`) goes under "meta" in
     report.json. Returns the summary, without "meta".
     """
     out_dir = Path(out_dir)
@@ -212,7 +212,7 @@ def write_report(
             f.write(json.dumps(r.to_json()) + "\n")
     plot_files: list[str] = []
     if plots:
-        from bench.load.plots import plot_all  # matplotlib only when plots are asked for
+        from tools.load.plots import plot_all  # matplotlib only when plots are asked for
 
         plot_files = [p.name for p in plot_all(out_dir, records)]
     (out_dir / REPORT_MD).write_text(markdown(summary, meta=meta, plot_files=plot_files))
