@@ -58,9 +58,10 @@ class DeviceActivity:
         finally:
             self.end()
 
-    async def wait_quiet(self, idle_s: float) -> float:
-        """Wait until no forward has run for `idle_s`; how long it has been quiet."""
-        while (quiet := self.quiet_for()) < idle_s:
+    async def wait_quiet(self, idle_s: float, since: float = 0.0) -> float:
+        """Wait until no forward has run for `idle_s`, nor anything since `since` (a
+        `time.monotonic()`); how long it has been quiet."""
+        while (quiet := min(self.quiet_for(), time.monotonic() - since)) < idle_s:
             await asyncio.sleep(max(idle_s - quiet, POLL_S))
         return quiet
 
@@ -97,9 +98,10 @@ class ProfileRefresh:
     async def run(self) -> ProfileChoice | None:
         """Measure until a trusted profile is in force (returned) or the tries run out (None)."""
         backoff_s = self.policy.backoff_s
+        started = time.monotonic()  # the measurement at start ran on the device until now
         for attempt in range(1, self.policy.tries + 1):
             reference = await self.reference()
-            quiet_s = await self.activity.wait_quiet(self.policy.idle_s)
+            quiet_s = await self.activity.wait_quiet(self.policy.idle_s, since=started)
             log.info(
                 "cost profile of %s: measuring again in the background (try %d of %d; no "
                 "forward for %.1f s)",
