@@ -19,11 +19,14 @@ import signal
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from services.drafter.model_free import ModelFreeDrafterService
 from services.drafter.service import DrafterService
+from services.model_service import ModelService
+from services.profile_refresh import ProfileRefresh, RefreshPolicy
 from services.runtime import ModelPaths, load_runner, max_context, read_model_config
 from services.scheduler.service import SchedulerService
 from services.verifier.service import VerifierService
@@ -39,6 +42,7 @@ from shared.bus.profiles import (
 from shared.grammar.matcher import CheckpointGrammar
 from shared.model.cost_profiles import (
     CACHE_DIR,
+    NONE,
     QUICK_MAX_TOKENS,
     SUSPECT,
     ProfileChoice,
@@ -178,6 +182,73 @@ async def publish_own_profile(
     return choice
 
 
+def start_profile_refresh(
+    stack: Stack,
+    service: ModelService[Any, Any],
+    choice: ProfileChoice,
+    role: str,
+    *,
+    target_dir: Path | None = None,
+) -> bool:
+    """Measure again in the background (`services/profile_refresh.py`) when the profile at start
+    is suspect, or none was measured (too little free KV then): whether a refresh started. A
+    trusted result is cached (by `choose_profile`), published and its status set to it."""
+    engine = stack.settings.engine
+    wanted = choice.source == SUSPECT or (choice.source == NONE and engine.measure_profile)
+    if not wanted or engine.profile_refresh_tries == 0:
+        return False
+    bus, cell, runner, name = (
+        service.bus,
+        stack.settings.service.cell,
+        service.runner,
+        service.model,
+    )
+
+    def measure(reference: ModelProfile | None) -> ProfileChoice:
+        return choose_profile(
+            runner,
+            name,
+            directory=engine.profile_dir,
+            plan_kernels=False,  # planned at start, before the first measurement
+            cache_dir=engine.profile_cache_dir or CACHE_DIR,
+            max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
+            reference=reference,
+            retries=0,  # one measurement per try: a job waits for at most one
+        )
+
+    async def reference() -> ModelProfile | None:
+        if role == TARGET:
+            return None
+        return await target_reference(stack, bus, runner, name, target_dir)
+
+    async def put_in_force(found: ProfileChoice) -> None:
+        assert found.profile is not None
+        await publish_profile(bus, cell, role, found.profile)
+        if role == TARGET:
+            stack.target_profile = found.profile
+        await publish_profile_status(
+            bus, cell, role, source=found.source, detail=found.detail, published=True
+        )
+
+    policy = RefreshPolicy(
+        idle_s=engine.profile_refresh_idle_s,
+        tries=engine.profile_refresh_tries,
+        backoff_s=engine.profile_refresh_backoff_s,
+    )
+    service.refresh_profile(
+        ProfileRefresh(
+            name=name,
+            activity=service.activity,
+            thread=service.model_thread,
+            measure=measure,
+            reference=reference,
+            put_in_force=put_in_force,
+            policy=policy,
+        )
+    )
+    return True
+
+
 async def target_reference(
     stack: Stack, bus: Bus, runner: ModelRunner, name: str, target_dir: Path | None
 ) -> ModelProfile | None:
@@ -238,8 +309,9 @@ async def start_verifier(
         runner = await asyncio.to_thread(load_runner, models.target, settings.engine)
     service = VerifierService(bus, runner, cell=settings.service.cell, model=models.target.name)
     service.verifier.grammar = CheckpointGrammar(models.target, runner.cfg.eos_token_ids)
-    await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
+    choice = await publish_own_profile(stack, service.bus, runner, models.target.name, TARGET)
     await service.start()
+    start_profile_refresh(stack, service, choice, TARGET)
     stack.verifier = service
     return service
 
@@ -284,10 +356,12 @@ async def start_drafter(
     )
     # structured output: the draft reads the target's tokenizer (drafts share its vocabulary)
     service.drafter.grammar = CheckpointGrammar(models.target, runner.cfg.eos_token_ids)
-    await publish_own_profile(
-        stack, service.bus, runner, name, draft_role(name), target_dir=models.target
+    role = draft_role(name)
+    choice = await publish_own_profile(
+        stack, service.bus, runner, name, role, target_dir=models.target
     )
     await service.start()
+    start_profile_refresh(stack, service, choice, role, target_dir=models.target)
     stack.drafters.append(service)
     return service
 

@@ -157,6 +157,13 @@ class EngineSettings(_Group):
     # quick profiles kept here (None: ~/.cache/augury/profiles)
     profile_cache_dir: Path | None = None
     measure_profile: bool = True
+    # A suspect quick profile (or none, for too little free KV) is measured again in the
+    # background (services/profile_refresh.py): once the device has run no forward for
+    # `profile_refresh_idle_s`, up to `profile_refresh_tries` times (0: never), waiting
+    # `profile_refresh_backoff_s` after the first suspect one, doubled after each.
+    profile_refresh_idle_s: Annotated[float, Field(ge=0)] = 5.0
+    profile_refresh_tries: NonNegativeInt = 4
+    profile_refresh_backoff_s: Annotated[float, Field(ge=0)] = 30.0
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
     plan_kernels: bool = True
