@@ -70,8 +70,9 @@ async def start_suspect(
     background refresh started."""
     stack = Stack(settings, server.url)
     stack.target_profile = target_like(runner)  # this process's verifier's
+    cell = settings.service.cell
     service = DrafterService(
-        Bus(server.url, settings.redis, "refresh"), runner, model="draft-m", cell="refresh"
+        Bus(server.url, settings.redis, cell), runner, model="draft-m", cell=cell
     )
     runner.forward = busy
     choice = await publish_own_profile(stack, service.bus, runner, "draft-m", ROLE)
@@ -80,9 +81,9 @@ async def start_suspect(
     return stack, service, choice
 
 
-async def published_state(bus: Bus) -> tuple[dict[str, Any], dict[str, str]]:
-    profiles = await read_profiles(bus, "refresh")
-    statuses = await read_profile_statuses(bus, "refresh")
+async def published_state(bus: Bus, cell: str) -> tuple[dict[str, Any], dict[str, str]]:
+    profiles = await read_profiles(bus, cell)
+    statuses = await read_profile_statuses(bus, cell)
     return profiles, statuses[ROLE]
 
 
@@ -110,7 +111,7 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
         del runner.forward  # the neighbour is gone
         try:
             assert choice.source == SUSPECT and busy.waited > 0
-            profiles, status = await published_state(service.bus)
+            profiles, status = await published_state(service.bus, settings.service.cell)
             assert ROLE not in profiles and (status["source"], status["published"]) == (
                 SUSPECT,
                 "0",
@@ -119,7 +120,7 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
             assert service.profile_refresh is not None
             refreshed = await asyncio.wait_for(service.profile_refresh, 120)
             assert isinstance(refreshed, ProfileChoice) and refreshed.source == MEASURED
-            profiles, status = await published_state(service.bus)
+            profiles, status = await published_state(service.bus, settings.service.cell)
             assert profiles[ROLE] == refreshed.profile  # the scheduler's cost model reads this
             assert (status["source"], status["published"]) == (MEASURED, "1")
             metrics = GatewayMetrics()
@@ -146,7 +147,7 @@ def test_a_device_that_stays_busy_keeps_the_suspect_profile(
     caplog: pytest.LogCaptureFixture,
     quick_retries: None,
 ) -> None:
-    settings = settings_for(server, tmp_path, "refresh", profile_refresh_tries=2)
+    settings = settings_for(server, tmp_path, "refresh-busy", profile_refresh_tries=2)
     caplog.set_level(logging.INFO)
     busy = BusyDevice(runner, 0.05, small_forwards)
 
@@ -156,7 +157,7 @@ def test_a_device_that_stays_busy_keeps_the_suspect_profile(
             assert choice.source == SUSPECT
             assert service.profile_refresh is not None
             assert await asyncio.wait_for(service.profile_refresh, 120) is None
-            profiles, status = await published_state(service.bus)
+            profiles, status = await published_state(service.bus, settings.service.cell)
             assert ROLE not in profiles and (status["source"], status["published"]) == (
                 SUSPECT,
                 "0",
@@ -178,7 +179,7 @@ def test_the_refresh_waits_while_forwards_keep_coming(
 ) -> None:
     """Work every 0.1 s on the model thread (through the service's device activity, as each job
     runs) keeps the device from being quiet for 0.3 s: no measurement until it stops."""
-    settings = settings_for(server, tmp_path, "refresh", profile_refresh_tries=3)
+    settings = settings_for(server, tmp_path, "refresh-waits", profile_refresh_tries=3)
     busy = BusyDevice(runner, 0.05, small_forwards)
 
     async def run() -> None:
