@@ -53,6 +53,7 @@ from shared.scheduling.executor import (
     DraftKey,
     DraftRound,
     Resolved,
+    check_draft_model,
     new_request,
     resolve,
     route_releases,
@@ -380,11 +381,7 @@ class SchedulerService:
     def _request_of(self, submit: Submit, resolved: Resolved | None = None) -> RequestState:
         """The core's state of a request (new, or `resolved` before a takeover);
         InvalidRequestError for what cannot be served."""
-        if submit.draft_model is not None and submit.draft_model not in self.draft_models:
-            raise InvalidRequestError(
-                f"unknown draft model {submit.draft_model!r}; known: {self.draft_models}",
-                param="augury.draft_model",
-            )
+        check_draft_model(submit.draft_model, self.draft_models, param="augury.draft_model")
         if resolved is None:
             # the cost model may still be None: a class objective then needs
             # slo.baseline_latency_ms

@@ -33,6 +33,7 @@ from shared.scheduling.executor import (
     DraftKey,
     DraftRound,
     StepDriver,
+    check_draft_model,
     new_request,
     resolve,
     route_releases,
@@ -246,11 +247,7 @@ class SpecEngine:
             )
         if params.structured is not None:
             self._check_structured(params)
-        if draft_model is not None and draft_model not in self.drafters:
-            raise InvalidRequestError(
-                f"unknown draft model {draft_model!r}; known: {sorted(self.drafters)}",
-                param="draft_model",
-            )
+        check_draft_model(draft_model, self.drafters, param="draft_model")
         resolved = resolve(params, slo_class, tpot_slo_ms, self.config.slo, self.core.cost)
         if request_id is None:
             request_id = f"req-{self._ids}"

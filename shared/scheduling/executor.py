@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from shared.errors import InvalidRequestError
 from shared.scheduling.core import (
     DraftPlan,
     MicroBatch,
@@ -70,6 +71,15 @@ def resolve(
     seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
     objective = resolve_tpot_slo(slo_class, tpot_slo_ms, slo, cost)
     return Resolved(seed, objective, effective_class(slo_class, tpot_slo_ms, slo))
+
+
+def check_draft_model(draft_model: str | None, known: Iterable[str], param: str) -> None:
+    """InvalidRequestError unless the draft a request asks for (if any) is one of `known`."""
+    known = sorted(known)
+    if draft_model is not None and draft_model not in known:
+        raise InvalidRequestError(
+            f"unknown draft model {draft_model!r}; known: {known}", param=param
+        )
 
 
 def new_request(
