@@ -190,7 +190,7 @@ def test_greedy_output_is_unchanged_by_preemption(
     method = DraftMethod("chain", k=3)
     engine = make_engine(
         tiny_target_dir, tiny_draft_dir, method, target_kv_bytes=kv_blocks * PER_BLOCK,
-        max_running=2, policy=policy, length_predictor=lengths,
+        max_running_requests=2, policy=policy, length_predictor=lengths,
     )  # fmt: skip
     plain = make_engine(tiny_target_dir, None, None)
     prompts = [[5, 6, 7, i] for i in range(5)]
