@@ -29,7 +29,8 @@ from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
-from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
+from shared.model.precision import check_target_dtype
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
@@ -41,10 +42,12 @@ KV_BYTES = 256 << 20
 DEFAULT_DRAFTS = ("draft-e", "ngram", "suffix", "draft-e+ngram", "draft-e+suffix")
 
 
-def prompts(kinds: list[str], per_kind: int) -> dict[str, list[list[int]]]:
+def prompts(
+    kinds: list[str], per_kind: int, model_set: str = SMOLLM2
+) -> dict[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_set_target(model_set))
     out = {}
     for kind in kinds:
         if kind in COPY_KINDS:
@@ -56,10 +59,16 @@ def prompts(kinds: list[str], per_kind: int) -> dict[str, list[list[int]]]:
 
 
 class Models:
-    """The target and every draft a configuration may name, loaded once."""
+    """The target (at `target_dtype`) and every draft a configuration may name, loaded once."""
 
-    def __init__(self, planner: str) -> None:
-        self.target = load_model(target_dir())
+    def __init__(
+        self, planner: str, model_set: str = SMOLLM2, target_dtype: str = "float32"
+    ) -> None:
+        self.target_dir = model_set_target(model_set)
+        self.draft_dirs = model_set_drafts(model_set)
+        dtype = check_target_dtype(target_dtype, "cpu", setting="--target-dtype")
+        self.dtype = dtype
+        self.target = load_model(self.target_dir, dtype=dtype)
         self.verifier = Verifier(ModelRunner(self.target, kv_memory_bytes=KV_BYTES))
         self.models: dict[str, Drafter] = {}
         self.planner = planner
@@ -67,10 +76,13 @@ class Models:
 
     def model_draft(self, name: str) -> Drafter:
         if name not in self.models:
-            path = all_draft_dirs()[name]
-            model = load_model(path, target_path=target_dir(), int8=uses_int8("auto", "cpu"))
+            path = self.draft_dirs[name]
+            model = load_model(path, target_path=self.target_dir, int8=uses_int8("auto", "cpu"))
             self.models[name] = Drafter(ModelRunner(model, kv_memory_bytes=KV_BYTES), name=name)
         return self.models[name]
+
+    def plain_engine(self) -> SpecEngine:
+        return SpecEngine(self.verifier, eos_token_ids=self.target.cfg.eos_token_ids)
 
     def engine(self, config: str) -> SpecEngine:
         chooser = "fixed"
@@ -86,7 +98,7 @@ class Models:
         key = tuple(sorted(models))
         if self.planner == "goodput" and key not in self._costs:
             self._costs[key] = load_or_measure(
-                self.verifier.runner, models, target_name=target_dir().name
+                self.verifier.runner, models, target_name=self.target_dir.name
             )
         cost = self._costs.get(key)
         engine = SpecEngine(
@@ -103,7 +115,7 @@ class Models:
 
 
 def plain_outputs(models: Models, batch: dict[str, list[list[int]]], max_tokens: int) -> dict:
-    engine = SpecEngine(models.verifier, eos_token_ids=models.target.cfg.eos_token_ids)
+    engine = models.plain_engine()
     params = SamplingParams(max_tokens=max_tokens)
     return {
         kind: [engine.generate([p], params)[0].output for p in kind_prompts]
@@ -114,8 +126,8 @@ def plain_outputs(models: Models, batch: dict[str, list[list[int]]], max_tokens:
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    batch = prompts(args.kinds, args.per_kind)
-    models = Models(args.planner)
+    batch = prompts(args.kinds, args.per_kind, args.model_set)
+    models = Models(args.planner, args.model_set, args.target_dtype)
     plain = plain_outputs(models, batch, args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens)
     results: dict = {}
@@ -158,6 +170,8 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--planner", choices=["goodput", "fixed"], default="goodput")
+    ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
