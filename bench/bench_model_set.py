@@ -62,13 +62,27 @@ def engine_run(models: Models, config: str, max_tokens: int) -> Run:
     return run
 
 
+def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """A transformers model from one of our checkpoint directories (their shards carry no index
+    file, so the state dict is loaded here, strictly)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dtype)
+    state = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        state |= load_file(shard)
+    if "lm_head.weight" not in state and model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
 def assisted_run(models: Models, target_dtype: torch.dtype, max_tokens: int) -> Run:
     """transformers' `generate` with `assistant_model`: the set's model draft in fp32."""
-    from transformers import AutoModelForCausalLM
-
     draft_dir = next(p for p in models.draft_dirs.values())
-    target = AutoModelForCausalLM.from_pretrained(models.target_dir, torch_dtype=target_dtype)
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, torch_dtype=torch.float32)
+    target = hf_model(models.target_dir, target_dtype)
+    draft = hf_model(draft_dir, torch.float32)
     eos = list(models.target.cfg.eos_token_ids)
 
     def run(prompt: list[int]) -> tuple[list[int], int | None, dict[str, int]]:

@@ -2,6 +2,7 @@
 
     python -m tools.profile --threads 2                         # CPU, fp32, the default models
     python -m tools.profile --device cuda --dtype bfloat16 --max-tokens 512 --random-weights
+    python -m tools.profile --model-set qwen2.5-coder --target-dtype bfloat16 --threads 2
 
 The profile (`shared/scheduling/cost_model.py`) goes to
 `profiles/<model>-<device>-<dtype>-t<threads>.json` unless `--out` says otherwise; the
@@ -25,7 +26,7 @@ import torch
 from shared.model import LlamaModel, load_model
 from shared.model.cuda_graphs import DEFAULT_MAX_TOKENS as DEFAULT_GRAPH_TOKENS
 from shared.model.loader import read_config
-from shared.model.model_set import ALL_DRAFT_NAMES, all_draft_dirs, target_dir
+from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
 from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profiling import measure_profile, profile_key
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
@@ -97,12 +98,16 @@ def table(profile: CostProfile) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, help="target checkpoint (default: SmolLM2-135M)")
-    ap.add_argument(
-        "--drafts", nargs="*", default=list(ALL_DRAFT_NAMES), help="names or directories"
-    )
+    ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    ap.add_argument("--target", type=Path, help="target checkpoint (default: the set's target)")
+    ap.add_argument("--drafts", nargs="*", help="names or directories (default: the set's drafts)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument(
+        "--target-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's own dtype (default: --dtype), as AUGURY_ENGINE__TARGET_DTYPE",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--max-tokens", type=int, help="largest forward (default 64 CPU, 512 CUDA)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[0, 256, 1024])
@@ -138,24 +143,27 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible to torch")
     dtype = getattr(torch, args.dtype)
+    target_dtype = getattr(torch, args.target_dtype or args.dtype)
     max_tokens = args.max_tokens or (512 if args.device == "cuda" else 64)
 
-    tdir = args.target or target_dir()
-    named = all_draft_dirs() if any(d in ALL_DRAFT_NAMES for d in args.drafts) else {}
-    ddirs = {Path(d).name: named.get(d, Path(d)) for d in args.drafts}
+    tdir = args.target or model_set_target(args.model_set)
+    named = model_set_drafts(args.model_set)
+    draft_names = list(named) if args.drafts is None else args.drafts
+    ddirs = {Path(d).name: named.get(d, Path(d)) for d in draft_names}
 
     draft_int8 = uses_int8(args.draft_weights, args.device)
 
     def build(path: Path, *, is_draft: bool = True) -> ModelRunner:
+        model_dtype = dtype if is_draft else target_dtype
         if args.random_weights:
-            model = random_model(path, dtype, args.device)
+            model = random_model(path, model_dtype, args.device)
         else:
-            model = load_model(path, dtype=dtype, device=args.device, target_path=tdir)
+            model = load_model(path, dtype=model_dtype, device=args.device, target_path=tdir)
         if is_draft and draft_int8:
             model.quantize_int8()
         elif args.device == "cpu" and not args.no_kernel_plan:
             model.plan_kernels()
-        kv = kv_bytes_for(model, dtype, args.contexts, max_tokens, args.max_requests)
+        kv = kv_bytes_for(model, model_dtype, args.contexts, max_tokens, args.max_requests)
         return ModelRunner(
             model, kv_memory_bytes=kv, cuda_graph_max_tokens=args.cuda_graph_max_tokens
         )
