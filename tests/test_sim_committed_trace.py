@@ -1,8 +1,9 @@
 """The simulator's numbers on the committed trace (`docs/results/load-testing/trace.jsonl`) with
 the committed profile and acceptance recordings are pinned: a change to the scheduler core, the
-executor contract or the simulator that moves any request's record fails here. The digests are
-those of the simulator before it became a `Transport` of `shared.scheduling.executor` (the same
-digests from both). Regenerate them only for a change meant to move the numbers, and say so."""
+executor contract or the simulator that moves any request's record fails here. Regenerate them
+only for a change meant to move the numbers, and say so in the commit (last: the planner's
+per-depth estimate learning from the tree as drafted, with the simulated target committing the
+recorded path's tokens)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,9 @@ CONFIGS: dict[str, tuple[Path, SchedulerConfig, dict[str, Any]]] = {
     ),
 }
 GOLDEN = {
-    "default": "c9c2cc9610105caa8a5fb84088d0f44987cbc8851b2e1a483723609ede2e54b7",
-    "two-micro-batches-lbss": "f18981fe467b1639a3d60378d23179ead52640d2225ab81a1e4b227c40c1a97e",
-    "fast-switching": "5ef601d4d33b47ec991b79c99a9e9fa2d622d466eb9c3976ac19d7d42ce674ad",
+    "default": "085b46ea02a0137bee7dc4650f0f6c6a278ee4be6402f830c7325f07bee2c815",
+    "two-micro-batches-lbss": "852f5e61f6b75bd8638d0065ee8bd65d1dff189e54ceae4d86517b21ec584b28",
+    "fast-switching": "e0c57bcb2eb90a0a169832b4eb9e0b49e4b3539c2c240ae0da1f98c0427e0e88",
     "prefix-adaserve-laps": "954fb99c9ed1d1a97e5ddb64c5656e880e4234fd81bc1b7456b847947c59f807",
 }
 

@@ -309,6 +309,7 @@ class SchedulerCore:
         `partners`: the trees `batch.merge`'s drafters answered, merged with the request's own
         (SpecInfer's merge: the union of their paths) before selection."""
         trees = {r.request_id: drafted.get(r.request_id) or root_only(r) for r in batch.decode}
+        batch.drafted_trees = {rid: t for rid, t in trees.items() if t.num_nodes > 1}
         self.standby.merge_partners(batch, trees, partners or {})
         calibration = {}
         for r in batch.decode:

@@ -125,6 +125,10 @@ class MicroBatch:
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
+    # each request's own drafter's tree as drafted, before any merge and the selection: the
+    # planner's per-depth estimate learns from it (the selector keeps the nodes likely to be
+    # accepted, so the verified nodes alone would overstate how deep a draft is accepted)
+    drafted_trees: dict[str, TokenTree] = field(default_factory=dict)
     # merged trees: the request's own drafter's tree, before the merge (what its model learns)
     own_trees: dict[str, TokenTree] = field(default_factory=dict)
     # model-free partners (`batch.merge` plans of a model-free draft): the tree each proposed,

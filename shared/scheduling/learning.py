@@ -20,7 +20,26 @@ from shared.scheduling.draft_choice import DraftOutcome
 from shared.scheduling.pool import RequestPool
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.speculation import CALIBRATION_CLIP, DECAY
-from shared.values.tree import TokenTree, counterfactual_accepted
+from shared.values.tree import TokenTree, counterfactual_accepted, levels_accepted
+
+
+def depth_trial(
+    drafted: TokenTree | None, verified: TokenTree, accepted: int, result: StepResult
+) -> tuple[int, int]:
+    """(levels accepted, levels tried) for the planner's per-depth estimate. From the tree as
+    drafted where it is known: the target's bonus token says whether the level below the
+    accepted path would have been accepted too, had the selector kept it (exact for greedy
+    verification; for sampled, the bonus is drawn from the target's distribution, which matches
+    a drafted token no more often than verification would accept it). From the verified tree
+    alone, a step whose every verified level was accepted counts no failure, and the selector
+    cuts exactly where the draft is unsure: the estimate would run high and the planner draft
+    deeper than pays."""
+    if drafted is None:
+        return accepted, int(verified.depths().max())
+    levels, rejected = levels_accepted(drafted, result.tokens)
+    if levels < accepted:  # the verified tree is not a subtree of the drafted one (a merge)
+        return accepted, int(verified.depths().max())
+    return levels, levels + 1 if rejected else levels
 
 
 class Learner:
@@ -52,8 +71,8 @@ class Learner:
                     tree, batch.own_trees[rid], result.tokens[: result.num_accepted]
                 )
             if learned.num_nodes > 1:
-                depth_learned = int(learned.depths().max())
-                self._learn(request, learned, depth_learned, accepted, elapsed_ms, shares.get(rid))
+                trial = depth_trial(batch.drafted_trees.get(rid), learned, accepted, result)
+                self._learn(request, learned, trial, accepted, elapsed_ms, shares.get(rid))
         partner = batch.model_free_trees.get(rid)
         if partner is not None:
             self._note_model_free(batch, request, partner, tree, result, elapsed_ms)
@@ -66,13 +85,13 @@ class Learner:
         self,
         request: RequestState,
         tree: TokenTree,
-        depth: int,
+        trial: tuple[int, int],
         num_accepted: int,
         elapsed_ms: float,
         share_ms: float | None = None,
     ) -> None:
         assert request.draft_model is not None
-        self._learn_state(request, request.draft_model, tree, depth, num_accepted)
+        self._learn_state(request, request.draft_model, tree, trial, num_accepted)
         self.pool.chooser.observe(
             DraftOutcome(
                 request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
@@ -81,12 +100,18 @@ class Learner:
         )  # fmt: skip
 
     def _learn_state(
-        self, request: RequestState, model: str, tree: TokenTree, depth: int, num_accepted: int
+        self,
+        request: RequestState,
+        model: str,
+        tree: TokenTree,
+        trial: tuple[int, int],
+        num_accepted: int,
     ) -> None:
-        """The planner's acceptance estimate and the selector's calibration of `model`."""
+        """The planner's per-depth estimate of `model` from `trial` (levels accepted, levels
+        tried), and the selector's calibration from the verified `tree`'s `num_accepted`."""
         state = self.pool.state(request, model)
-        state.estimate.observe(num_accepted, depth)
-        self.pool.model_estimate(model).observe(num_accepted, depth)
+        state.estimate.observe(*trial)
+        self.pool.model_estimate(model).observe(*trial)
         predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
         if predicted > 0:
             ratio = min(max(num_accepted / predicted, CALIBRATION_CLIP[0]), CALIBRATION_CLIP[1])
@@ -108,7 +133,8 @@ class Learner:
         if verified is not None and request.request_id in batch.own_trees:
             part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
             if part.num_nodes > 1:
-                self._learn_state(request, model, part, int(part.depths().max()), accepted)
+                trial = depth_trial(partner, part, accepted, result)
+                self._learn_state(request, model, part, trial, accepted)
         node_ms = None
         cost = self.pool.cost
         if cost is not None:

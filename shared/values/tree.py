@@ -219,11 +219,31 @@ def counterfactual_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[
     deterministic child is accepted exactly when the token the target emits at its parent is
     that child's token (on rejection the token is removed from what the target samples), and
     the committed tokens are distributed as the target's own."""
+    accepted, stop = _follow(tree, committed)
+    return accepted, stop != STOP_UNKNOWN
+
+
+STOP_REJECTED = "rejected"  # a committed token matched none of the node's children
+STOP_LEAF = "leaf"  # the path reached a leaf: the tree says nothing deeper
+STOP_UNKNOWN = "unknown"  # the committed tokens ran out at a node with children
+
+
+def levels_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[int, bool]:
+    """How many levels of `tree` the committed tokens accept, and whether the next level was
+    rejected (the target's token there is none of the drafted children): a level-by-level
+    trial outcome, censored (not rejected) where the path reached a leaf or the tokens ran out."""
+    accepted, stop = _follow(tree, committed)
+    return accepted, stop == STOP_REJECTED
+
+
+def _follow(tree: TokenTree, committed: Sequence[int]) -> tuple[int, str]:
     children = tree.children()
     node, accepted = 0, 0
     for token in committed:
+        if not children[node]:
+            return accepted, STOP_LEAF
         match = next((c for c in children[node] if int(tree.tokens[c]) == int(token)), None)
         if match is None:
-            return accepted, True
+            return accepted, STOP_REJECTED
         node, accepted = match, accepted + 1
-    return accepted, not children[node]
+    return accepted, STOP_LEAF if not children[node] else STOP_UNKNOWN

@@ -223,14 +223,19 @@ class AcceptanceModel:
 
     def num_accepted(self, session: Session, step: int, selected: TokenTree) -> int:
         """Draft tokens the target accepts of `selected` (a subtree of the drafted tree)."""
-        recorded = session.steps[step % len(session.steps)]
         present = set(selected.tokens[1:].tolist())
         count = 0
-        for node in recorded.accepted_path():
-            if TOKEN_BASE + node not in present:
+        for token in self.target_tokens(session, step):
+            if token not in present:
                 break
             count += 1
         return count
+
+    def target_tokens(self, session: Session, step: int) -> list[int]:
+        """The tokens the target commits at the session's `step` as far as the recording knows
+        them: its accepted path through the whole recorded tree (as the drafted tree's tokens)."""
+        recorded = session.steps[step % len(session.steps)]
+        return [TOKEN_BASE + node for node in recorded.accepted_path()]
 
     # ---- summaries ------------------------------------------------------------------------------
     def mean_accepted_length(self) -> dict[tuple[str, str], float]:

@@ -367,11 +367,14 @@ class Simulator:
             cached = self._prefill_cached(request, entry)
             bonus = BONUS_TOKEN if entry.chunk_is_last else None
             return VerifiedRequest(entry.request_id, entry.step, bonus=bonus, cached_tokens=cached)
-        accepted = 0
+        accepted, path = 0, []
         if entry.tree.num_nodes > 1 and entry.request_id in self._drafted:
             session, step = self._drafted[entry.request_id]
             accepted = self.acceptance.num_accepted(session, step, entry.tree)
-        tokens = self._committed(request, accepted + 1)  # only their number matters
+            path = self.acceptance.target_tokens(session, step)
+        # the recorded target's tokens, so that what the core learns from the tree as drafted
+        # (the level below the accepted path) is what the recording says
+        tokens = self._committed(request, path[: accepted + 1], accepted + 1)
         return VerifiedRequest(entry.request_id, entry.step, tokens[:-1], tokens[-1])
 
     def _prefill_cached(self, request: RequestState, entry: VerifyRequest) -> int:
@@ -389,13 +392,17 @@ class Simulator:
         self.cached_prompt_tokens += cached
         return cached
 
-    def _committed(self, request: RequestState, count: int) -> tuple[int, ...]:
-        """`count` tokens the target commits, ending with EOS where they reach the recorded
-        length before the request's cap (EOS is the target's token too: it takes one of them)."""
+    def _committed(
+        self, request: RequestState, known: Sequence[int], count: int
+    ) -> tuple[int, ...]:
+        """`count` tokens the target commits, the `known` ones first, then fillers, ending with
+        EOS where they reach the recorded length before the request's cap (EOS is the target's
+        token too: it takes one of them)."""
+        tokens = (*known[:count], *(BONUS_TOKEN,) * (count - len(known[:count])))
         left = self._lengths[request.request_id] - len(request.output)
         if left >= count or left >= request.tokens_left:
-            return (BONUS_TOKEN,) * count
-        return (BONUS_TOKEN,) * max(0, left) + (EOS_TOKEN,)
+            return tokens
+        return (*tokens[: max(0, left)], EOS_TOKEN)
 
     def _outputs(self, outputs: Sequence[StepOutput], now: float) -> None:
         for out in outputs:
