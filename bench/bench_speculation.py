@@ -2,6 +2,8 @@
 
     python -m bench.bench_speculation --per-kind 4 --max-tokens 128
     python -m bench.bench_speculation --services --concurrency 1 16 --per-kind 4
+    python -m bench.bench_speculation --services --model-set qwen2.5-coder \
+        --target-dtype bfloat16 --model-free ngram --concurrency 1 4 16 --per-kind 2
     python -m bench.bench_speculation --temperature 0.8 --seed 1 --presence-penalty 0.5 \
         --frequency-penalty 0.3 --repetition-penalty 1.1 --logprobs 5   # processors, logprobs
 
@@ -35,7 +37,14 @@ from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
-from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.model_set import (
+    MODEL_SETS,
+    SMOLLM2,
+    all_draft_dirs,
+    model_set_drafts,
+    model_set_target,
+    target_dir,
+)
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
@@ -46,10 +55,10 @@ KINDS = ("chat", "code", "math", "everyday")
 KV_BYTES = 256 << 20
 
 
-def prompts_by_kind(per_kind: int) -> dict[str, list[list[int]]]:
+def prompts_by_kind(per_kind: int, model_set: str = SMOLLM2) -> dict[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_set_target(model_set))
     out: dict[str, list[list[int]]] = {}
     for kind in KINDS:
         out[kind] = [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
@@ -127,6 +136,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
+    args.draft = args.draft or DEFAULT_GENERATE_DRAFT
     plain, spec = build_engines(args.draft, args.threads, args.draft_weights)
     prompts = prompts_by_kind(args.per_kind)
     params = sampling_params(args)
@@ -214,22 +224,33 @@ async def bench_services(args: argparse.Namespace) -> str:
     from shared.settings import AugurySettings, RedisSettings
     from tests.test_services_support import Client
 
-    prompts = [p for ps in prompts_by_kind(args.per_kind).values() for p in ps]
+    prompts = [p for ps in prompts_by_kind(args.per_kind, args.model_set).values() for p in ps]
     params = SamplingParams(max_tokens=args.max_tokens)
     with redis_url(RedisSettings()) as url:
         settings = AugurySettings(
             redis=RedisSettings(url=url),
-            engine={"kv_memory_bytes": KV_BYTES, "draft_weights": args.draft_weights},
+            engine={
+                "kv_memory_bytes": KV_BYTES,
+                "draft_weights": args.draft_weights,
+                "target_dtype": args.target_dtype,
+            },
+            models={"model_free": tuple(args.model_free)},
             service={"cell": "bench", "replica": "bench"},
         )
-        served = args.drafts or [args.draft]  # the first is the draft every request uses
-        models = ModelPaths(target_dir(), {name: all_draft_dirs()[name] for name in served})
+        # the first is the draft every request uses
+        served = args.drafts or [args.draft or next(iter(model_set_drafts(args.model_set)))]
+        drafts = model_set_drafts(args.model_set)
+        models = ModelPaths(
+            model_set_target(args.model_set),
+            {name: drafts[name] for name in served},
+            model_free=tuple(args.model_free),
+        )
         stack = await start_stack(settings, url, models, gateway=False)
         client = Client(url, settings, "bench-client")
         runner = ServicesRunner(stack, client)
         lines = [
-            f"services, default settings (drafts {', '.join(served)}; weights "
-            f"{args.draft_weights}), "
+            f"services, default settings ({args.model_set}, target {args.target_dtype or 'fp32'}"
+            f"; drafts {', '.join([*served, *args.model_free])}; weights {args.draft_weights}), "
             f"{len(prompts)} prompts x "
             f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
             "",
@@ -272,7 +293,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft", default=DEFAULT_GENERATE_DRAFT, choices=sorted(all_draft_dirs()))
+    ap.add_argument("--draft", help=f"default: {DEFAULT_GENERATE_DRAFT} (the set's first draft)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument(
         "--draft-weights",
@@ -281,10 +302,21 @@ def main() -> None:
         help="the draft's linear layers with int8 weights (auto, the default: on a CPU)",
     )
     ap.add_argument("--services", action="store_true")
+    ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2, help="with --services")
+    ap.add_argument(
+        "--target-dtype", choices=["float32", "bfloat16"], help="with --services: the target's"
+    )
+    ap.add_argument(
+        "--model-free",
+        nargs="*",
+        default=[],
+        choices=["ngram", "suffix"],
+        help="with --services: model-free drafts served beside the model draft (its trees "
+        "merged with the model draft's, as models.model_free does)",
+    )
     ap.add_argument(
         "--drafts",
         nargs="+",
-        choices=sorted(all_draft_dirs()),
         help="with --services: the stack's draft set, in order (the first drafts every request, "
         "as the default chooser does; the services' default: draft-e draft-s draft-m draft-l); "
         "default: --draft alone",
@@ -299,6 +331,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if not args.services and (args.model_set != SMOLLM2 or args.target_dtype or args.model_free):
+        ap.error("--model-set, --target-dtype and --model-free are for --services; in one "
+                 "process: python -m bench.bench_model_set")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.services:
