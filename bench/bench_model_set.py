@@ -11,7 +11,8 @@ speculation configurations (named as in `bench.bench_model_free`: a draft of the
 by the goodput planner on this machine's cost profile, as `augury generate` runs) and
 `hf-assisted` (transformers' assisted generation with the set's model draft, the target at the
 same precision, the draft in fp32). Per kind and configuration it prints tokens/s, the ratio to
-plain, tokens per target forward and how many outputs equal plain decoding token for token.
+plain (total tokens over total time, and the worst single prompt's), tokens per target forward
+and how many outputs equal plain decoding token for token.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Tally:
     forwards: int = 0
     equal: int = 0
     prompts: int = 0
+    worst: float = float("inf")  # the lowest single prompt's speed over plain decoding's
     steps_by_draft: dict[str, int] = field(default_factory=dict)
 
 
@@ -109,19 +111,23 @@ def measure(runs: dict[str, Run], batch: dict[str, list[list[int]]]) -> dict[str
         for i, prompt in enumerate(kind_prompts):
             names = list(runs)
             names = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
-            outputs = {}
+            outputs, seconds = {}, {}
             for name in names:
                 start = time.perf_counter()
                 outputs[name], forwards, steps = runs[name](prompt)
+                seconds[name] = time.perf_counter() - start
                 t = tallies[name][kind]
-                t.seconds += time.perf_counter() - start
+                t.seconds += seconds[name]
                 t.tokens += len(outputs[name])
                 t.forwards += forwards or 0
                 t.prompts += 1
                 for model, n in steps.items():
                     t.steps_by_draft[model] = t.steps_by_draft.get(model, 0) + n
+            plain_rate = len(outputs[PLAIN]) / seconds[PLAIN]
             for name in runs:
-                tallies[name][kind].equal += outputs[name] == outputs[PLAIN]
+                t = tallies[name][kind]
+                t.equal += outputs[name] == outputs[PLAIN]
+                t.worst = min(t.worst, len(outputs[name]) / seconds[name] / plain_rate)
             line = {n: round(len(outputs[n]) / tallies[n][kind].seconds, 2) for n in runs}
             print(kind, i, "cumulative tok/s", line, flush=True)
     return tallies
@@ -145,10 +151,14 @@ def report(tallies: dict[str, dict[str, Tally]]) -> tuple[str, dict]:
                 "ratio_to_plain": round(rate / base_rate, 3),
                 "tokens_per_target_forward": per_forward and round(per_forward, 2),
                 "equal_to_plain": f"{t.equal}/{t.prompts}",
+                "worst_prompt_ratio": round(t.worst, 3),
                 "steps_by_draft": t.steps_by_draft,
             }
             tpf = f", {per_forward:.2f} tok/fwd" if per_forward else ""
-            cells.append(f"{rate:.2f} tok/s, {rate / base_rate:.2f}x{tpf} ({t.equal}/{t.prompts})")
+            cells.append(
+                f"{rate:.2f} tok/s, {rate / base_rate:.2f}x (worst {t.worst:.2f}x){tpf} "
+                f"({t.equal}/{t.prompts})"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines), table
 
