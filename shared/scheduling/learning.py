@@ -63,7 +63,7 @@ class Learner:
         drafted = tree.num_nodes - 1 if tree is not None else 0
         depth = 0
         if drafted:
-            assert tree is not None
+            assert tree is not None and request.draft_model is not None
             depth = int(tree.depths().max())
             learned, accepted = tree, result.num_accepted
             if rid in batch.own_trees:  # merged: the current draft's part of it
@@ -72,7 +72,14 @@ class Learner:
                 )
             if learned.num_nodes > 1:
                 trial = depth_trial(batch.drafted_trees.get(rid), learned, accepted, result)
-                self._learn(request, learned, trial, accepted, elapsed_ms, shares.get(rid))
+                self._learn_state(request, request.draft_model, learned, trial, accepted)
+            # the chooser judges what choosing the draft delivered: where a model-free draft's
+            # tree was merged into it, the whole merged tree's acceptance (what the model-free
+            # draft alone would give, the chooser learns from its counterfactuals)
+            if rid in batch.own_trees and rid in batch.model_free_trees:
+                learned, accepted = tree, result.num_accepted
+            if learned.num_nodes > 1:
+                self._observe(request, learned.num_nodes - 1, accepted, elapsed_ms, shares)
         partner = batch.model_free_trees.get(rid)
         if partner is not None:
             self._note_model_free(batch, request, partner, tree, result, elapsed_ms)
@@ -81,23 +88,20 @@ class Learner:
         self.pool.step_shape.observe(1 + drafted, depth)
         return drafted
 
-    def _learn(
+    def _observe(
         self,
         request: RequestState,
-        tree: TokenTree,
-        trial: tuple[int, int],
-        num_accepted: int,
+        nodes: int,
+        accepted: int,
         elapsed_ms: float,
-        share_ms: float | None = None,
+        shares: Mapping[str, float],
     ) -> None:
         assert request.draft_model is not None
-        self._learn_state(request, request.draft_model, tree, trial, num_accepted)
-        self.pool.chooser.observe(
-            DraftOutcome(
-                request.request_id, request.draft_model, tree.num_nodes - 1, num_accepted,
-                elapsed_ms, share_ms,
-            )
-        )  # fmt: skip
+        rid = request.request_id
+        outcome = DraftOutcome(
+            rid, request.draft_model, nodes, accepted, elapsed_ms, shares.get(rid)
+        )
+        self.pool.chooser.observe(outcome)
 
     def _learn_state(
         self,
