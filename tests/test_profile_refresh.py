@@ -8,10 +8,11 @@ tests/test_profile_trust.py (some forwards wait, as when a neighbour holds the d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +64,14 @@ def cached(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "cache").glob("*.json")) if (tmp_path / "cache").exists() else []
 
 
-async def start_suspect(
-    settings: AugurySettings, server: EmbeddedRedis, runner: Any, busy: BusyDevice
-) -> tuple[Stack, DrafterService, ProfileChoice]:
-    """A drafter service whose profile at start was measured on a busy device, with its
-    background refresh started."""
+@contextlib.asynccontextmanager
+async def suspect_service(
+    settings: AugurySettings, server: EmbeddedRedis, runner: Any
+) -> AsyncIterator[tuple[DrafterService, ProfileChoice, BusyDevice]]:
+    """A drafter service whose profile at start was measured on a busy device (`runner.forward`
+    is the `BusyDevice` until a test deletes it), with its background refresh started; stopped
+    and its runner restored on exit."""
+    busy = BusyDevice(runner, 0.05, small_forwards)
     stack = Stack(settings, server.url)
     stack.target_profile = target_like(runner)  # this process's verifier's
     cell = settings.service.cell
@@ -75,10 +79,16 @@ async def start_suspect(
         Bus(server.url, settings.redis, cell), runner, model="draft-m", cell=cell
     )
     runner.forward = busy
-    choice = await publish_own_profile(stack, service.bus, runner, "draft-m", ROLE)
-    await service.start()
-    assert start_profile_refresh(stack, service, choice, ROLE)
-    return stack, service, choice
+    try:
+        choice = await publish_own_profile(stack, service.bus, runner, "draft-m", ROLE)
+        await service.start()
+        assert start_profile_refresh(stack, service, choice, ROLE)
+        yield service, choice, busy
+    finally:
+        if "forward" in vars(runner):
+            del runner.forward
+        await service.stop()
+        await service.bus.close()
 
 
 async def published_state(bus: Bus, cell: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -104,12 +114,10 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
 ) -> None:
     settings = settings_for(server, tmp_path, "refresh", profile_refresh_tries=3)
     caplog.set_level(logging.INFO)
-    busy = BusyDevice(runner, 0.05, small_forwards)
 
     async def run() -> None:
-        _, service, choice = await start_suspect(settings, server, runner, busy)
-        del runner.forward  # the neighbour is gone
-        try:
+        async with suspect_service(settings, server, runner) as (service, choice, busy):
+            del runner.forward  # the neighbour is gone
             assert choice.source == SUSPECT and busy.waited > 0
             profiles, status = await published_state(service.bus, settings.service.cell)
             assert ROLE not in profiles and (status["source"], status["published"]) == (
@@ -127,11 +135,6 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
             export_profile_statuses(metrics, {"refresh": {ROLE: status}})
             labels = {"cell": "refresh", "role": ROLE, "source": MEASURED, "published": "1"}
             assert metrics.registry.get_sample_value("augury_cost_profile_info", labels) == 1.0
-        finally:
-            if "forward" in vars(runner):
-                del runner.forward
-            await service.stop()
-            await service.bus.close()
 
     asyncio.run(run())
     assert len(cached(tmp_path)) == 1  # the next start loads it
@@ -149,11 +152,9 @@ def test_a_device_that_stays_busy_keeps_the_suspect_profile(
 ) -> None:
     settings = settings_for(server, tmp_path, "refresh-busy", profile_refresh_tries=2)
     caplog.set_level(logging.INFO)
-    busy = BusyDevice(runner, 0.05, small_forwards)
 
     async def run() -> None:
-        _, service, choice = await start_suspect(settings, server, runner, busy)
-        try:
+        async with suspect_service(settings, server, runner) as (service, choice, _):
             assert choice.source == SUSPECT
             assert service.profile_refresh is not None
             assert await asyncio.wait_for(service.profile_refresh, 120) is None
@@ -162,10 +163,6 @@ def test_a_device_that_stays_busy_keeps_the_suspect_profile(
                 SUSPECT,
                 "0",
             )
-        finally:
-            del runner.forward
-            await service.stop()
-            await service.bus.close()
 
     asyncio.run(run())
     assert not cached(tmp_path)
@@ -180,20 +177,18 @@ def test_the_refresh_waits_while_forwards_keep_coming(
     """Work every 0.1 s on the model thread (through the service's device activity, as each job
     runs) keeps the device from being quiet for 0.3 s: no measurement until it stops."""
     settings = settings_for(server, tmp_path, "refresh-waits", profile_refresh_tries=3)
-    busy = BusyDevice(runner, 0.05, small_forwards)
 
     async def run() -> None:
-        _, service, _ = await start_suspect(settings, server, runner, busy)
-        del runner.forward
-        measured_at: list[float] = []
-        measuring: Callable[..., Any] = runner.forward
+        async with suspect_service(settings, server, runner) as (service, _, _):
+            del runner.forward
+            measured_at: list[float] = []
+            measuring: Callable[..., Any] = runner.forward
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            measured_at.append(time.monotonic())
-            return measuring(*args, **kwargs)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                measured_at.append(time.monotonic())
+                return measuring(*args, **kwargs)
 
-        runner.forward = timed
-        try:
+            runner.forward = timed
             stop_at = time.monotonic() + 1.5
             while time.monotonic() < stop_at:
                 await service.activity.run(service.model_thread, time.sleep, 0.02)
@@ -203,9 +198,5 @@ def test_the_refresh_waits_while_forwards_keep_coming(
             refreshed = await asyncio.wait_for(service.profile_refresh, 120)
             assert isinstance(refreshed, ProfileChoice) and refreshed.source == MEASURED
             assert measured_at and min(measured_at) >= last_work + 0.3
-        finally:
-            del runner.forward
-            await service.stop()
-            await service.bus.close()
 
     asyncio.run(run())

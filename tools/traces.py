@@ -283,9 +283,8 @@ def _add_convert(commands: Any) -> None:
         description="Read a trace (our .jsonl, Azure LLM inference .csv, ShareGPT .json) and "
         "write it as our JSONL, optionally with prompt texts of the trace's lengths.",
     )
-    p.add_argument("trace", type=Path, help="trace to read (.jsonl, .csv or .json)")
-    p.add_argument("--out", type=Path, required=True, help="trace to write (.jsonl)")
     _add_reading(p)
+    p.add_argument("--out", type=Path, required=True, help="trace to write (.jsonl)")
     _add_target(
         p,
         "give requests with only a length a prompt text of that many tokens under this target's "
@@ -308,12 +307,13 @@ def _add_show(commands: Any) -> None:
         description="Print a trace's request count, span, mean rate, input and output token "
         "lengths, kinds and SLO classes.",
     )
-    p.add_argument("trace", type=Path, help="trace to read (.jsonl, .csv or .json)")
     _add_reading(p)
     p.set_defaults(run=_show)
 
 
 def _add_reading(p: argparse.ArgumentParser) -> None:
+    """The trace to read and how to read it (convert's and show's)."""
+    p.add_argument("trace", type=Path, help="trace to read (.jsonl, .csv or .json)")
     p.add_argument(
         "--rate",
         type=_positive_float,

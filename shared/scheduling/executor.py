@@ -26,7 +26,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from shared.errors import InvalidRequestError
 from shared.scheduling.core import (
@@ -199,39 +199,37 @@ def verify_requests(
 ) -> tuple[VerifyRequest, ...]:
     """The verifier's entries for a micro-batch: each prefilling request's chunk (the verifier
     computes only what it does not find cached), then each decoding request's selected tree."""
-    eos = core.config.eos_token_ids
     entries = []
     for r, chunk in batch.prefill:
         start = r.num_prefilled
         entries.append(
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
+            _verify_entry(
+                core,
+                r,
                 chunk=tuple(r.prefill_tokens[start : start + chunk]),
                 chunk_start=start,
                 chunk_is_last=start + chunk == len(r.prefill_tokens),
-                want_features=core.wants_features(r),
-                history=request_history(r, eos),
             )
         )
     for r in batch.decode:
         entries.append(
-            VerifyRequest(
-                r.request_id,
-                r.step,
-                r.params,
-                r.seed,
-                r.tokens_left,
-                tree=trees[r.request_id],
-                context_len=r.num_tokens - 1,
-                want_features=core.wants_features(r),
-                history=request_history(r, eos),
-            )
+            _verify_entry(core, r, tree=trees[r.request_id], context_len=r.num_tokens - 1)
         )
     return tuple(entries)
+
+
+def _verify_entry(core: SchedulerCore, r: RequestState, **part: Any) -> VerifyRequest:
+    """`r`'s verifier entry with its `part`: a prefill chunk's fields or a tree's."""
+    return VerifyRequest(
+        r.request_id,
+        r.step,
+        r.params,
+        r.seed,
+        r.tokens_left,
+        want_features=core.wants_features(r),
+        history=request_history(r, core.config.eos_token_ids),
+        **part,
+    )
 
 
 def step_results(verified: Iterable[VerifiedRequest]) -> dict[str, StepResult]:

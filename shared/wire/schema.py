@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from shared.wire.codec import PayloadReader, pack_ints
@@ -220,16 +221,41 @@ class Schema:
 
     def encode(self, value: Any) -> dict[str, Any]:
         payload = {}
-        for field in self.fields:
-            item = getattr(value, field.name)
-            if isinstance(field.kind, Sparse) and field.holds_default(item):
-                continue
-            payload[field.name] = field.kind.encode(item)
+        for name, write, skip in self._writers:
+            item = getattr(value, name)
+            if skip is None or not skip(item):
+                payload[name] = write(item)
         return payload
 
     def decode(self, fields: PayloadReader) -> Any:
-        values = {f.name: f.kind.read(fields, f.name, f.default) for f in self.fields}
+        values = {name: read(fields, name, default) for name, read, default in self._readers}
         return fields.build(self.cls, **values)
+
+    # The declarations compiled once per schema into bound per-field functions, so encode and
+    # decode do not look up each field's kind and class again for every message.
+    @cached_property
+    def _writers(self) -> tuple[_Writer, ...]:
+        return tuple(
+            (
+                f.name,
+                _unsparse(f.kind).encode,
+                f.holds_default if isinstance(f.kind, Sparse) else None,
+            )
+            for f in self.fields
+        )
+
+    @cached_property
+    def _readers(self) -> tuple[_Reader, ...]:
+        return tuple((f.name, _unsparse(f.kind).read, f.default) for f in self.fields)
+
+
+# (name, encode, holds_default for a Sparse field else None) and (name, read, default)
+_Writer = tuple[str, Callable[[Any], Any], Callable[[Any], bool] | None]
+_Reader = tuple[str, Callable[[PayloadReader, str, Any], Any], Any]
+
+
+def _unsparse(kind: Kind) -> Kind:
+    return kind.kind if isinstance(kind, Sparse) else kind
 
 
 def wire(kind: Kind, default: Any = REQUIRED) -> Any:
