@@ -190,3 +190,23 @@ def test_sampled_outputs_with_model_free_drafts_follow_target(small_vocab_dirs, 
         assert engine.core.num_merged_trees > NUM_REQUESTS // 2
     outcomes = [tuple(r.output) for r in reqs]
     assert fit_p_value(outcomes, exact(target_dir, params[0])) > P_VALUE_FLOOR
+
+
+def test_the_chooser_is_told_what_each_merged_step_accepted(
+    tiny_target_dir, tiny_draft_dir, plain_outputs
+):
+    """With model-free trees merged into the model draft's, each step's outcome credits the
+    draft that ran with the whole merged tree's acceptance: what the chooser was told the runs
+    accepted adds up to what verification accepted (counterfactual scores aside)."""
+    drafters = {"tiny": model_draft(tiny_draft_dir), "ngram": ModelFreeDrafter("ngram")}
+    engine = make_engine(tiny_target_dir, drafters, merge_drafts="model-free")
+    chooser = engine.core.pool.chooser
+    told: list = []
+    observe = chooser.observe
+    chooser.observe = lambda outcome: (told.append(outcome), observe(outcome))  # type: ignore[method-assign]
+    reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output for r in reqs] == plain_outputs
+    ran = [o for o in told if not o.counterfactual]
+    assert {o.draft_model for o in ran} == {"tiny"} and engine.core.standby.num_merged_trees > 0
+    assert sum(o.num_accepted for o in ran) == engine.stats.num_accepted
+    assert engine.stats.mean_accepted_length >= FLOOR
