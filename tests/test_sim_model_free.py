@@ -1,0 +1,92 @@
+"""Model-free drafts in the simulator: what it accepts step by step equals what the real engine's
+verification accepted on the same requests (greedy, the tiny target), and the counterfactual
+chooser moves copying requests to the draft that copies."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine.model_free import ModelFreeDrafter
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
+from shared.model import load_model
+from shared.model.runner import ModelRunner
+from shared.scheduling.config import SchedulerConfig
+from shared.values.methods import DraftMethod
+from shared.values.sampling import SamplingParams
+from tests.test_model_free_engine import COPY_PROMPTS
+from tests.test_simulator import made_up_cost
+from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session
+from tools.sim.simulator import SimConfig, SimRequest, Simulator
+
+MAX_TOKENS = 60
+CHAIN = DraftMethod("chain", k=2)
+SCHEDULER = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
+
+
+@pytest.fixture(scope="module")
+def engine_steps(tiny_target_dir) -> tuple[list[list[int]], list[list[int]]]:
+    """Each request's output and its tokens committed per decode step, from the real engine
+    with `ngram` drafting every step and every tree verified whole."""
+    committed: dict[str, list[int]] = {}
+
+    def observe(batch, results) -> None:
+        for request in batch.decode:
+            result = results[request.request_id]
+            committed.setdefault(request.request_id, []).append(result.num_accepted + 1)
+
+    runner = ModelRunner(load_model(tiny_target_dir), block_size=4, kv_memory_bytes=2 << 20)
+    engine = SpecEngine(
+        Verifier(runner), ModelFreeDrafter("ngram"), CHAIN, SCHEDULER, observer=observe
+    )
+    ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in COPY_PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [list(engine.requests[rid].output) for rid in ids]
+    return outputs, [committed[rid] for rid in ids]
+
+
+def text_recording(outputs: list[list[int]]) -> AcceptanceModel:
+    """Each prompt as a kind of its own with its recorded output; one step of a model draft
+    `d` that the model-free runs never use."""
+    step = RecordedStep(parents=(0,), logq=(0.0,), accepted_node=0)
+    sessions = [
+        Session(f"copy{i}", "d", 0, (step,), prompt_tokens=tuple(p), output_tokens=tuple(o))
+        for i, (p, o) in enumerate(zip(COPY_PROMPTS, outputs, strict=True))
+    ]
+    return AcceptanceModel("t", CHAIN, sessions)
+
+
+def requests(outputs: list[list[int]]) -> list[SimRequest]:
+    return [
+        SimRequest(
+            0.0, len(p), len(o), kind=f"copy{i}", session_key=0, max_tokens=MAX_TOKENS, app="a"
+        )
+        for i, (p, o) in enumerate(zip(COPY_PROMPTS, outputs, strict=True))
+    ]
+
+
+def test_ngram_accepts_in_the_simulator_what_the_engine_accepted(engine_steps) -> None:
+    outputs, steps = engine_steps
+    assert sum(n - 1 for s in steps for n in s) >= 40  # the tiny target's output repeats: copied
+    config = SimConfig(SCHEDULER, drafts=("ngram",), method=CHAIN)
+    records = Simulator(config, made_up_cost(), text_recording(outputs)).run(requests(outputs))
+    for record, output, engine in zip(records, outputs, steps, strict=True):
+        assert record.num_output_tokens == len(output)
+        # the first chunk is the prefill's token; then one chunk per decode step
+        assert [n for _, n in record.chunks[1:]] == engine
+        assert record.accepted_tokens == sum(n - 1 for n in engine)
+
+
+def test_counterfactual_chooser_moves_copying_requests_to_ngram(engine_steps) -> None:
+    """Beside a model draft that the recording says never accepts anything, the counterfactual
+    chooser scores ngram on the model's steps and then drafts most steps with it."""
+    outputs, _ = engine_steps
+    scheduler = SchedulerConfig(draft_chooser="counterfactual", tree_selection="global-greedy")
+    config = SimConfig(scheduler, drafts=("d", "ngram"), method=CHAIN)
+    sim = Simulator(config, made_up_cost(), text_recording(outputs))
+    records = sim.run(requests(outputs))
+    assert sim.core.counterfactual_stats["ngram"].num_target_forwards > 0
+    for record in records:
+        assert record.num_output_tokens == len(outputs[record.index])
+        assert record.steps_by_draft.get("ngram", 0) > record.steps_by_draft.get("d", 0)
