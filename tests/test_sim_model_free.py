@@ -1,11 +1,20 @@
 """Model-free drafts in the simulator: what it accepts step by step equals what the real engine's
 verification accepted on the same requests (greedy, the tiny target), and the counterfactual
-chooser moves copying requests to the draft that copies."""
+chooser moves copying requests to the draft that copies; the oracle of static assignments and
+the mixed experiment's bounded form."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.drafters.experiments import (
+    ChooserRun,
+    Setup,
+    batch_aware_oracle,
+    goodput_tps,
+    simulate,
+)
+from bench.drafters.mixed import DEFAULT, ORACLE, mixed, mixed_table
 from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -90,3 +99,40 @@ def test_counterfactual_chooser_moves_copying_requests_to_ngram(engine_steps) ->
     for record in records:
         assert record.num_output_tokens == len(outputs[record.index])
         assert record.steps_by_draft.get("ngram", 0) > record.steps_by_draft.get("d", 0)
+
+
+# ---- the oracle of static assignments, and the mixed experiment's bounded form -------------------
+
+
+def test_best_static_assignment_is_reproducible_and_beats_every_start(engine_steps) -> None:
+    """The oracle's goodput is what simulating its assignment gives, and at least that of every
+    fixed draft and every start it was given (a request put on the model draft alone)."""
+    outputs, _ = engine_steps
+    setup = Setup(made_up_cost(), text_recording(outputs), batch_size=2, max_tokens=MAX_TOKENS)
+    reqs = requests(outputs)
+    ids = [f"sim-{i}" for i in range(len(reqs))]
+    fixed = {d: {rid: d for rid in ids} for d in ("d", "ngram")}
+    mixed_start = {rid: "d" if i == 0 else "ngram" for i, rid in enumerate(ids)}
+    best, goodput = batch_aware_oracle(setup, reqs, ("d", "ngram"), [*fixed.values(), mixed_start])
+    oracle = ChooserRun("oracle", "oracle", ("d", "ngram"))
+    assert goodput_tps(simulate(setup, reqs, oracle, best)) == pytest.approx(goodput)
+    for start in (*fixed.values(), mixed_start):
+        assert goodput >= goodput_tps(simulate(setup, reqs, oracle, start))
+    assert best == fixed["ngram"]  # the model draft accepts nothing here: nobody should keep it
+
+
+def test_mixed_experiment_reports_ratios_and_histograms(engine_steps) -> None:
+    outputs, _ = engine_steps
+    setup = Setup(made_up_cost(), text_recording(outputs), batch_size=2, max_tokens=MAX_TOKENS)
+    result = mixed(setup, requests(outputs), ("d", "ngram"), oracle_passes=1, say=lambda _: None)
+    assert result.best_fixed == "fixed ngram"
+    assert set(result.ratios()) == {
+        f"{DEFAULT} / best fixed",
+        f"{DEFAULT} / oracle",
+        "oracle / best fixed",
+    }
+    assert result.goodput[ORACLE] >= result.goodput["fixed ngram"]
+    for kind in ("copy0", "copy1", "copy2"):
+        assert result.histogram[DEFAULT][kind] == {"ngram": 1}
+    table = mixed_table(result, ("d", "ngram"))
+    assert "counterfactual / oracle" in table
