@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.drafters.__main__ import MIXED_RECORDING
+from bench.drafters.__main__ import PROFILE as MIXED_PROFILE
 from bench.drafters.experiments import (
     ChooserRun,
     Setup,
@@ -14,13 +16,14 @@ from bench.drafters.experiments import (
     goodput_tps,
     simulate,
 )
-from bench.drafters.mixed import DEFAULT, ORACLE, mixed, mixed_table
+from bench.drafters.mixed import DEFAULT, ORACLE, mixed, mixed_requests, mixed_table
 from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
+from shared.scheduling.cost_model import CostModel, CostProfile
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tests.test_model_free_engine import COPY_PROMPTS
@@ -136,3 +139,21 @@ def test_mixed_experiment_reports_ratios_and_histograms(engine_steps) -> None:
         assert result.histogram[DEFAULT][kind] == {"ngram": 1}
     table = mixed_table(result, ("d", "ngram"))
     assert "counterfactual / oracle" in table
+
+
+def test_mixed_requests_replay_their_own_recorded_text() -> None:
+    """Each request of the committed mixed recording follows the prompt whose text it carries:
+    the simulator replays that prompt and answer, and the request ends at the answer's end."""
+    recording = AcceptanceModel.load(MIXED_RECORDING)
+    reqs = mixed_requests(recording, max_tokens=64, per_kind=1)
+    assert {r.kind for r in reqs} == {"chat", "code-edit", "revision", "passage-qa", "agent"}
+    sim = Simulator(
+        SimConfig(SchedulerConfig(max_running_requests=8), drafts=("draft-s", "ngram")),
+        CostModel(CostProfile.load(MIXED_PROFILE)),
+        recording,
+    )
+    records = sim.run(reqs)
+    for i, (request, record) in enumerate(zip(reqs, records, strict=True)):
+        prompt, output = sim._texts[f"sim-{i}"]
+        assert prompt == request.prompt_tokens
+        assert len(output) >= request.num_output_tokens == record.num_output_tokens

@@ -84,6 +84,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="running-set limit")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (cap)")
     p.add_argument("--per-kind", type=int, default=None, help="prompts per kind (default: all)")
+    p.add_argument("--copies", type=int, default=1, help="rounds of the prompts, one after another")
     p.add_argument("--drafts", nargs="+", default=["draft-s", "ngram", "suffix"])
     lbss_options(p, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)")
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
@@ -312,7 +313,7 @@ def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         lbss=LbssSettings(alpha=args.alpha, beta=args.beta, prune_z=args.prune_z),
         planner=args.planner,
     )
-    requests = mixed_requests(acceptance, args.max_tokens, args.per_kind)
+    requests = mixed_requests(acceptance, args.max_tokens, args.per_kind, args.copies)
     started = time.monotonic()
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = mixed(setup, requests, args.drafts, oracle_passes=args.oracle_passes, say=say)
@@ -323,6 +324,7 @@ def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "requests": {
             k: sum(r.kind == k for r in requests) for k in dict.fromkeys(r.kind for r in requests)
         },
+        "copies": args.copies,
         "batch_size": args.batch_size,
         "max_tokens": args.max_tokens,
         "planner": args.planner,
@@ -331,6 +333,7 @@ def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "ratios": result.ratios(),
         "histogram": result.histogram,
         "default_steps": result.default_steps,
+        "tokens_per_forward": result.per_forward,
     }
     stem = f"mixed-{args.profile.stem}"
     return write_results(args.out, stem, data, mixed_table(result, args.drafts))

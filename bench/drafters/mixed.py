@@ -47,11 +47,13 @@ ORACLE = "oracle (best static assignment found)"
 
 
 def mixed_requests(
-    acceptance: AcceptanceModel, max_tokens: int, per_kind: int | None = None
+    acceptance: AcceptanceModel, max_tokens: int, per_kind: int | None = None, copies: int = 1
 ) -> list[SimRequest]:
     """The recording's prompts with text, `per_kind` of each kind (None: all), interleaved by
-    kind, each request as long as its recorded output (at most `max_tokens`) and carrying
-    `max_tokens` as its cap."""
+    kind, `copies` rounds of them, each request as long as its recorded output (at most
+    `max_tokens`) and carrying `max_tokens` as its cap. A round's requests of one kind share an
+    application key; rounds do not (the suffix draft's cache never holds a request's own
+    answer from an earlier copy)."""
     by_kind: dict[str, list[int]] = {}
     for session in acceptance.sessions:
         if session.kind in MIXED_KINDS and session.output_tokens is not None:
@@ -60,7 +62,12 @@ def mixed_requests(
                 prompts.append(session.prompt)
     requests = []
     rounds = max((len(p) for p in by_kind.values()), default=0)
-    for i in range(rounds if per_kind is None else min(rounds, per_kind)):
+    pairs = [
+        (copy, i)
+        for copy in range(copies)
+        for i in range(rounds if per_kind is None else min(rounds, per_kind))
+    ]
+    for copy, i in pairs:
         for kind in MIXED_KINDS:
             prompts = sorted(by_kind.get(kind, []))
             if i >= len(prompts):
@@ -82,7 +89,7 @@ def mixed_requests(
                     prompt_tokens=session.prompt_tokens,
                     session_key=key,
                     max_tokens=max_tokens,
-                    app=kind,
+                    app=f"{kind}/{copy}",
                 )
             )
     return requests
@@ -101,6 +108,8 @@ class MixedResult:
     histogram: dict[str, dict[str, dict[str, int]]]
     # workload -> draft -> steps drafted with it under the default chooser
     default_steps: dict[str, dict[str, int]]
+    # fixed runs: draft -> workload -> output tokens per decode step (per target forward)
+    per_forward: dict[str, dict[str, float]]
 
     @property
     def best_fixed(self) -> str:
@@ -126,6 +135,18 @@ def by_workload(
     return {kind: dict(sorted(c.items())) for kind, c in counts.items()}
 
 
+def tokens_per_forward(
+    requests: Sequence[SimRequest], records: Sequence[RequestRecord]
+) -> dict[str, float]:
+    """Per workload: output tokens after the first over the decode steps that made them."""
+    tokens: Counter[str] = Counter()
+    steps: Counter[str] = Counter()
+    for request, record in zip(requests, records, strict=True):
+        tokens[request.kind or ""] += record.num_output_tokens - 1
+        steps[request.kind or ""] += len(record.chunks) - 1
+    return {kind: tokens[kind] / steps[kind] for kind in sorted(steps) if steps[kind]}
+
+
 def mixed(
     setup: Setup,
     requests: Sequence[SimRequest],
@@ -139,12 +160,14 @@ def mixed(
     fixed: dict[str, list[RequestRecord]] = {}
     steps: dict[str, Counter[str]] = {}
     starts: list[dict[str, str]] = []
+    per_forward: dict[str, dict[str, float]] = {}
     for run in runs(drafts):
         records = simulate(setup, requests, run)
         goodput[run.label] = goodput_tps(records)
         histogram[run.label] = by_workload(requests, records)
         if run.chooser == "fixed":
             fixed[run.drafts[0]] = records
+            per_forward[run.drafts[0]] = tokens_per_forward(requests, records)
             starts.append({f"sim-{i}": run.drafts[0] for i in range(len(requests))})
         if run.label == DEFAULT:
             starts.append({f"sim-{i}": most_used(r) or drafts[0] for i, r in enumerate(records)})
@@ -163,7 +186,7 @@ def mixed(
         kind[draft] = kind.get(draft, 0) + 1
     say(f"{ORACLE}: {goodput[ORACLE]:.1f} tok/s")
     default_steps = {kind: dict(sorted(c.items())) for kind, c in steps.items()}
-    return MixedResult(goodput, histogram, default_steps)
+    return MixedResult(goodput, histogram, default_steps, per_forward)
 
 
 def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
@@ -190,4 +213,14 @@ def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
         ", ".join(f"{d} {n}" for d, n in result.default_steps.get(k, {}).items()) for k in kinds
     ]
     lines.append(f"| {DEFAULT}: steps per draft | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Output tokens per target forward (decode steps) of each fixed draft, per workload:",
+        "",
+        "| draft | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for draft, row in result.per_forward.items():
+        cells = [f"{row[k]:.2f}" if k in row else "-" for k in kinds]
+        lines.append(f"| {draft} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

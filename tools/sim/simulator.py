@@ -78,8 +78,9 @@ EOS_TOKEN = 3  # ends a request at its recorded length
 # tokens of a relabelled model tree's nodes off the recorded path: beyond any vocabulary
 OFF_TEXT_TOKEN = 1 << 24
 TEXT_EOS_TOKEN = OFF_TEXT_TOKEN - 1  # EOS where requests replay recorded text (no text has it)
-# a model-free draft's CPU time per request and step: `bench.bench_model_free`'s proposals take
-# about 0.1-0.3 ms on this machine's 2-core CPU (a 32-node tree over a prompt of ~1k tokens)
+# a model-free draft's CPU time per request and step: a constant, assumed and not measured (no
+# cost profile has a model-free entry); a proposal is a numpy window match over the request's
+# ~1k tokens and a trie of at most 32 nodes
 MODEL_FREE_DRAFT_MS = 0.3
 
 
