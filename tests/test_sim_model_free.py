@@ -157,3 +157,26 @@ def test_mixed_requests_replay_their_own_recorded_text() -> None:
         prompt, output = sim._texts[f"sim-{i}"]
         assert prompt == request.prompt_tokens
         assert len(output) >= request.num_output_tokens == record.num_output_tokens
+
+
+def test_a_model_draft_replays_its_recorded_run_step_for_step() -> None:
+    """With its whole tree verified every step, a request on the draft that made the recording
+    commits what the recorded run committed at every step: the recorded step's accepted path
+    and bonus where the run drafted, one token where it drafted nothing."""
+    recording = AcceptanceModel.load(MIXED_RECORDING)
+    for request in mixed_requests(recording, max_tokens=64, per_kind=2):
+        sim = Simulator(
+            SimConfig(SCHEDULER, drafts=("draft-s",)),
+            CostModel(CostProfile.load(MIXED_PROFILE)),
+            recording,
+        )
+        [record] = sim.run([request])
+        session = sim._sessions[("sim-0", "draft-s")]
+        at, expected = 1, []
+        while at < request.num_output_tokens:
+            index = session.step_at(at)
+            drafted = session.starts[index] == at
+            expected.append(1 + len(session.steps[index].accepted_path()) if drafted else 1)
+            at += expected[-1]
+        got = [n for _, n in record.chunks[1:]]
+        assert got[:-1] == expected[:-1] and got[-1] <= expected[-1]  # the last one at the end

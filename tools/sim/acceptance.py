@@ -123,6 +123,17 @@ class Session:
         index = bisect.bisect_left(self.starts, offset)
         return index if index < len(self.steps) else 0
 
+    def drafted_nothing_at(self, offset: int) -> bool:
+        """Whether the recorded run was at `offset` tokens into the text without drafting
+        anything: before its first recorded step, between one step's end and the next's start,
+        or after its last."""
+        index = bisect.bisect_right(self.starts, offset) - 1
+        if index < 0:
+            return True
+        if offset == self.starts[index]:
+            return False
+        return offset >= self.end_of(index)  # else inside a step: off the recorded run's path
+
     def end_of(self, step: int) -> int:
         """Where the text is after `step` (wrapping round): its start plus what it committed."""
         index = step % len(self.steps)

@@ -26,7 +26,9 @@ drafts it. A model-free draft proposes from those tokens with the engine's own d
 accepts the longest path of the selected tree that follows the recorded output (the target's
 greedy continuation: exactly what the real verifier would accept). A model draft's recorded tree
 is relabelled onto the text: its recorded accepted path carries the output's next tokens, its
-other nodes tokens that no text has. A model-free draft costs `model_free_draft_ms` per request
+other nodes tokens that no text has; where the recorded run drafted nothing (no node reached
+`min_path_prob`), it drafts nothing either, so a run that follows the recorded steps replays
+them exactly. A model-free draft costs `model_free_draft_ms` per request
 and step on a device of its own (its CPU time; no forward). The simulator does not merge trees:
 a model-free tree the core asks for beside a model draft (the counterfactual chooser's) is
 scored, never verified.
@@ -347,7 +349,14 @@ class Simulator:
                 session, step = self._drafted[rid] = self._session_step(rid, model)
                 tree, sizes = self.acceptance.drafted(session, step, plan.max_depth, plan.method)
                 if rid in self._texts:
-                    tree = self._onto_text(rid, tree, session, step)
+                    at = len(self.core.requests[rid].output)
+                    if session.drafted_nothing_at(at):  # as the recorded drafter did here
+                        tree, sizes = (
+                            TokenTree.root_only(self.core.requests[rid].all_tokens[-1]),
+                            (),
+                        )
+                    else:
+                        tree = self._onto_text(rid, tree, session, step)
                 answers[job.key] = DraftedTree(rid, job.entry.step, tree)
                 for depth, size in enumerate(sizes, start=1):
                     layers[depth] = layers.get(depth, 0) + size
