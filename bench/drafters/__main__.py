@@ -4,6 +4,7 @@
     python -m bench.drafters fig13 [--profile PATH] [--batch-size 16] [--max-micro-batches 6]
                                    [--split policy|per-draft]
     python -m bench.drafters real [--requests 24] [--max-tokens 64] [--batch-size 8]
+    python -m bench.drafters mixed [--profile PATH] [--drafts draft-s ngram suffix] [--per-kind N]
 
 Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
 a markdown table per cost profile. The default profile is the committed H100 one (one device per
@@ -27,6 +28,8 @@ PROFILE = (
     REPO_ROOT / "profiles" / "SmolLM2-135M-Instruct-cuda-nvidia-h100-80gb-hbm3-bfloat16-t0.json"
 )
 RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-3drafts.json.gz"
+# chat and the copy-heavy kinds with their text kept (`tools.sim.acceptance --tokens`)
+MIXED_RECORDING = REPO_ROOT / "profiles" / "acceptance-SmolLM2-135M-Instruct-mixed.json.gz"
 
 
 def lbss_options(p: argparse.ArgumentParser, prune_help: str) -> None:
@@ -75,6 +78,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="policy",
         help="scheduler.micro_batch_split: which requests each micro-batch takes",
     )
+    p = sub.add_parser("mixed", help="copy-heavy and chat requests together: choosers, oracle")
+    p.add_argument("--profile", type=Path, default=PROFILE)
+    p.add_argument("--recording", type=Path, default=MIXED_RECORDING)
+    p.add_argument("--batch-size", type=int, default=8, help="running-set limit")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (cap)")
+    p.add_argument("--per-kind", type=int, default=None, help="prompts per kind (default: all)")
+    p.add_argument("--copies", type=int, default=1, help="rounds of the prompts, one after another")
+    p.add_argument("--drafts", nargs="+", default=["draft-s", "ngram", "suffix"])
+    lbss_options(p, "LBSS explores no model confidently worse than the best (0: Spin's Alg. 2)")
+    p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
+    p.add_argument("--oracle-passes", type=int, default=2)
+    p.add_argument("--out", type=Path, default=OUT)
     p = sub.add_parser("real", help="the choosers as real replays through the services")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64, help="answer length cap")
@@ -94,9 +109,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     for name in (
-        "batch_size", "max_tokens", "copies", "alpha", "beta", "max_micro_batches", "requests"
+        "batch_size", "max_tokens", "copies", "alpha", "beta", "max_micro_batches", "requests",
+        "per_kind",
     ):  # fmt: skip
-        if getattr(args, name, 1) < 1:
+        if (getattr(args, name, 1) or 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -200,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.experiment == "real":
         return main_real(args, argv)
+    if args.experiment == "mixed":
+        return main_mixed(args, argv)
     from bench.drafters.experiments import Setup, fig11, fig13
     from shared.scheduling.cost_model import CostModel, CostProfile
     from shared.settings import LbssSettings
@@ -277,6 +295,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     }
     return write_results(args.out, f"fig11-{args.profile.stem}", data, table(results, args.drafts))
+
+
+def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from bench.drafters.experiments import Setup
+    from bench.drafters.mixed import mixed, mixed_requests, mixed_table
+    from shared.scheduling.cost_model import CostModel, CostProfile
+    from shared.settings import LbssSettings
+    from tools.sim.acceptance import AcceptanceModel
+
+    acceptance = AcceptanceModel.load(args.recording)
+    setup = Setup(
+        CostModel(CostProfile.load(args.profile)),
+        acceptance,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        lbss=LbssSettings(alpha=args.alpha, beta=args.beta, prune_z=args.prune_z),
+        planner=args.planner,
+    )
+    requests = mixed_requests(acceptance, args.max_tokens, args.per_kind, args.copies)
+    started = time.monotonic()
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = mixed(setup, requests, args.drafts, oracle_passes=args.oracle_passes, say=say)
+    data = {
+        "command": command_line(argv).strip(),
+        "profile": args.profile.name,
+        "recording": args.recording.name,
+        "requests": {
+            k: sum(r.kind == k for r in requests) for k in dict.fromkeys(r.kind for r in requests)
+        },
+        "copies": args.copies,
+        "batch_size": args.batch_size,
+        "max_tokens": args.max_tokens,
+        "planner": args.planner,
+        "seconds": round(time.monotonic() - started, 1),
+        "goodput_tps": result.goodput,
+        "ratios": result.ratios(),
+        "histogram": result.histogram,
+        "default_steps": result.default_steps,
+        "tokens_per_forward": result.per_forward,
+    }
+    stem = f"mixed-{args.profile.stem}"
+    return write_results(args.out, stem, data, mixed_table(result, args.drafts))
 
 
 def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

@@ -163,7 +163,12 @@ def batch_aware_oracle(
 ) -> tuple[dict[str, str], float]:
     """Each request's draft chosen with the steps it shares priced in, and the run's goodput:
     from the best of `starts` (assignments request id -> draft), coordinate ascent on the whole
-    run's goodput, one request's draft at a time, for at most `passes` passes over them."""
+    run's goodput, one request's draft at a time, for at most `passes` passes over them.
+
+    An oracle of the static family (one draft per request for its whole life, the whole batch
+    simulated under the assignment), not a bound: it is a local optimum of that family, at
+    least as good as every start, and a chooser that switches drafts within a request (LBSS,
+    the counterfactual chooser) is outside the family and can beat it."""
     run = ChooserRun(ORACLE, "oracle", tuple(drafts))
     seen: dict[tuple[tuple[str, str], ...], float] = {}
 

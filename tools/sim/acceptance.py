@@ -100,6 +100,10 @@ class Session:
     positions: tuple[int, ...] | None = None
     num_tokens: int | None = None  # output tokens at the end
     output_crc: int | None = None  # CRC-32 of the output token ids: the same text, the same CRC
+    # the prompt's and the output's token ids (recordings made with them: the simulator then
+    # replays the text itself, which model-free drafts propose from)
+    prompt_tokens: tuple[int, ...] | None = None
+    output_tokens: tuple[int, ...] | None = None
 
     @cached_property
     def starts(self) -> tuple[int, ...]:
@@ -118,6 +122,17 @@ class Session:
         step, the first (the text starts over)."""
         index = bisect.bisect_left(self.starts, offset)
         return index if index < len(self.steps) else 0
+
+    def drafted_nothing_at(self, offset: int) -> bool:
+        """Whether the recorded run was at `offset` tokens into the text without drafting
+        anything: before its first recorded step, between one step's end and the next's start,
+        or after its last."""
+        index = bisect.bisect_right(self.starts, offset) - 1
+        if index < 0:
+            return True
+        if offset == self.starts[index]:
+            return False
+        return offset >= self.end_of(index)  # else inside a step: off the recorded run's path
 
     def end_of(self, step: int) -> int:
         """Where the text is after `step` (wrapping round): its start plus what it committed."""
@@ -151,6 +166,11 @@ class AcceptanceModel:
     @property
     def kinds(self) -> list[str]:
         return sorted({k for k, _ in self._by_key})
+
+    @property
+    def has_text(self) -> bool:
+        """Whether sessions keep their prompt's and output's token ids (`--tokens`)."""
+        return any(s.output_tokens is not None for s in self.sessions)
 
     @property
     def drafts(self) -> list[str]:
@@ -261,6 +281,8 @@ class AcceptanceModel:
                     **({} if s.positions is None else {"positions": list(s.positions)}),
                     **({} if s.num_tokens is None else {"num_tokens": s.num_tokens}),
                     **({} if s.output_crc is None else {"output_crc": s.output_crc}),
+                    **({} if s.prompt_tokens is None else {"prompt_tokens": list(s.prompt_tokens)}),
+                    **({} if s.output_tokens is None else {"output_tokens": list(s.output_tokens)}),
                 }
                 for s in self.sessions
             ],
@@ -294,10 +316,14 @@ class AcceptanceModel:
                     raise ValueError(f"{where}: positions that do not follow the steps in {name}")
             num_tokens = None if s.get("num_tokens") is None else int(s["num_tokens"])
             crc = None if s.get("output_crc") is None else int(s["output_crc"])
+            prompt_tokens, output_tokens = (
+                None if s.get(name) is None else tuple(int(t) for t in s[name])
+                for name in ("prompt_tokens", "output_tokens")
+            )
             sessions.append(
                 Session(
                     str(s["kind"]), str(s["draft"]), int(s["prompt"]), steps, positions,
-                    num_tokens, crc,
+                    num_tokens, crc, prompt_tokens, output_tokens,
                 )
             )  # fmt: skip
         return cls(str(data["target"]), DraftMethod(**method), sessions, str(data.get("notes", "")))
@@ -393,10 +419,12 @@ def record(
     per_kind: int,
     max_tokens: int,
     method: DraftMethod | None = None,
+    keep_tokens: bool = False,
 ) -> AcceptanceModel:
-    """Decode `per_kind` evaluation prompts of each kind with each draft, greedily, every drafted
-    tree verified whole, and keep every step; the drafts grow trees by `method` (None: the
-    default method)."""
+    """Decode `per_kind` evaluation prompts of each kind (the copy-heavy kinds of
+    `tools.workloads` included) with each draft, greedily, every drafted tree verified whole,
+    and keep every step; the drafts grow trees by `method` (None: the default method);
+    `keep_tokens`: each session keeps its prompt's and output's token ids."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -411,6 +439,7 @@ def record(
     from shared.scheduling.config import SchedulerConfig
     from shared.values.sampling import SamplingParams
     from tools.prompts import chat_ids
+    from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
 
     method = method or DEFAULT_METHOD
     tdir = target_dir()
@@ -420,7 +449,14 @@ def record(
     config = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
     sessions: list[Session] = []
     jobs = [(k, d, i) for d in drafts for k in kinds for i in range(per_kind)]
-    prompts = {k: [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)] for k in kinds}
+    prompts = {
+        k: (
+            [conversation_ids(tokenizer, c) for c in workload_messages(k, per_kind)]
+            if k in COPY_KINDS
+            else [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)]
+        )
+        for k in kinds
+    }
     engines: dict[str, SpecEngine] = {}
     steps: list[RecordedStep] = []
     positions: list[int] = []
@@ -449,8 +485,11 @@ def record(
         positions.clear()
         [done] = engines[draft].generate([prompts[kind][i]], SamplingParams(max_tokens=max_tokens))
         output_crc = zlib.crc32(np.asarray(done.output, dtype=np.int64).tobytes())
+        text = (tuple(prompts[kind][i]), tuple(done.output)) if keep_tokens else (None, None)
         sessions.append(
-            Session(kind, draft, i, tuple(steps), tuple(positions), len(done.output), output_crc)
+            Session(
+                kind, draft, i, tuple(steps), tuple(positions), len(done.output), output_crc, *text
+            )
         )
     notes = (
         f"recorded {time.strftime('%Y-%m-%d')}: {per_kind} evaluation prompts per kind, greedy, "
@@ -469,13 +508,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.datasets import KINDS
     from shared.engine.presets import DEFAULT_DRAFT
     from shared.model.model_set import ALL_DRAFT_NAMES
+    from tools.workloads import COPY_KINDS
 
     parser = argparse.ArgumentParser(
         prog="python -m tools.sim.acceptance",
         description="Record the acceptance model the simulator replays, from the real engine.",
     )
     parser.add_argument("--out", type=Path, required=True, help="file to write (.json or .json.gz)")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=(*KINDS, *COPY_KINDS))
     parser.add_argument(
         "--drafts", nargs="+", default=[DEFAULT_DRAFT], choices=ALL_DRAFT_NAMES, help="draft models"
     )
@@ -486,11 +526,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="record unpruned beams of this depth and width (AdaServe's candidates) instead of "
         "the default method's trees",
     )  # fmt: skip
+    parser.add_argument(
+        "--tokens", action="store_true",
+        help="keep each session's prompt and output token ids (the simulator's model-free drafts "
+        "propose from them)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.per_kind < 1 or args.max_tokens < 2:
         parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
     method = None if args.beam is None else beam_method(*args.beam)
-    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens, method)
+    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens, method, args.tokens)
     model.save(args.out)
     for (kind, draft), length in model.mean_accepted_length().items():
         print(f"{kind:6s} {draft:8s} mean accepted length {length:.2f} (whole trees)")

@@ -18,6 +18,21 @@ verification, `observe`. What it replaces is the work:
   part plus a part growing with the square root of the decoding requests (`tools.sim.calibrate`
   measures both from a running scheduler).
 
+Model-free drafts (`ngram`, `suffix`: `shared/engine/model_free.py`) are simulated where the
+recording keeps each prompt's text (`python -m tools.sim.acceptance --tokens`): a request then
+carries its recorded prompt and commits its recorded greedy output token by token, whatever
+drafts it. A model-free draft proposes from those tokens with the engine's own drafter
+(`ModelFreeDrafter`, the suffix draft's application caches included), and greedy verification
+accepts the longest path of the selected tree that follows the recorded output (the target's
+greedy continuation: exactly what the real verifier would accept). A model draft's recorded tree
+is relabelled onto the text: its recorded accepted path carries the output's next tokens, its
+other nodes tokens that no text has; where the recorded run drafted nothing (no node reached
+`min_path_prob`), it drafts nothing either, so a run that follows the recorded steps replays
+them exactly. A model-free draft costs `model_free_draft_ms` per request
+and step on a device of its own (its CPU time; no forward). The simulator does not merge trees:
+a model-free tree the core asks for beside a model draft (the counterfactual chooser's) is
+scored, never verified.
+
 Up to M micro-batches are in flight (the core's `micro_batches`). Devices are FIFO servers: the
 verifier, and each draft model's drafter, unless `shared_device` (one host whose processes take
 turns on the same cores, as on a CPU machine) makes them one.
@@ -31,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
     MicroBatch,
@@ -53,14 +69,21 @@ from shared.scheduling.request import RequestState
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from shared.values.steps import DraftedTree, VerifiedRequest, VerifyRequest
-from shared.values.tree import TokenTree
+from shared.values.tree import TokenTree, counterfactual_accepted
 from tools.load.records import RequestRecord
-from tools.sim.acceptance import AcceptanceModel, Session
+from tools.sim.acceptance import TOKEN_BASE, AcceptanceModel, Session
 from tools.sim.prefix import hashed_prompt
 
 PROMPT_TOKEN = 1  # simulated prompts and bonus tokens; only counts matter
 BONUS_TOKEN = 2
 EOS_TOKEN = 3  # ends a request at its recorded length
+# tokens of a relabelled model tree's nodes off the recorded path: beyond any vocabulary
+OFF_TEXT_TOKEN = 1 << 24
+TEXT_EOS_TOKEN = OFF_TEXT_TOKEN - 1  # EOS where requests replay recorded text (no text has it)
+# a model-free draft's CPU time per request and step: a constant, assumed and not measured (no
+# cost profile has a model-free entry); a proposal is a numpy window match over the request's
+# ~1k tokens and a trie of at most 32 nodes
+MODEL_FREE_DRAFT_MS = 0.3
 
 
 def step_overhead_ms(fixed_ms: float, per_request_ms: float, num_decoding: int) -> float:
@@ -88,6 +111,7 @@ class SimConfig:
     prefix_caching: bool = False
     block_size: int = 16
     prefix_cache_blocks: int = 1 << 20
+    model_free_draft_ms: float = MODEL_FREE_DRAFT_MS
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,7 @@ class SimRequest:
     # Mooncake's prefix block hashes: the prompt's tokens are drawn from them (with
     # `prompt_tokens` None), so that requests share what the trace says they share
     hash_ids: tuple[int, ...] | None = None
+    app: str = ""  # `augury.app`: the suffix draft's cache of the application's recent requests
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < self.num_output_tokens:
@@ -126,24 +151,40 @@ class _InFlight:
 
 class Simulator:
     def __init__(self, config: SimConfig, cost: CostModel, acceptance: AcceptanceModel) -> None:
-        missing = [d for d in config.drafts if d not in acceptance.drafts]
+        self.model_free = tuple(d for d in config.drafts if d in MODEL_FREE_KINDS)
+        self.models = tuple(d for d in config.drafts if d not in MODEL_FREE_KINDS)
+        missing = [d for d in self.models if d not in acceptance.drafts]
         if missing:
             raise ValueError(
                 f"no recorded acceptance for draft(s) {missing} (recorded: {acceptance.drafts})"
             )
-        missing = [d for d in config.drafts if not cost.has_draft(d)]
+        missing = [d for d in self.models if not cost.has_draft(d)]
         if missing:
             raise ValueError(f"the cost profile has no draft(s) {missing} ({cost.draft_models})")
+        scheduler = config.scheduler
+        if self.model_free:
+            if scheduler.merge_drafts not in ("auto", "off"):
+                raise ValueError("the simulator does not merge trees (merge_drafts must be off)")
+            scheduler = scheduler.model_copy(update={"merge_drafts": "off"})
         self.config = config
         self.cost = cost
         self.acceptance = acceptance
+        self._model_free_drafters = {name: ModelFreeDrafter(name) for name in self.model_free}
+        # request -> its recorded prompt and output (text mode: model-free drafts need it)
+        self._texts: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.eos = TEXT_EOS_TOKEN if acceptance.has_text else EOS_TOKEN
         # request -> its answer's length: where the simulator ends it, and what only the
         # `oracle` length predictor is given
         self._lengths: dict[str, int] = {}
         method = config.method or acceptance.method
         self.core = make_core(
-            config.scheduler,
-            TargetInfo(config.vocab_size, config.max_context, (EOS_TOKEN,)),
+            scheduler,
+            TargetInfo(
+                config.vocab_size,
+                config.max_context,
+                (self.eos,),
+                model_free_drafts=self.model_free,
+            ),
             config.drafts,
             cost,
             method=method if config.drafts else None,
@@ -218,15 +259,32 @@ class Simulator:
         cap = request.num_output_tokens if request.max_tokens is None else request.max_tokens
         params = SamplingParams(max_tokens=cap)
         self._lengths[rid] = request.num_output_tokens
+        self._kinds[rid] = request.kind
+        self._session_keys[rid] = index if request.session_key is None else request.session_key
         prompt = request.prompt_tokens or (PROMPT_TOKEN,) * request.num_prompt_tokens
         if request.prompt_tokens is None and request.hash_ids is not None:
             prompt = hashed_prompt(
                 request.hash_ids, request.num_prompt_tokens, self.config.vocab_size
             )
+        text = self._text_of(rid)
+        if text is not None:
+            prompt = text[0]
+            self._texts[rid] = text
+        elif self.model_free:
+            raise ValueError(
+                f"request {rid}: model-free drafts need the recorded text of its prompt "
+                "(a recording made with --tokens)"
+            )
         # the trace's objective as it is: no class is resolved against a baseline here
         resolved = Resolved(seed=index, tpot_slo_ms=request.tpot_slo_ms, slo_class=None)
         state = new_request(
-            rid, prompt, params, resolved, arrival_time=request.arrival_s, priority=request.priority
+            rid,
+            prompt,
+            params,
+            resolved,
+            arrival_time=request.arrival_s,
+            priority=request.priority,
+            app=request.app,
         )
         record = RequestRecord(
             index=index,
@@ -237,13 +295,32 @@ class Simulator:
             tpot_slo_ms=request.tpot_slo_ms,
         )
         self.records[rid] = record
-        self._kinds[rid] = request.kind
-        self._session_keys[rid] = index if request.session_key is None else request.session_key
         try:
             self.core.add(state)
         except ValueError as error:  # refused (too long for the context): a failed request
             record.error = str(error)
             record.finish_s = request.arrival_s
+
+    def _prompt_of(self, rid: str) -> tuple[str, int] | None:
+        """The recorded prompt the request follows under every model draft (every recorded
+        draft when it drafts with none)."""
+        if rid not in self._prompts:
+            drafts = self.models or tuple(self.acceptance.drafts)
+            self._prompts[rid] = self.acceptance.prompt_for(
+                self._kinds[rid], self._session_keys[rid], drafts
+            )
+        return self._prompts[rid]
+
+    def _text_of(self, rid: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The recorded prompt's and output's token ids of the request's prompt, if kept."""
+        prompt = self._prompt_of(rid)
+        if prompt is None:
+            return None
+        for draft in self.models or tuple(self.acceptance.drafts):
+            session = self.acceptance.session_for(prompt[0], draft, 0, prompt)
+            if session.prompt_tokens is not None and session.output_tokens is not None:
+                return session.prompt_tokens, session.output_tokens
+        return None
 
     # ---- one micro-batch: the simulator's transport (`shared.scheduling.executor`) --------------
     def _dispatch(self, batch: MicroBatch, now: float) -> _InFlight:
@@ -258,14 +335,28 @@ class Simulator:
         answers: dict[DraftKey, DraftedTree] = {}
         by_model: dict[str, list[DraftJob]] = {}
         for job in drafts.jobs:
-            if job.role == "draft":
+            if job.plan.model in self.model_free and job.role != "warm":
+                by_model.setdefault(job.plan.model, []).append(job)  # a model-free partner too
+            elif job.role == "draft":
                 by_model.setdefault(job.plan.model, []).append(job)
         for model, jobs in sorted(by_model.items()):
+            if model in self.model_free:
+                answers |= self._draft_model_free(model, jobs)
+                continue
             layers: dict[int, int] = {}
             for job in jobs:
                 rid, plan = job.entry.request_id, job.plan
                 session, step = self._drafted[rid] = self._session_step(rid, model)
                 tree, sizes = self.acceptance.drafted(session, step, plan.max_depth, plan.method)
+                if rid in self._texts:
+                    at = len(self.core.requests[rid].output)
+                    if session.drafted_nothing_at(at):  # as the recorded drafter did here
+                        tree, sizes = (
+                            TokenTree.root_only(self.core.requests[rid].all_tokens[-1]),
+                            (),
+                        )
+                    else:
+                        tree = self._onto_text(rid, tree, session, step)
                 answers[job.key] = DraftedTree(rid, job.entry.step, tree)
                 for depth, size in enumerate(sizes, start=1):
                     layers[depth] = layers.get(depth, 0) + size
@@ -279,6 +370,41 @@ class Simulator:
             self._draft_done = max(self._draft_done, self._occupy(f"draft:{model}", self._now, ms))
         answers |= self._warm([job for job in drafts.jobs if job.role == "warm"])
         return answers
+
+    def _draft_model_free(
+        self, model: str, jobs: Sequence[DraftJob]
+    ) -> dict[DraftKey, DraftedTree]:
+        """The engine's model-free drafter's trees over the requests' recorded text; its device
+        busy `model_free_draft_ms` per request. A job that does not follow from what the drafter
+        holds goes unanswered (the core starts that drafter over), as the service's would."""
+        drafter = self._model_free_drafters[model]
+        answers: dict[DraftKey, DraftedTree] = {}
+        for job in jobs:
+            if drafter.sync_problem(job.entry) is not None:
+                continue
+            tree = drafter.draft([job.entry], job.plan.method)[job.entry.request_id]
+            answers[job.key] = DraftedTree(job.entry.request_id, job.entry.step, tree)
+        ms = self.config.model_free_draft_ms * len(jobs)
+        self._draft_done = max(self._draft_done, self._occupy(f"draft:{model}", self._now, ms))
+        return answers
+
+    def _onto_text(self, rid: str, tree: TokenTree, session: Session, step: int) -> TokenTree:
+        """A recorded model tree relabelled onto the request's text: the root is its last
+        token, the recorded accepted path carries the output's next tokens, every other node a
+        token no text has (so the target accepts exactly the recorded path's length, as far as
+        the text goes)."""
+        request = self.core.requests[rid]
+        output = self._texts[rid][1]
+        at = len(request.output)
+        path = [
+            TOKEN_BASE + node for node in session.steps[step % len(session.steps)].accepted_path()
+        ]
+        onto = {token: output[at + d] for d, token in enumerate(path) if at + d < len(output)}
+        tokens = [
+            onto.get(int(token), OFF_TEXT_TOKEN + i) for i, token in enumerate(tree.tokens.tolist())
+        ]
+        tokens[0] = request.all_tokens[-1]
+        return TokenTree.build(tokens, tree.parents.tolist(), tree.logq.tolist())
 
     def _warm(self, jobs: Sequence[DraftJob]) -> dict[DraftKey, DraftedTree]:
         """Fast switching's warm-ups: each standby draft appends the committed tokens it lacks,
@@ -326,7 +452,9 @@ class Simulator:
         pass  # no memory to free on a virtual clock
 
     def free_draft(self, model: str, replica: str, request_id: str) -> None:
-        pass
+        drafter = self._model_free_drafters.get(model)
+        if drafter is not None:  # the suffix draft's application cache takes the request's text
+            drafter.free(request_id)
 
     def overhead_ms(self, num_decoding: int) -> float:
         return step_overhead_ms(
@@ -349,26 +477,33 @@ class Simulator:
         key = (rid, model)
         session = self._sessions.get(key)
         if session is None:
-            if rid not in self._prompts:
-                self._prompts[rid] = self.acceptance.prompt_for(
-                    self._kinds[rid], self._session_keys[rid], self.config.drafts
-                )
             session = self.acceptance.session_for(
-                self._kinds[rid], model, self._session_keys[rid], self._prompts[rid]
+                self._kinds[rid], model, self._session_keys[rid], self._prompt_of(rid)
             )
             self._sessions[key] = session
+        if rid in self._texts:  # where the text has got to is the request's own output
+            step = session.step_at(len(self.core.requests[rid].output))
+            return session, step
         step = session.step_at(self._text_at.get(rid, 0))
         self._text_at[rid] = session.end_of(step)
         return session, step
 
     def _verify_one(self, entry: VerifyRequest) -> VerifiedRequest:
         request = self.core.requests[entry.request_id]
+        text = self._texts.get(entry.request_id)
         if entry.tree is None:  # a prompt chunk
             cached = self._prefill_cached(request, entry)
-            bonus = BONUS_TOKEN if entry.chunk_is_last else None
+            bonus = None
+            if entry.chunk_is_last:
+                bonus = text[1][0] if text is not None else BONUS_TOKEN
             return VerifiedRequest(entry.request_id, entry.step, bonus=bonus, cached_tokens=cached)
         accepted, path = 0, []
-        if entry.tree.num_nodes > 1 and entry.request_id in self._drafted:
+        if text is not None:  # greedy verification against the recorded output
+            path = list(text[1][len(request.output) :])
+            accepted = (
+                counterfactual_accepted(entry.tree, path)[0] if entry.tree.num_nodes > 1 else 0
+            )
+        elif entry.tree.num_nodes > 1 and entry.request_id in self._drafted:
             session, step = self._drafted[entry.request_id]
             accepted = self.acceptance.num_accepted(session, step, entry.tree)
             path = self.acceptance.target_tokens(session, step)
@@ -402,7 +537,7 @@ class Simulator:
         left = self._lengths[request.request_id] - len(request.output)
         if left >= count or left >= request.tokens_left:
             return tokens
-        return (*tokens[: max(0, left)], EOS_TOKEN)
+        return (*tokens[: max(0, left)], self.eos)
 
     def _outputs(self, outputs: Sequence[StepOutput], now: float) -> None:
         for out in outputs:
