@@ -128,8 +128,8 @@ def measure(runs: dict[str, Run], batch: dict[str, list[list[int]]]) -> dict[str
                 t = tallies[name][kind]
                 t.equal += outputs[name] == outputs[PLAIN]
                 t.worst = min(t.worst, len(outputs[name]) / seconds[name] / plain_rate)
-            line = {n: round(len(outputs[n]) / tallies[n][kind].seconds, 2) for n in runs}
-            print(kind, i, "cumulative tok/s", line, flush=True)
+            line = {n: round(len(outputs[n]) / seconds[n], 2) for n in runs}
+            print(kind, i, "tok/s", line, flush=True)
     return tallies
 
 
