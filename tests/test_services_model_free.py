@@ -37,9 +37,11 @@ async def test_model_free_drafters_alone_keep_greedy_output(
         assert scheduler is not None
         acceptance = scheduler.stats.acceptance
         answered = {d.model: d.stats.requests for d in stack.drafters}
+        failed = {d.model: d.consumer.stats.failed for d in stack.drafters}
     for rid, want in zip(ids, expected, strict=True):
         assert client.outcomes[rid].tokens == want
     assert answered["ngram"] > 0 and answered["suffix"] > 0
+    assert failed == {"ngram": 0, "suffix": 0}  # every job handled, releases included
     assert acceptance.mean_accepted_length >= FLOOR
 
 
@@ -64,7 +66,9 @@ async def test_model_free_trees_merged_with_a_model_draft_keep_greedy_output(
         assert core.config.merge_drafts == "model-free"  # "auto" with both kinds of draft
         merged = core.num_merged_trees
         acceptance = scheduler.stats.acceptance
+        failed = {d.model: d.consumer.stats.failed for d in stack.drafters}
     for rid, want in zip(ids, expected, strict=True):
         assert client.outcomes[rid].tokens == want
     assert merged > 0
+    assert failed == {"tiny": 0, "ngram": 0}
     assert acceptance.mean_accepted_length >= FLOOR

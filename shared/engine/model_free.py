@@ -404,6 +404,9 @@ class ModelFreeDrafter:
         self.kind = kind
         self.name = name or kind
         self.proposer = proposer or make_proposer(kind)
+        # a model drafter's grammar masks (structured output); model-free trees are not masked:
+        # verification keeps only the allowed tokens of what they propose
+        self.grammar: None = None
         self._tokens: dict[str, list[int]] = {}
         self._app: dict[str, str] = {}
 
