@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_doc_commands import fenced_lines
+from tools.doc_extract import fenced_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
