@@ -26,7 +26,13 @@ from distill import data
 from distill.evaluate import METHOD_KEYS
 from distill.model import DRAFT_SPECS, DraftSpec, TrainableDraft, export_draft, load_trainable
 from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, train_draft
-from shared.model.model_set import ALL_DRAFT_NAMES, DRAFTS_DIR, REPO_ROOT, target_dir
+from shared.model.model_set import (
+    ALL_DRAFT_NAMES,
+    DRAFT_NAMES,
+    DRAFTS_DIR,
+    REPO_ROOT,
+    target_dir,
+)
 
 SEED = 1234
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "distill"
@@ -172,7 +178,9 @@ def evaluate_cmd(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     seed_everything(SEED)
-    names = [n for n in ALL_DRAFT_NAMES if (args.drafts / n / "config.json").is_file()]
+    # token-level drafts only: teacher-forced ranks read no target features (a feature-level
+    # draft's agreement per tree level is `python -m distill levels`)
+    names = [n for n in DRAFT_NAMES if (args.drafts / n / "config.json").is_file()]
     drafts = {n: args.drafts / n for n in names}
     result = evaluate(
         target_dir(),
@@ -369,7 +377,9 @@ def main() -> None:
         help="what a feature-level draft's deeper passes attend to: 'chain' as when drafting "
         "(the committed context and the node's chain), 'own' every pair of the pass",
     )
-    e = sub.add_parser("eval", help="evaluate the drafts against the target")
+    e = sub.add_parser(
+        "eval", help="evaluate the token-level drafts against the target (feature-level: levels)"
+    )
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     e.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
