@@ -189,6 +189,11 @@ def mixed(
     return MixedResult(goodput, histogram, default_steps, per_forward)
 
 
+def _header(title: str, first: str, kinds: Sequence[str], align: str) -> list[str]:
+    """A titled table's first lines: one column `first`, then one per workload kind."""
+    return ["", title, "", f"| {first} | " + " | ".join(kinds) + " |", "|---|" + align * len(kinds)]
+
+
 def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
     labels = [run.label for run in runs(drafts)] + [ORACLE]
     lines = ["| run | goodput (tok/s) |", "|---|---:|"]
@@ -196,13 +201,8 @@ def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
     lines += ["", "| ratio | |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in result.ratios().items()]
     kinds = sorted({k for h in result.histogram.values() for k in h})
-    lines += [
-        "",
-        "Requests by the draft they drafted most steps with, per workload:",
-        "",
-        "| run | " + " | ".join(kinds) + " |",
-        "|---|" + "---|" * len(kinds),
-    ]
+    lines += _header("Requests by the draft they drafted most steps with, per workload:",
+                     "run", kinds, "---|")  # fmt: skip
     for label in (DEFAULT, "lbss", "eps-greedy", ORACLE):
         cells = [
             ", ".join(f"{d} {n}" for d, n in result.histogram[label].get(k, {}).items())
@@ -213,13 +213,8 @@ def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
         ", ".join(f"{d} {n}" for d, n in result.default_steps.get(k, {}).items()) for k in kinds
     ]
     lines.append(f"| {DEFAULT}: steps per draft | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Output tokens per target forward (decode steps) of each fixed draft, per workload:",
-        "",
-        "| draft | " + " | ".join(kinds) + " |",
-        "|---|" + "---:|" * len(kinds),
-    ]
+    lines += _header("Output tokens per target forward (decode steps) of each fixed draft, "
+                     "per workload:", "draft", kinds, "---:|")  # fmt: skip
     for draft, row in result.per_forward.items():
         cells = [f"{row[k]:.2f}" if k in row else "-" for k in kinds]
         lines.append(f"| {draft} | " + " | ".join(cells) + " |")
