@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from shared.engine.model_free import MODEL_FREE_KINDS, ModelFreeDrafter
 from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
+from shared.grammar.matcher import GrammarBook
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
@@ -34,6 +36,7 @@ from shared.model.precision import check_target_dtype
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
+from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
 
@@ -62,14 +65,24 @@ class Models:
     """The target (at `target_dtype`) and every draft a configuration may name, loaded once."""
 
     def __init__(
-        self, planner: str, model_set: str = SMOLLM2, target_dtype: str = "float32"
+        self,
+        planner: str,
+        model_set: str = SMOLLM2,
+        target_dtype: str = "float32",
+        *,
+        kv_bytes: int = KV_BYTES,
+        tokenizer: Any = None,  # engines given one serve structured requests
     ) -> None:
         self.target_dir = model_set_target(model_set)
         self.draft_dirs = model_set_drafts(model_set)
         dtype = check_target_dtype(target_dtype, "cpu", setting="--target-dtype")
         self.dtype = dtype
+        self.kv_bytes = kv_bytes
         self.target = load_model(self.target_dir, dtype=dtype)
-        self.verifier = Verifier(ModelRunner(self.target, kv_memory_bytes=KV_BYTES))
+        eos = self.target.cfg.eos_token_ids
+        # one grammar book for every engine: they share the verifier and the model drafts
+        self.grammar = None if tokenizer is None else GrammarBook.from_hf(tokenizer, eos)
+        self.verifier = Verifier(ModelRunner(self.target, kv_memory_bytes=kv_bytes))
         self.models: dict[str, Drafter] = {}
         self.planner = planner
         self._costs: dict[tuple[str, ...], object] = {}
@@ -78,13 +91,24 @@ class Models:
         if name not in self.models:
             path = self.draft_dirs[name]
             model = load_model(path, target_path=self.target_dir, int8=uses_int8("auto", "cpu"))
-            self.models[name] = Drafter(ModelRunner(model, kv_memory_bytes=KV_BYTES), name=name)
+            runner = ModelRunner(model, kv_memory_bytes=self.kv_bytes)
+            self.models[name] = Drafter(runner, name=name)
         return self.models[name]
 
-    def plain_engine(self) -> SpecEngine:
-        return SpecEngine(self.verifier, eos_token_ids=self.target.cfg.eos_token_ids)
+    def plain_engine(self, config: SchedulerConfig | None = None) -> SpecEngine:
+        return SpecEngine(
+            self.verifier,
+            config=config,
+            eos_token_ids=self.target.cfg.eos_token_ids,
+            grammar=self.grammar,
+        )
 
-    def engine(self, config: str) -> SpecEngine:
+    def engine(
+        self,
+        config: str,
+        method: DraftMethod = DEFAULT_METHOD,
+        max_running_requests: int | None = None,
+    ) -> SpecEngine:
         chooser = "fixed"
         names = config.split("+")
         if config.startswith("choose:"):
@@ -101,12 +125,18 @@ class Models:
                 self.verifier.runner, models, target_name=self.target_dir.name
             )
         cost = self._costs.get(key)
+        scheduling = SchedulerConfig(planner=self.planner, draft_chooser=chooser)
+        if max_running_requests is not None:
+            scheduling = scheduling.model_copy(
+                update={"max_running_requests": max_running_requests}
+            )
         engine = SpecEngine(
             self.verifier,
             drafters,
-            DEFAULT_METHOD,
-            SchedulerConfig(planner=self.planner, draft_chooser=chooser),
+            method,
+            scheduling,
             eos_token_ids=self.target.cfg.eos_token_ids,
+            grammar=self.grammar,
             cost=cost,  # type: ignore[arg-type]
         )
         if chooser == "fixed":  # the model draft first, as written

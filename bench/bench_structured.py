@@ -95,49 +95,27 @@ def run_set(engine: Any, prompts: list[tuple[list[int], str]], concurrency: int,
 
 
 def build_engines(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer, and a plain and a speculative engine on one target model."""
+    """The tokenizer, and a plain engine and one per configuration on one target model."""
     from transformers import AutoTokenizer
 
-    from shared.engine.drafting import Drafter
-    from shared.engine.spec_engine import SpecEngine
-    from shared.engine.verifier import Verifier
-    from shared.model import load_model
+    from bench.bench_model_free import Models
     from shared.model.model_set import model_set_drafts, model_set_target
-    from shared.model.precision import check_target_dtype
-    from shared.model.quantized import uses_int8
-    from shared.model.runner import ModelRunner
     from shared.scheduling.config import SchedulerConfig
     from shared.values.methods import DraftMethod
 
-    target_dir = model_set_target(args.model_set)
-    drafts = model_set_drafts(args.model_set, served=True)
-    draft_name = args.draft or next(iter(drafts))
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    dtype = check_target_dtype(args.target_dtype, "cpu", setting="--target-dtype")
-    target = load_model(target_dir, dtype=dtype)
-    draft = load_model(drafts[draft_name], target_path=target_dir, int8=uses_int8("auto", "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(model_set_target(args.model_set))
+    models = Models(
+        args.planner, args.model_set, args.target_dtype, kv_bytes=KV_BYTES, tokenizer=tokenizer
+    )
     methods = {
         "chain": DraftMethod("chain", k=4),
         "dynamic": DraftMethod("dynamic", budget=16, max_size=16, max_depth=6, max_width=4),
     }
-    eos = target.cfg.eos_token_ids
-    config = SchedulerConfig(planner=args.planner, max_running_requests=8)
-    engines = {
-        "plain": SpecEngine(
-            Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
-            config=config,
-            eos_token_ids=eos,
-            tokenizer=tokenizer,
-        ),
-        "spec": SpecEngine(
-            Verifier(ModelRunner(target, kv_memory_bytes=KV_BYTES)),
-            Drafter(ModelRunner(draft, kv_memory_bytes=KV_BYTES), name=draft_name),
-            methods[args.method],
-            config,
-            eos_token_ids=eos,
-            tokenizer=tokenizer,
-        ),
-    }
+    default_draft = next(iter(model_set_drafts(args.model_set, served=True)))
+    configs = [c.replace("DRAFT", default_draft) for c in args.configs or ["DRAFT"]]
+    engines = {"plain": models.plain_engine(SchedulerConfig(max_running_requests=8))}
+    for config in configs:
+        engines[config] = models.engine(config, methods[args.method], max_running_requests=8)
     return tokenizer, engines
 
 
@@ -171,7 +149,7 @@ def summary(name: str, concurrency: int, plain: list[Run], spec: list[Run]) -> d
         "plain_tokens_per_s": round(total(plain, "tokens") / total(plain, "seconds"), 2),
         "spec_tokens_per_s": round(total(spec, "tokens") / spec_seconds, 2),
         "tokens_per_forward": round(total(spec, "tokens") / total(spec, "target_forwards"), 3),
-        "forced_tokens_share": round(total(spec, "forced_tokens") / total(spec, "tokens"), 3),
+        "forced_drafted_per_token": round(total(spec, "forced_tokens") / total(spec, "tokens"), 3),
         "mask_us_per_token": round(1e6 * total(spec, "mask_seconds") / total(spec, "tokens"), 1),
         "mask_share_of_step": round(total(spec, "mask_seconds") / spec_seconds, 4),
         "plain_mask_share_of_step": round(
@@ -185,7 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-set", default="smollm2", help="smollm2 or qwen2.5-coder")
-    parser.add_argument("--draft", help="a draft of the set (default: the set's served default)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        help="speculative configurations as in bench.bench_model_free (a draft, `ngram`, "
+        "`A+B` merged trees); DRAFT stands for the set's served default draft (the default)",
+    )
+    parser.add_argument("--sets", nargs="+", choices=["json", "tools"], default=["json", "tools"])
     parser.add_argument("--method", choices=["chain", "dynamic"], default="dynamic")
     parser.add_argument("--planner", default="fixed", help="SchedulerConfig.planner")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
@@ -202,18 +186,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     tokenizer, engines = build_engines(args)
     sets = load_prompts(tokenizer, args.quick)
+    sets = {name: sets[name] for name in args.sets}
     rows, differ, invalid = [], 0, 0
     for name, prompts in sets.items():
         for concurrency in args.concurrency:
-            runs: dict[str, list[Run]] = {"plain": [], "spec": []}
+            for engine in engines.values():  # untimed: first-shape costs (oneDNN, grammars)
+                run_set(engine, prompts[:2], concurrency, args.max_tokens)
+            runs: dict[str, list[Run]] = {mode: [] for mode in engines}
             for _ in range(args.reps):  # interleaved: drift in the machine hits both alike
-                for mode in ("plain", "spec"):
-                    runs[mode].append(run_set(engines[mode], prompts, concurrency, args.max_tokens))
-                d, i = check(tokenizer, runs["plain"][-1], runs["spec"][-1], prompts)
-                differ, invalid = differ + d, invalid + i
-            row = summary(name, concurrency, runs["plain"], runs["spec"])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                for mode, engine in engines.items():
+                    runs[mode].append(run_set(engine, prompts, concurrency, args.max_tokens))
+                for mode in runs.keys() - {"plain"}:
+                    d, i = check(tokenizer, runs["plain"][-1], runs[mode][-1], prompts)
+                    differ, invalid = differ + d, invalid + i
+            for mode in runs.keys() - {"plain"}:
+                row = {"config": mode, **summary(name, concurrency, runs["plain"], runs[mode])}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print(f"speculative outputs differing from plain decoding: {differ}")
     print(f"plain outputs that do not parse or validate (cut by --max-tokens included): {invalid}")
     if args.out:
