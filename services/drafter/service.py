@@ -60,9 +60,7 @@ class DrafterService(ModelService[DraftJob, CandidateTrees]):
     draft_job = ModelService.run_job
 
     def forget(self, request_id: str) -> None:
-        self.drafter.free(request_id)
-        if self.drafter.grammar is not None:
-            self.drafter.grammar.free(request_id)
+        self.drafter.release(request_id)
         self._answers.pop(request_id, None)
 
     def answer(self, job: DraftJob) -> CandidateTrees:

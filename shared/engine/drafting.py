@@ -117,7 +117,14 @@ class Drafter:
         self.grammar: NodeConstraints | None = None  # structured output's masks and forced runs
 
     def free(self, request_id: str) -> None:
+        """The request's draft KV goes (a restart drafts it again from its committed tokens)."""
         self.runner.free_request(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request is done here: its draft KV and its grammar state go."""
+        self.free(request_id)
+        if self.grammar is not None:
+            self.grammar.free(request_id)
 
     def has_request(self, request_id: str) -> bool:
         return self.runner.has_request(request_id)

@@ -404,9 +404,6 @@ class ModelFreeDrafter:
         self.kind = kind
         self.name = name or kind
         self.proposer = proposer or make_proposer(kind)
-        # a model drafter's grammar masks (structured output); model-free trees are not masked:
-        # verification keeps only the allowed tokens of what they propose
-        self.grammar: None = None
         self._tokens: dict[str, list[int]] = {}
         self._app: dict[str, str] = {}
 
@@ -424,6 +421,11 @@ class ModelFreeDrafter:
         app = self._app.pop(request_id, "")
         if tokens is not None:
             self.proposer.free(request_id, tokens, app)
+
+    def release(self, request_id: str) -> None:
+        """The request is done here (model-free trees are not masked by a grammar: verification
+        keeps only the allowed tokens of what they propose)."""
+        self.free(request_id)
 
     def feature_problem(self, req: DraftRequest) -> str | None:
         return None
