@@ -345,6 +345,9 @@ async def start_drafter(
     if name in models.model_free:  # no model to load, no cost profile to publish
         cell = stack.settings.service.cell
         free = ModelFreeDrafterService(stack.bus(replica), kind=name, cell=cell)
+        # structured output's forced runs: the target's tokenizer and end-of-sequence ids
+        eos = read_model_config(models.target).eos_token_ids
+        free.drafter.grammar = CheckpointGrammar(models.target, eos)
         await free.start()
         stack.drafters.append(free)
         return free

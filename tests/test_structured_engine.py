@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.engine.drafting import Drafter
+from shared.engine.model_free import ModelFreeDrafter, after_chain
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import InvalidRequestError
@@ -29,6 +30,7 @@ from shared.scheduling import executor
 from shared.scheduling.config import SchedulerConfig
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams, StructuredOutput, processed_probs
+from shared.values.tree import TokenTree
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
 
@@ -239,3 +241,46 @@ def test_a_bad_grammar_is_refused_at_admission(dirs):
         SpecEngine(Verifier(engine.verifier.runner)).add_request(
             PROMPT, SamplingParams(structured=REGEX)
         )
+
+
+def model_free_engine(target_dir, method: DraftMethod) -> SpecEngine:
+    runner = ModelRunner(load_model(target_dir), block_size=4, kv_memory_bytes=8 << 20)
+    return SpecEngine(
+        Verifier(runner),
+        ModelFreeDrafter("ngram"),
+        method,
+        SchedulerConfig(),
+        eos_token_ids=[EOS],
+        grammar=char_grammar(),
+    )
+
+
+def test_a_model_free_draft_proposes_the_forced_runs(dirs):
+    """Both "cccc" and "ccc" are forced, each drafted whole in one step and accepted; the
+    lookup alone (no grammar given to the drafter) accepts 4 tokens in 10 forwards here."""
+    target_dir, _ = dirs
+    structured = StructuredOutput("regex", "[ab]{3}cccc[de]{2}ccc[ab]{2}")
+    params = SamplingParams(max_tokens=20, structured=structured)
+    [plain] = engine_for(target_dir).generate([PROMPT], params)
+    engine = model_free_engine(target_dir, DraftMethod("chain", k=4))
+    [result] = engine.generate([PROMPT], params)
+    assert result.output == plain.output and len(text_of(result.output)) == 14
+    assert engine.stats.num_accepted >= 7  # "cccc" and "ccc", each drafted whole
+    assert engine.stats.num_target_forwards <= 15 - 7
+
+
+@pytest.mark.parametrize("method", [DraftMethod("chain", k=3), DraftMethod("dynamic", budget=8)])
+def test_greedy_constrained_model_free_speculation_equals_plain(dirs, method):
+    target_dir, _ = dirs
+    params = SamplingParams(max_tokens=24, structured=StructuredOutput("regex", "(ab|cd)+e(a|b)*"))
+    prompts = [[5, 3, 1], [2, 2, 4, 1, 3], [1]]
+    plain = engine_for(target_dir).generate(prompts, params)
+    spec = model_free_engine(target_dir, method).generate(prompts, params)
+    assert [r.output for r in spec] == [r.output for r in plain]
+
+
+def test_a_forced_run_roots_the_model_free_tree():
+    run_tree = after_chain(7, [1, 2], TokenTree.build([2, 3, 4], [-1, 0, 0], [0.0, -0.5, -1.0]))
+    assert run_tree.tokens.tolist() == [7, 1, 2, 3, 4]
+    assert run_tree.parents.tolist() == [-1, 0, 1, 2, 2]
+    assert run_tree.logq.tolist() == [0.0, 0.0, 0.0, -0.5, -1.0]

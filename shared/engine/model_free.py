@@ -30,11 +30,12 @@ import heapq
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import numpy as np
 
+from shared.engine.constraints import NodeConstraints
 from shared.values.methods import DraftMethod
 from shared.values.steps import DraftRequest
 from shared.values.tree import TokenTree
@@ -404,6 +405,7 @@ class ModelFreeDrafter:
         self.kind = kind
         self.name = name or kind
         self.proposer = proposer or make_proposer(kind)
+        self.grammar: NodeConstraints | None = None  # structured output's forced runs
         self._tokens: dict[str, list[int]] = {}
         self._app: dict[str, str] = {}
 
@@ -421,11 +423,6 @@ class ModelFreeDrafter:
         app = self._app.pop(request_id, "")
         if tokens is not None:
             self.proposer.free(request_id, tokens, app)
-
-    def release(self, request_id: str) -> None:
-        """The request is done here (model-free trees are not masked by a grammar: verification
-        keeps only the allowed tokens of what they propose)."""
-        self.free(request_id)
 
     def feature_problem(self, req: DraftRequest) -> str | None:
         return None
@@ -458,8 +455,39 @@ class ModelFreeDrafter:
             self._append(req)
             tokens = self._tokens[req.request_id]
             limits = TreeLimits.of(method, req)
-            out[req.request_id] = self.proposer.propose(req.request_id, tokens, limits)
+            run = self._forced_run(req, limits)
+            if not run:
+                out[req.request_id] = self.proposer.propose(req.request_id, tokens, limits)
+                continue
+            rest = replace(
+                limits, max_depth=limits.max_depth - len(run), max_nodes=limits.max_nodes - len(run)
+            )
+            after = self.proposer.propose(req.request_id, [*tokens, *run], rest)
+            out[req.request_id] = after_chain(tokens[-1], run, after)
         return out
+
+    def _forced_run(self, req: DraftRequest, limits: TreeLimits) -> list[int]:
+        """The tokens a structured request's grammar forces after its committed output: certain
+        draft tokens that no lookup needs to find (JSON keys and punctuation)."""
+        structured = req.sampling.structured
+        if structured is None or self.grammar is None or req.history is None:
+            return []
+        limit = min(limits.max_depth, limits.max_nodes)
+        return self.grammar.forced(req.request_id, structured, req.history.output, [], limit)
+
+    def release(self, request_id: str) -> None:
+        """The request is done here: its tokens and its grammar state go."""
+        self.free(request_id)
+        if self.grammar is not None:
+            self.grammar.free(request_id)
+
+
+def after_chain(root: int, run: Sequence[int], tree: TokenTree) -> TokenTree:
+    """`root`, then the certain chain `run` (probability 1), then `tree` (rooted at run[-1])."""
+    k = len(run)
+    parents = [-1, *range(k), *(int(p) + k for p in tree.parents[1:])]
+    logq = [0.0] * (k + 1) + [float(q) for q in tree.logq[1:]]
+    return TokenTree.build([root, *run, *(int(t) for t in tree.tokens[1:])], parents, logq)
 
 
 def model_free_names(drafters: Mapping[str, object]) -> frozenset[str]:

@@ -162,8 +162,7 @@ class SpecEngine:
         if grammar is not None:
             verifier.grammar = grammar
             for d in self.drafters.values():
-                if isinstance(d, Drafter):
-                    d.grammar = grammar
+                d.grammar = grammar
         model_free = tuple(n for n, d in self.drafters.items() if isinstance(d, ModelFreeDrafter))
         self.config = config or SchedulerConfig()
         self.clock = clock
