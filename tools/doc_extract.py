@@ -16,19 +16,34 @@ PACKAGES = ("tools", "bench", "shared", "services", "distill", "kernels")
 PYTHON = re.compile(r"^(?:\S*/)?python3?$")
 
 
-def fenced_lines(text: str) -> list[str]:
-    """The logical lines of the fenced code blocks (continuations joined, comments cut)."""
-    lines, block, inside = [], [], False
+ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")  # a leading `NAME=value` of a shell command
+
+
+def fenced_blocks(text: str) -> list[list[str]]:
+    """The logical lines of each fenced code block (continuations joined, comments cut)."""
+    blocks, block, inside = [], [], False
     for raw in text.splitlines():
         if raw.lstrip().startswith("```"):
-            inside = not inside
+            if inside and (lines := join_continued(block)):
+                blocks.append(lines)
+            inside, block = not inside, []
             continue
         if inside:
             block.append(raw)
-            continue
-        lines += join_continued(block)
-        block = []
-    return lines
+    return blocks
+
+
+def fenced_lines(text: str) -> list[str]:
+    """The logical lines of the fenced code blocks, one list."""
+    return [line for block in fenced_blocks(text) for line in block]
+
+
+def without_assignments(words: list[str]) -> list[str]:
+    """A command's words after its leading `NAME=value` environment assignments."""
+    i = 0
+    while i < len(words) and ASSIGNMENT.match(words[i]):
+        i += 1
+    return words[i:]
 
 
 def join_continued(block: list[str]) -> list[str]:
@@ -99,7 +114,7 @@ def commands() -> list[tuple[str, str]]:
 def problems_of(line: str) -> list[str] | None:
     """What is wrong with a command line; None if it is not a command of this repository."""
     try:
-        words = shlex.split(line)
+        words = without_assignments(shlex.split(line.removesuffix("&")))
     except ValueError:
         return None
     if len(words) >= 3 and PYTHON.match(words[0]) and words[1] == "-m":
