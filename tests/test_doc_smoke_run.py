@@ -148,3 +148,32 @@ def test_the_docs_port_and_redis_host_become_this_runs(servers: Servers) -> None
     )
     assert "127.0.0.1:8123" in line and f"{servers.redis_url}?stream=s" in line
     assert servers.env()["AUGURY_GATEWAY__PORT"] == "8123"
+
+
+def test_cells_stacks_run_side_by_side(servers: Servers) -> None:
+    started(servers, "AUGURY_SERVICE__CELL=a python -m services all --no-gateway &")
+    started(servers, "AUGURY_SERVICE__CELL=b python -m services all --no-gateway &")
+    started(servers, """AUGURY_GATEWAY__CELLS='["a","b"]' python -m services gateway""")
+    assert [(s.cell, s.probe) for s in servers.running] == [
+        ("a", "scheduler"),
+        ("b", "scheduler"),
+        ("0", "gateway"),
+    ]
+    assert len(alive(servers)) == 3
+    started(servers, "AUGURY_SERVICE__CELL=a python -m services all --no-gateway &")
+    assert [s.cell for s in servers.running] == ["b", "0", "a"]
+
+
+def test_a_doc_that_asks_for_a_cluster_gets_one_started_once(servers: Servers) -> None:
+    starts: list[str] = []
+
+    def start_cluster() -> str:
+        starts.append("cluster")
+        return "redis://127.0.0.1:7001/0"
+
+    servers.start_cluster = start_cluster
+    cluster = {"AUGURY_REDIS__CLUSTER": "true"}
+    assert servers.env()["AUGURY_REDIS__URL"] == servers.redis_url and starts == []
+    assert servers.env(cluster)["AUGURY_REDIS__URL"] == "redis://127.0.0.1:7001/0"
+    assert servers.env(cluster)["AUGURY_REDIS__URL"] == "redis://127.0.0.1:7001/0"
+    assert starts == ["cluster"]

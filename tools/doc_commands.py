@@ -45,6 +45,7 @@ from tools.doc_smoke import (
     with_implied_sizes,
 )
 from tools.ports import free_port
+from tools.redis_cluster import redis_cluster
 from tools.redis_server import redis_node
 
 LINKED = (".venv", "models")  # ignored by git, large, and read by the commands
@@ -212,7 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(server_probe(c.line) for c in found):
             port = DOC_PORT if port_free(DOC_PORT) else free_port()
             (logs := Path(scratch) / "server-logs").mkdir()
-            servers = Servers(cwd, stack.enter_context(redis_node(Path(scratch))), port, logs)
+            node = stack.enter_context(redis_node(Path(scratch)))
+            (cluster := Path(scratch) / "redis-cluster").mkdir()
+            servers = Servers(
+                cwd,
+                node,
+                port,
+                logs,
+                start_cluster=lambda: stack.enter_context(redis_cluster(cluster)).url,
+            )
             stack.callback(servers.stop)
         doc = None
         for command in found:
@@ -235,8 +244,6 @@ def run_command(
     line = fill_placeholders(command.line) if args.smoke else command.line
     reason = skip_reason(line) if args.smoke else unsafe_reason(line)
     live = servers is not None and bool(servers.running)
-    if reason is None and dict(command.env).get("AUGURY_REDIS__CLUSTER") == "true":
-        reason = "needs a Redis Cluster (tests/test_redis_cluster.py starts one)"
     if reason is None and needs_server(line) and not live:
         reason = "needs a running server; its doc starts none before it"
     if reason is not None:
@@ -254,7 +261,7 @@ def run_command(
                 print("    " + tail.replace("\n", "\n    "), flush=True)
             return status
         if live:
-            env |= servers.env()
+            env |= servers.env(env)
     status, seconds, tail = run_one(as_run(line), cwd, args.timeout, env)
     print(f"{status:<8} {command.doc}: {line}  [{seconds:.0f} s]", flush=True)
     if status != "pass":

@@ -38,6 +38,13 @@ def fenced_lines(text: str) -> list[str]:
     return [line for block in fenced_blocks(text) for line in block]
 
 
+def assignments(line: str) -> dict[str, str]:
+    """The leading `NAME=value` environment assignments of a shell command line."""
+    every = shlex.split(line.rstrip().removesuffix("&"))
+    words = without_assignments(every)
+    return dict(word.split("=", 1) for word in every[: len(every) - len(words)])
+
+
 def without_assignments(words: list[str]) -> list[str]:
     """A command's words after its leading `NAME=value` environment assignments."""
     i = 0

@@ -3,7 +3,9 @@
 background, in its own process group, until `python -m services health` says it is ready; the
 commands after it in its doc run against it. Starting a whole stack stops whatever runs; starting
 one service stops a whole stack (a split stack's services run side by side); the doc's end stops
-them all. Every server shares one loopback Redis (`redis_url`), which is emptied between stacks."""
+them all; a stack stops only the servers of its own cell (`AUGURY_SERVICE__CELL`), so cells run
+side by side. Every server shares one loopback Redis (`redis_url`), emptied between stacks, or,
+where its doc sets `AUGURY_REDIS__CLUSTER=true`, a three-master Redis Cluster started then."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from tools.doc_extract import assignments
 from tools.doc_smoke import server_probe, starts_a_stack
 
 DOC_PORT = 8000  # the gateway port the docs' commands name
@@ -32,6 +35,7 @@ class Server:
     line: str
     probe: str  # the service `python -m services health` checks for readiness
     whole_stack: bool
+    cell: str
     process: subprocess.Popen[bytes]
     log: Path
 
@@ -48,12 +52,21 @@ class Servers:
     started: int = 0
     # (probe, cwd, env) -> whether the server is ready; None: `is_ready`
     ready: Callable[[str, Path, Mapping[str, str]], bool] | None = None
+    start_cluster: Callable[[], str] | None = None  # starts a Redis Cluster: its URL
+    cluster_url: str | None = None
 
-    def env(self) -> dict[str, str]:
-        """What every server, and every command while one runs, gets: the shared Redis, the
-        gateway's port, and request recording on (docs/load-testing.md)."""
+    def env(self, command_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What every server, and every command while one runs, gets: the shared Redis (the
+        cluster where `command_env` asks for one), the gateway's port, and request recording on
+        (docs/load-testing.md)."""
+        url = self.redis_url
+        if (command_env or {}).get("AUGURY_REDIS__CLUSTER") == "true":
+            if self.cluster_url is None:
+                assert self.start_cluster is not None, "no way to start a Redis Cluster"
+                self.cluster_url = self.start_cluster()
+            url = self.cluster_url
         return {
-            "AUGURY_REDIS__URL": self.redis_url,
+            "AUGURY_REDIS__URL": url,
             "AUGURY_GATEWAY__PORT": str(self.port),
             "AUGURY_GATEWAY__RECORD_REQUESTS": "true",
         }
@@ -72,7 +85,9 @@ class Servers:
         probe = server_probe(line)
         assert probe is not None, line
         whole_stack = starts_a_stack(line)
-        self.stop(lambda server: whole_stack or server.whole_stack)
+        env = {**env, **assignments(line)}
+        cell = env.get("AUGURY_SERVICE__CELL", "0")
+        self.stop(lambda s: s.cell == cell and (whole_stack or s.whole_stack))
         self.started += 1
         log = self.logs / f"server-{self.started}.log"
         with log.open("wb") as out:
@@ -80,12 +95,12 @@ class Servers:
                 command.removesuffix("&").rstrip(),
                 shell=True,
                 cwd=self.cwd,
-                env={**os.environ, **env, **self.env()},
+                env={**os.environ, **env, **self.env(env)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        server = Server(line, probe, whole_stack, process, log)
+        server = Server(line, probe, whole_stack, cell, process, log)
         self.running.append(server)
         started = time.monotonic()
         status = self._wait_ready(server, env, started + timeout_s)
@@ -98,7 +113,7 @@ class Servers:
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
                 return "fail"
-            if ready(server.probe, self.cwd, {**os.environ, **env, **self.env()}):
+            if ready(server.probe, self.cwd, {**os.environ, **env, **self.env(env)}):
                 return "pass"
             time.sleep(POLL_S)
         return "timeout"
