@@ -25,10 +25,16 @@ SMALL_SIZES: dict[str, tuple[str, ...]] = {
     "--limit": ("20",),
     "--concurrency": ("1",),
     "--copies": ("1",),
+    "--n": ("1",),
+    "--max-new-tokens": ("16",),
 }
 # module (and subcommand) -> size flags it runs at their large defaults without: added
 IMPLIED_SIZES: dict[str, tuple[str, ...]] = {
     "bench.bench_model_free": ("--per-kind", "--max-tokens"),
+    "bench.bench_model_set": ("--per-kind", "--max-tokens"),
+    "bench.bench_cells": ("--requests", "--max-tokens"),
+    "tools.chaos": ("--requests", "--max-tokens"),
+    "distill eval": ("--n", "--max-new-tokens"),
     "bench.bench_services": ("--requests", "--max-tokens", "--rounds"),
     "bench.drafters mixed": ("--per-kind",),
 }
