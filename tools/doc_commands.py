@@ -196,7 +196,7 @@ def run_one(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    found = [c for c in documented_commands(args.match) if args.doc in (None, c.doc)]
+    found = [c for c in documented_commands(args.match) if not args.doc or c.doc in args.doc]
     if not (args.run or args.smoke):
         for command in found:
             reason = skip_reason(fill_placeholders(command.line))
@@ -287,7 +287,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run with small sizes; skip what installs, downloads, serves or needs a GPU",
     )
     parser.add_argument("--match", metavar="TEXT", help="only commands containing TEXT")
-    parser.add_argument("--doc", metavar="PATH", help="only the commands of PATH (docs/x.md)")
+    parser.add_argument(
+        "--doc",
+        action="append",
+        metavar="PATH",
+        help="only the commands of PATH (docs/x.md); repeat for more docs",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
