@@ -27,6 +27,7 @@ SMALL_SIZES: dict[str, tuple[str, ...]] = {
     "--copies": ("1",),
     "--n": ("1",),
     "--max-new-tokens": ("16",),
+    "--repeats": ("1",),
 }
 # module (and subcommand) -> size flags it runs at their large defaults without: added
 IMPLIED_SIZES: dict[str, tuple[str, ...]] = {
@@ -35,6 +36,7 @@ IMPLIED_SIZES: dict[str, tuple[str, ...]] = {
     "bench.bench_cells": ("--requests", "--max-tokens"),
     "tools.chaos": ("--requests", "--max-tokens"),
     "distill eval": ("--n", "--max-new-tokens"),
+    "tools.profile": ("--repeats", "--max-tokens"),
     "bench.bench_services": ("--requests", "--max-tokens", "--rounds"),
     "bench.drafters mixed": ("--per-kind",),
 }
