@@ -177,3 +177,9 @@ def test_a_doc_that_asks_for_a_cluster_gets_one_started_once(servers: Servers) -
     assert servers.env(cluster)["AUGURY_REDIS__URL"] == "redis://127.0.0.1:7001/0"
     assert servers.env(cluster)["AUGURY_REDIS__URL"] == "redis://127.0.0.1:7001/0"
     assert starts == ["cluster"]
+
+
+def test_an_assignment_keeps_its_name_outside_the_quotes() -> None:
+    line = """AUGURY_GATEWAY__CELLS='["a","b"]' python -m services gateway"""
+    assert smoke_form(line) == line
+    assert as_run(line).startswith("""AUGURY_GATEWAY__CELLS='["a","b"]' /""")

@@ -32,7 +32,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.doc_extract import DOCS, PYTHON, ROOT, fenced_blocks, problems_of, without_assignments
+from tools.doc_extract import (
+    DOCS,
+    PYTHON,
+    ROOT,
+    fenced_blocks,
+    problems_of,
+    shell_join,
+    without_assignments,
+)
 from tools.doc_fixtures import write_fixtures
 from tools.doc_servers import DOC_PORT, Servers
 from tools.doc_smoke import (
@@ -125,7 +133,7 @@ def as_run(line: str) -> str:
         words[0] = sys.executable
     elif len(words) >= 2 and words[0] == "bash" and (call := _call_after_setup(ROOT / words[1])):
         words = [sys.executable, *call, *words[2:]]
-    return shlex.join([*assignments, *words]) + (" &" if background else "")
+    return shell_join([*assignments, *words]) + (" &" if background else "")
 
 
 def _call_after_setup(script: Path) -> list[str] | None:

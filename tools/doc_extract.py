@@ -45,6 +45,17 @@ def assignments(line: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in every[: len(every) - len(words)])
 
 
+def shell_join(words: list[str]) -> str:
+    """`shlex.join`, but a leading `NAME=value` quotes its value only (a quoted whole
+    assignment would be a command name to the shell)."""
+    rest = without_assignments(words)
+    leading = [
+        f"{name}={shlex.quote(value)}"
+        for name, _, value in (w.partition("=") for w in words[: len(words) - len(rest)])
+    ]
+    return " ".join([*leading, shlex.join(rest)]) if leading else shlex.join(rest)
+
+
 def without_assignments(words: list[str]) -> list[str]:
     """A command's words after its leading `NAME=value` environment assignments."""
     i = 0

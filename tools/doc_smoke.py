@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 import shlex
 
+from tools.doc_extract import shell_join
+
 # size flag -> the small values a smoke run passes instead of the documented ones
 SMALL_SIZES: dict[str, tuple[str, ...]] = {
     "--max-tokens": ("8",),
@@ -130,7 +132,7 @@ def with_implied_sizes(line: str) -> str:
             for flag in flags:
                 if flag not in passed:
                     words += [flag, *SMALL_SIZES[flag]]
-    return shlex.join(words)
+    return shell_join(words)
 
 
 def shrink(line: str) -> str:
@@ -154,4 +156,4 @@ def shrink(line: str) -> str:
             continue
         out.append(word)
         i += 1
-    return shlex.join(out)
+    return shell_join(out)
