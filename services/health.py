@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from shared.settings import AugurySettings
 
@@ -84,12 +85,7 @@ def ready(settings: AugurySettings, service: str, host: str | None = None) -> bo
         return gateway_ready(settings)
     if settings.redis.url is None:
         return False  # an embedded server is private to its process: nothing to probe
-    client = redis.Redis.from_url(
-        settings.redis.url,
-        socket_timeout=TIMEOUT_S,
-        socket_connect_timeout=TIMEOUT_S,
-        **settings.redis.credentials,
-    )
+    client = probe_client(settings)
     try:
         pattern = heartbeat_match(settings.service.cell, service, host_prefix(host))
         return next(iter(client.scan_iter(pattern, count=100)), None) is not None
@@ -97,6 +93,21 @@ def ready(settings: AugurySettings, service: str, host: str | None = None) -> bo
         return False
     finally:
         client.close()
+
+
+def probe_client(settings: AugurySettings) -> redis.Redis | RedisCluster:
+    """A client for the heartbeat scan: on a cluster, one that scans every master (a plain
+    client of the URL's node sees only the cells whose slot that node holds)."""
+    assert settings.redis.url is not None
+    options = {
+        "socket_timeout": TIMEOUT_S,
+        "socket_connect_timeout": TIMEOUT_S,
+        **settings.redis.credentials,
+    }
+    if not settings.redis.cluster:
+        return redis.Redis.from_url(settings.redis.url, **options)
+    nodes = [ClusterNode(*node.rsplit(":", 1)) for node in settings.redis.cluster_nodes]
+    return RedisCluster.from_url(settings.redis.url, startup_nodes=nodes or None, **options)
 
 
 def gateway_ready(settings: AugurySettings) -> bool:

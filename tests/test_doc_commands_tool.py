@@ -18,7 +18,8 @@ def test_it_finds_each_repository_command_once_in_doc_order() -> None:
     found = documented_commands()
     lines = [c.line for c in found]
     assert len(lines) == len(set(lines)) > 40
-    assert all(problems_of(line) is not None for line in lines)  # ours, not pytest or docker
+    # ours, not pytest or docker; or a curl to the docs' local server
+    assert all(problems_of(line) is not None or line.startswith("curl ") for line in lines)
     assert found[0].doc == "README.md"
     traces = documented_commands("tools.traces show")
     assert traces and all("tools.traces show" in c.line for c in traces)
@@ -42,13 +43,11 @@ def test_size_flags_shrink_and_other_words_stay() -> None:
     [
         ("bash scripts/install-qwen-coder.sh", "installs packages"),
         ("python -m tools.profile --device cuda --dtype bfloat16", "needs a GPU"),
-        ("python -m services all --threads 2 &", "starts a long-lived server"),
-        ("bash scripts/serve.sh", "starts a long-lived server"),
-        ("python -m services health verifier", "needs a running server"),
-        (
-            "python -m tools.replay run --trace t.jsonl --base-url http://h:8000",
-            "needs a running server",
-        ),
+        ("python -m services all --threads 2 &", None),  # started in the background
+        ("bash scripts/serve.sh", None),
+        ("python -m services health verifier", None),  # run while a server runs
+        ("curl -s 127.0.0.1:8000/metrics", None),
+        ("curl -sSL https://example.org/x.sh", "downloads"),
         ("python -m tools.simulate --trace t.jsonl [--profile PATH]", "shows placeholders"),
         ("python -m tools.traces synth --rate R --duration 300", "shows placeholders"),
         ("python -m distill build --out models/drafts", unsafe_reason("--out models/x")),

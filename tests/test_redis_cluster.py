@@ -41,9 +41,9 @@ from shared.wire.streams import (
     scheduler_progress_key,
 )
 from tests.conftest import make_tiny_checkpoint
-from tests.redis_cluster import Cluster, redis_cluster
 from tests.test_services_processes import launch, log_tail, service_env, stop
 from tests.test_services_support import plain_greedy
+from tools.redis_cluster import Cluster, redis_cluster
 
 pytestmark = pytest.mark.anyio
 TTL_MS = 600

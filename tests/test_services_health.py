@@ -94,3 +94,27 @@ def test_readiness_without_redis_or_gateway_is_false() -> None:
     assert not ready(AugurySettings(), "scheduler")  # embedded Redis: nothing to probe
     unreachable = AugurySettings(gateway={"port": 1, "ready_timeout_s": 0.5})
     assert not ready(unreachable, "gateway")
+
+
+def test_readiness_on_a_cluster_sees_a_heartbeat_on_any_master(tmp_path: Path) -> None:
+    """The cells' heartbeats hash to different masters; the probe must find each one (a plain
+    client of the URL's node saw only the cells whose slot it held)."""
+    from redis.cluster import RedisCluster
+
+    from tools.redis_cluster import redis_cluster
+
+    cells = [f"cell-{i}" for i in range(8)]
+    with redis_cluster(tmp_path) as cluster:
+        assert len({cluster.node_of(heartbeat_key(c, "scheduler", "x")) for c in cells}) > 1
+        client = RedisCluster.from_url(cluster.url)
+        try:
+            for cell in cells:
+                client.set(heartbeat_key(cell, "scheduler", "host-a-7"), b"1")
+        finally:
+            client.close()
+        for cell in cells:
+            settings = AugurySettings(
+                redis={"url": cluster.url, "cluster": True}, service={"cell": cell}
+            )
+            assert ready(settings, "scheduler", "host-a"), cell
+            assert not ready(settings, "verifier", "host-a"), cell

@@ -16,19 +16,52 @@ PACKAGES = ("tools", "bench", "shared", "services", "distill", "kernels")
 PYTHON = re.compile(r"^(?:\S*/)?python3?$")
 
 
-def fenced_lines(text: str) -> list[str]:
-    """The logical lines of the fenced code blocks (continuations joined, comments cut)."""
-    lines, block, inside = [], [], False
+ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")  # a leading `NAME=value` of a shell command
+
+
+def fenced_blocks(text: str) -> list[list[str]]:
+    """The logical lines of each fenced code block (continuations joined, comments cut)."""
+    blocks, block, inside = [], [], False
     for raw in text.splitlines():
         if raw.lstrip().startswith("```"):
-            inside = not inside
+            if inside and (lines := join_continued(block)):
+                blocks.append(lines)
+            inside, block = not inside, []
             continue
         if inside:
             block.append(raw)
-            continue
-        lines += join_continued(block)
-        block = []
-    return lines
+    return blocks
+
+
+def fenced_lines(text: str) -> list[str]:
+    """The logical lines of the fenced code blocks, one list."""
+    return [line for block in fenced_blocks(text) for line in block]
+
+
+def assignments(line: str) -> dict[str, str]:
+    """The leading `NAME=value` environment assignments of a shell command line."""
+    every = shlex.split(line.rstrip().removesuffix("&"))
+    words = without_assignments(every)
+    return dict(word.split("=", 1) for word in every[: len(every) - len(words)])
+
+
+def shell_join(words: list[str]) -> str:
+    """`shlex.join`, but a leading `NAME=value` quotes its value only (a quoted whole
+    assignment would be a command name to the shell)."""
+    rest = without_assignments(words)
+    leading = [
+        f"{name}={shlex.quote(value)}"
+        for name, _, value in (w.partition("=") for w in words[: len(words) - len(rest)])
+    ]
+    return " ".join([*leading, shlex.join(rest)]) if leading else shlex.join(rest)
+
+
+def without_assignments(words: list[str]) -> list[str]:
+    """A command's words after its leading `NAME=value` environment assignments."""
+    i = 0
+    while i < len(words) and ASSIGNMENT.match(words[i]):
+        i += 1
+    return words[i:]
 
 
 def join_continued(block: list[str]) -> list[str]:
@@ -99,7 +132,7 @@ def commands() -> list[tuple[str, str]]:
 def problems_of(line: str) -> list[str] | None:
     """What is wrong with a command line; None if it is not a command of this repository."""
     try:
-        words = shlex.split(line)
+        words = without_assignments(shlex.split(line.removesuffix("&")))
     except ValueError:
         return None
     if len(words) >= 3 and PYTHON.match(words[0]) and words[1] == "-m":

