@@ -171,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--sets", nargs="+", choices=["json", "tools"], default=["json", "tools"])
     parser.add_argument("--method", choices=["chain", "dynamic"], default="dynamic")
-    parser.add_argument("--planner", default="fixed", help="SchedulerConfig.planner")
+    parser.add_argument(
+        "--planner", default="goodput", help="SchedulerConfig.planner (the services' default)"
+    )
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--reps", type=int, default=3)
