@@ -106,7 +106,7 @@ def probe_client(settings: AugurySettings) -> redis.Redis | RedisCluster:
     }
     if not settings.redis.cluster:
         return redis.Redis.from_url(settings.redis.url, **options)
-    nodes = [ClusterNode(*node.rsplit(":", 1)) for node in settings.redis.cluster_nodes]
+    nodes = [ClusterNode(host, port) for host, port in settings.redis.cluster_addresses]
     return RedisCluster.from_url(settings.redis.url, startup_nodes=nodes or None, **options)
 
 

@@ -95,6 +95,13 @@ class RedisSettings(_Group):
         return out
 
     @property
+    def cluster_addresses(self) -> list[tuple[str, int]]:
+        """`cluster_nodes` as (host, port): a cluster client's other startup nodes."""
+        return [
+            (host, int(port)) for host, _, port in (n.rpartition(":") for n in self.cluster_nodes)
+        ]
+
+    @property
     def socket_timeout_s(self) -> float:
         """Socket timeout of a blocking read: longer than the block time."""
         return self.block_ms / 1000 + 5.0

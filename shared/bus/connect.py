@@ -39,7 +39,7 @@ def connect(
             **pool,
             **settings.credentials,
         )
-    more = [ClusterNode(*_host_port(node)) for node in settings.cluster_nodes]
+    more = [ClusterNode(host, port) for host, port in settings.cluster_addresses]
     return aioredis.RedisCluster.from_url(
         url,
         socket_timeout=socket_timeout,
@@ -48,11 +48,6 @@ def connect(
         **pool,
         **settings.credentials,
     )
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
-    return host, int(port)
 
 
 class SlotTransactions:
