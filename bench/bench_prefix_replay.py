@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.scheduling.real import read_cell, running
 from shared.model.model_set import REPO_ROOT
@@ -64,10 +65,10 @@ class Run:
 def counters(text: str) -> dict[str, float]:
     """The prefix-cache counters of a Prometheus text exposition (0 where absent)."""
     found = {HITS: 0.0, QUERIES: 0.0}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in found:
-            found[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] = sample.value
     return found
 
 
