@@ -23,7 +23,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from bench.bench_speculation import KINDS, Tally, build_engines, prompts_by_kind, run_one
+from bench.bench_speculation import (
+    KINDS,
+    Tally,
+    build_engines,
+    prompts_by_kind,
+    run_one,
+    run_pair,
+)
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.values.sampling import SamplingParams
@@ -65,10 +72,7 @@ def run_prompt(
 ) -> float:
     """Plain and speculative decoding of one prompt; the speculative / plain ratio."""
     forwards = spec.stats.num_target_forwards
-    order = [("spec", spec), ("plain", plain)] if spec_first else [("plain", plain), ("spec", spec)]
-    outputs, seconds = {}, {}
-    for name, engine in order:
-        outputs[name], seconds[name] = run_one(engine, prompt, params)
+    outputs, seconds = run_pair(plain, spec, prompt, params, spec_first)
     result.plain.tokens += len(outputs["plain"])
     result.plain.seconds += seconds["plain"]
     result.spec.tokens += len(outputs["spec"])

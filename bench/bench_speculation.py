@@ -121,6 +121,18 @@ def run_one(
     return request.output, time.perf_counter() - started
 
 
+def run_pair(
+    plain: SpecEngine, spec: SpecEngine, prompt: list[int], params: SamplingParams, spec_first: bool
+) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Plain and speculative decoding of one prompt back to back (`spec_first`: which goes
+    first, alternated by the caller so that drift hits both): outputs and seconds by name."""
+    order = [("spec", spec), ("plain", plain)] if spec_first else [("plain", plain), ("spec", spec)]
+    outputs, seconds = {}, {}
+    for name, engine in order:
+        outputs[name], seconds[name] = run_one(engine, prompt, params)
+    return outputs, seconds
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The options every measured request carries (greedy by default). With a seed, sampled
     speculation is Gumbel-coupled and its output equals plain decoding's token for token."""
@@ -149,13 +161,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
             res = results[kind]
             before = AcceptanceStats()
             before.merge(spec.stats)
-            order = [("plain", plain), ("spec", spec)]
-            if turn % 2:
-                order.reverse()
+            outputs, seconds = run_pair(plain, spec, prompt, params, spec_first=turn % 2 == 1)
             turn += 1
-            outputs, seconds = {}, {}
-            for name, engine in order:
-                outputs[name], seconds[name] = run_one(engine, prompt, params)
             n = len(outputs["plain"])
             res.plain.tokens += n
             res.plain.seconds += seconds["plain"]
