@@ -22,7 +22,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,8 +41,10 @@ from tools.doc_extract import (
     without_assignments,
 )
 from tools.doc_fixtures import write_fixtures
-from tools.doc_servers import DOC_PORT, Servers
+from tools.doc_servers import Servers
 from tools.doc_smoke import (
+    DOC_PORT,
+    LOCAL_SERVER,
     fill_placeholders,
     needs_server,
     server_probe,
@@ -52,7 +53,7 @@ from tools.doc_smoke import (
     unsafe_reason,
     with_implied_sizes,
 )
-from tools.ports import free_port
+from tools.ports import free_port, port_free
 from tools.redis_cluster import redis_cluster
 from tools.redis_server import redis_node
 
@@ -66,7 +67,7 @@ class Command:
     env: tuple[tuple[str, str], ...] = ()  # exported earlier in its code block
 
 
-_LOCAL_CURL = re.compile(r"^curl\b.*\b(?:127\.0\.0\.1|localhost):8000\b")
+_LOCAL_CURL = re.compile(rf"^curl\b.*\b{LOCAL_SERVER}\b")
 
 
 def documented_commands(match: str | None = None) -> list[Command]:
@@ -264,22 +265,19 @@ def run_command(
         line = servers.as_here(line)
         if server_probe(line) is not None:
             status, seconds, tail = servers.start(line, as_run(line), env, args.timeout)
-            print(f"{status:<8} {command.doc}: {line}  [ready in {seconds:.0f} s]", flush=True)
-            if status != "pass":
-                print("    " + tail.replace("\n", "\n    "), flush=True)
-            return status
+            return report(status, f"{command.doc}: {line}  [ready in {seconds:.0f} s]", tail)
         if live:
             env |= servers.env(env)
     status, seconds, tail = run_one(as_run(line), cwd, args.timeout, env)
-    print(f"{status:<8} {command.doc}: {line}  [{seconds:.0f} s]", flush=True)
+    return report(status, f"{command.doc}: {line}  [{seconds:.0f} s]", tail)
+
+
+def report(status: str, what: str, tail: str) -> str:
+    """Print a command's outcome (the output's tail unless it passed); the status."""
+    print(f"{status:<8} {what}", flush=True)
     if status != "pass":
         print("    " + tail.replace("\n", "\n    "), flush=True)
     return status
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _parser() -> argparse.ArgumentParser:

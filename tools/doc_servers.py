@@ -23,9 +23,8 @@ from pathlib import Path
 import redis
 
 from tools.doc_extract import assignments
-from tools.doc_smoke import server_probe, starts_a_stack
+from tools.doc_smoke import DOC_PORT, server_probe, starts_a_stack
 
-DOC_PORT = 8000  # the gateway port the docs' commands name
 STOP_TIMEOUT_S = 30.0
 POLL_S = 1.0
 

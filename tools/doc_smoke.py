@@ -13,6 +13,9 @@ import shlex
 
 from tools.doc_extract import shell_join
 
+DOC_PORT = 8000  # the gateway port the docs' commands name
+LOCAL_SERVER = rf"(?:127\.0\.0\.1|localhost):{DOC_PORT}"  # the docs' server, in a command
+
 # size flag -> the small values a smoke run passes instead of the documented ones
 SMALL_SIZES: dict[str, tuple[str, ...]] = {
     "--max-tokens": ("8",),
@@ -49,9 +52,7 @@ _MANY_VALUES = {"--concurrency"}  # nargs="+": every value up to the next flag i
 _SKIPS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\binstall\b|install-[\w.-]+\.sh|apt-get"), "installs packages"),
     (
-        re.compile(
-            r"\bwget\b|\bdownload\b|huggingface-cli|\bcurl\b(?!.*(?:127\.0\.0\.1|localhost):8000)"
-        ),
+        re.compile(rf"\bwget\b|\bdownload\b|huggingface-cli|\bcurl\b(?!.*{LOCAL_SERVER})"),
         "downloads",
     ),
     (re.compile(r"\bdocker\b"), "needs Docker"),
@@ -85,9 +86,7 @@ def skip_reason(line: str) -> str | None:
 
 
 _SERVER = re.compile(r"-m services (all|verifier|scheduler|drafter|gateway)\b|scripts/serve\.sh")
-_NEEDS_SERVER = re.compile(
-    r"--base-url|redis://|-m services health|\bcurl\b.*(?:127\.0\.0\.1|localhost):8000"
-)
+_NEEDS_SERVER = re.compile(rf"--base-url|redis://|-m services health|\bcurl\b.*{LOCAL_SERVER}")
 
 
 def server_probe(line: str) -> str | None:
