@@ -2,6 +2,7 @@
 
     python -m bench.bench_processors --per-kind 2 --max-tokens 128 --threads 2
     python -m bench.bench_processors --variants sampling penalties logprobs --per-kind 1
+    python -m bench.bench_processors --model-set qwen2.5-coder --target-dtype bfloat16 --threads 2
 
 Every variant samples seeded at one temperature (seeded sampling is Gumbel-coupled, so the
 speculative output equals plain decoding's token for token) and adds its own options: the
@@ -23,16 +24,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from bench.bench_speculation import (
-    KINDS,
-    Tally,
-    build_engines,
-    prompts_by_kind,
-    run_one,
-    run_pair,
-)
+from bench.bench_model_free import Models
+from bench.bench_speculation import KINDS, Tally, prompts_by_kind, run_one, run_pair
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
+from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts
 from shared.values.sampling import SamplingParams
 
 VARIANTS: dict[str, dict[str, float | int]] = {
@@ -84,10 +80,11 @@ def run_prompt(
 
 
 def bench(args: argparse.Namespace) -> dict[str, VariantResult]:
-    plain, spec = build_engines(args.draft, args.threads, args.draft_weights)
+    models = Models("goodput", args.model_set, args.target_dtype)
+    plain, spec = models.plain_engine(), models.engine(args.draft)
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     params = {name: replace(base, **VARIANTS[name]) for name in args.variants}  # type: ignore[arg-type]
-    prompts = prompts_by_kind(args.per_kind)
+    prompts = prompts_by_kind(args.per_kind, args.model_set)
     for engine in (plain, spec):  # warm-up
         run_one(engine, prompts["chat"][0][:16], SamplingParams(max_tokens=8))
     results = {name: VariantResult() for name in args.variants}
@@ -106,7 +103,8 @@ def bench(args: argparse.Namespace) -> dict[str, VariantResult]:
 def report(results: dict[str, VariantResult], args: argparse.Namespace) -> str:
     baseline = results.get("sampling")
     lines = [
-        f"draft {args.draft} (weights {args.draft_weights}), method {DEFAULT_METHOD.kind} "
+        f"model set {args.model_set} (target {args.target_dtype}), draft {args.draft}, "
+        f"method {DEFAULT_METHOD.kind} "
         f"(goodput planner), {torch.get_num_threads()} threads, {args.per_kind} prompts per "
         f"kind, max {args.max_tokens} tokens, temperature {args.temperature}, seed {args.seed}",
         "",
@@ -130,10 +128,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--draft", default=DEFAULT_GENERATE_DRAFT)
-    ap.add_argument("--draft-weights", choices=["auto", "native", "int8"], default="auto")
+    ap.add_argument("--model-set", choices=sorted(MODEL_SETS), default=SMOLLM2)
+    ap.add_argument("--target-dtype", default="float32")
+    ap.add_argument("--draft", help="default: the set's default draft")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.draft is None:
+        default = DEFAULT_GENERATE_DRAFT if args.model_set == SMOLLM2 else None
+        args.draft = default or next(iter(model_set_drafts(args.model_set)))
     if args.threads:
         torch.set_num_threads(args.threads)
     print(report(bench(args), args))

@@ -217,7 +217,9 @@ class PendingCounterfactual:
     tree: TokenTree
     start: int  # index (in the request's tokens) of the first token committed after its root
     step_ms: float
-    node_ms: float | None  # the step's verification time per node (None: no cost model)
+    # the step's verification without this request's tree (None: no cost model): the other
+    # requests' nodes and prompt tokens, their mean context and the members of the batch
+    others: tuple[int, float, int] | None
 
 
 def draft_request(

@@ -12,12 +12,24 @@ from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
 
 RECENT_DECAY = 0.7  # the counterfactual chooser's per-request goodput: weight of older steps
+# a model-free draft's is its latest outcome alone: text is copied in runs, so the step after a
+# long accepted copy most likely continues it and the step after a miss most likely does not
+MODEL_FREE_DECAY = 0.0
+# When the model-free draft misses, a request's model draft runs again if the request has run
+# it fewer than MIN_MODEL_STEPS steps or not in its last RETRY_AFTER steps: its estimate is not
+# renewed while it does not run, and a few unlucky steps would otherwise keep it off for good.
+MIN_MODEL_STEPS = 3
+RETRY_AFTER = 8
 
 
 class Counterfactual:
     """Model-free drafts judged on every step by what they would have achieved, model drafts by
     LBSS among themselves; per request, the model-free draft with the best recent goodput wins
-    over LBSS's model when it is at least as good (decayed means per request and draft)."""
+    over LBSS's model when it is at least as good (a model draft's decayed mean per request, a
+    model-free draft's latest step). A miss (a latest step that accepted nothing) sends the
+    request back to a model draft it has run fewer than `MIN_MODEL_STEPS` steps or not in its
+    last `RETRY_AFTER`: that estimate, not renewed while the model does not run, could otherwise
+    stay at a few unlucky steps'."""
 
     name = "counterfactual"
     learns = True
@@ -34,6 +46,10 @@ class Counterfactual:
         self.lbss = Lbss([m for m in preferred if m not in self.model_free], lbss, seed)
         self.table = GoodputTable()  # every outcome: a draft's mean where a request has none
         self.recent: dict[tuple[str, str], float] = {}
+        # (request, model-free draft) whose latest step accepted none of its tokens
+        self.missed: set[tuple[str, str]] = set()
+        self.model_steps: dict[tuple[str, str], int] = {}  # (request, model draft): steps run
+        self.since_model: dict[str, int] = {}  # request: steps since it last ran a model draft
 
     def estimate(self, request_id: str, model: str) -> float | None:
         """The request's recent goodput on `model`, else the model's mean over all requests."""
@@ -49,7 +65,16 @@ class Counterfactual:
         chosen = {}
         for r in requests:
             model = base.get(r.request_id)
-            scored = [(e, m) for m in free if (e := self.estimate(r.request_id, m)) is not None]
+            explore = model is not None and (
+                self.model_steps.get((r.request_id, model), 0) < MIN_MODEL_STEPS
+                or self.since_model.get(r.request_id, 0) >= RETRY_AFTER
+            )
+            scored = [
+                (e, m)
+                for m in free
+                if (e := self.estimate(r.request_id, m)) is not None
+                and not (explore and (r.request_id, m) in self.missed)
+            ]
             best_free = max(scored, key=lambda pair: pair[0], default=None)
             if best_free is None:  # not scored yet: a model draft's step scores it
                 pick = model if model is not None else (free[0] if free else None)
@@ -60,6 +85,10 @@ class Counterfactual:
                 pick = best_free[1] if theirs is None or best_free[0] >= theirs else model
             if pick is not None:
                 chosen[r.request_id] = pick
+                ran_model = pick not in self.model_free
+                self.since_model[r.request_id] = (
+                    0 if ran_model else self.since_model.get(r.request_id, 0) + 1
+                )
         return chosen
 
     def observe(self, outcome: DraftOutcome) -> None:
@@ -67,7 +96,16 @@ class Counterfactual:
         key = (outcome.request_id, outcome.draft_model)
         old = self.recent.get(key)
         new = outcome.goodput
-        self.recent[key] = new if old is None else RECENT_DECAY * old + (1 - RECENT_DECAY) * new
+        decay = RECENT_DECAY
+        if outcome.draft_model in self.model_free:
+            decay = MODEL_FREE_DECAY
+            if outcome.num_accepted:
+                self.missed.discard(key)
+            else:
+                self.missed.add(key)
+        elif not outcome.counterfactual:
+            self.model_steps[key] = self.model_steps.get(key, 0) + 1
+        self.recent[key] = new if old is None else decay * old + (1 - decay) * new
         if outcome.draft_model not in self.model_free:
             self.lbss.observe(outcome)
 
@@ -80,3 +118,6 @@ class Counterfactual:
         self.table.forget(request_id)
         for key in [k for k in self.recent if k[0] == request_id]:
             del self.recent[key]
+            self.missed.discard(key)
+            self.model_steps.pop(key, None)
+        self.since_model.pop(request_id, None)

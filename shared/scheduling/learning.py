@@ -80,6 +80,9 @@ class Learner:
                 learned, accepted = tree, result.num_accepted
             if learned.num_nodes > 1:
                 self._observe(request, learned.num_nodes - 1, accepted, elapsed_ms, shares)
+        elif request.draft_model in self.pool.config.model_free_drafts:
+            # a model-free draft that found nothing to propose missed (the chooser hears of it)
+            self._observe(request, 0, 0, elapsed_ms, shares)
         partner = batch.model_free_trees.get(rid)
         if partner is not None:
             self._note_model_free(batch, request, partner, tree, result, elapsed_ms)
@@ -139,15 +142,13 @@ class Learner:
             if part.num_nodes > 1:
                 trial = depth_trial(partner, part, accepted, result)
                 self._learn_state(request, model, part, trial, accepted)
-        node_ms = None
-        cost = self.pool.cost
-        if cost is not None:
+        others = None
+        if self.pool.cost is not None:
             nodes = sum(verified_nodes(batch, r.request_id) for r in batch.decode)
-            nodes += batch.prefill_tokens
-            node_ms = cost.verify_ms(nodes, mean_context(batch.members), len(batch.members))
-            node_ms /= nodes
+            nodes += batch.prefill_tokens - verified_nodes(batch, request.request_id)
+            others = (nodes, mean_context(batch.members), len(batch.members))
         self.pool.counterfactuals.setdefault(request.request_id, []).append(
-            PendingCounterfactual(model, partner, request.num_tokens, step_ms, node_ms)
+            PendingCounterfactual(model, partner, request.num_tokens, step_ms, others)
         )
 
     def settle_counterfactuals(self, request: RequestState) -> None:
@@ -166,17 +167,28 @@ class Learner:
             self.counterfactual_stats.setdefault(pending.model, AcceptanceStats()).record(
                 drafted, accepted
             )
-            # what verifying it would have cost: the root, the accepted path and the node
-            # where it stopped (the selector keeps about that much of a calibrated tree)
-            share = None if pending.node_ms is None else pending.node_ms * (2 + accepted)
             self.pool.chooser.observe(
                 DraftOutcome(
-                    request.request_id, pending.model, drafted, accepted, pending.step_ms, share,
+                    request.request_id, pending.model, drafted, accepted, pending.step_ms,
+                    self._counterfactual_share(pending, accepted),
                     counterfactual=True,
                 )
             )  # fmt: skip
         if waiting:
             self.pool.counterfactuals[request.request_id] = waiting
+
+    def _counterfactual_share(self, pending: PendingCounterfactual, accepted: int) -> float | None:
+        """What the request's share of its step would have been had it verified the model-free
+        tree instead of its own: the root, the accepted path and the node where it stopped (the
+        selector keeps about that much of a calibrated tree) beside the other requests' nodes,
+        priced as `cost_shares` prices a run step. Alone in its step a request pays the whole
+        forward, which on a memory-bound target costs about as much for 2 nodes as for 16."""
+        if pending.others is None or self.pool.cost is None:
+            return None
+        others, context, members = pending.others
+        nodes = 2 + accepted
+        total = others + nodes
+        return self.pool.cost.verify_ms(total, context, members) * nodes / total
 
     # ---- cost shares ---------------------------------------------------------------------------
     def cost_shares(self, batch: MicroBatch) -> dict[str, float]:
