@@ -294,6 +294,7 @@ def test_a_counterfactual_step_is_priced_as_the_share_it_would_have_had():
     assert learner._counterfactual_share(alone, 14) == pytest.approx(116.0)
     beside = PendingCounterfactual("ngram", tree, 0, 150.0, (30, 64.0, 4))
     assert learner._counterfactual_share(beside, 0) == pytest.approx(132.0 * 2 / 32)
-    assert learner._counterfactual_share(
-        PendingCounterfactual("ngram", tree, 0, 150.0, None), 3
-    ) is None
+    assert (
+        learner._counterfactual_share(PendingCounterfactual("ngram", tree, 0, 150.0, None), 3)
+        is None
+    )
