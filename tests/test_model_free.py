@@ -232,26 +232,6 @@ def test_counterfactual_chooser_takes_the_copy_while_it_scores_at_least_the_mode
     assert not chooser.recent
 
 
-def test_counterfactual_chooser_follows_the_copy_step_by_step():
-    """A model-free draft is judged by its latest step: the step after a miss goes back to the
-    model draft, the step after a long accepted copy takes the copy again."""
-    from shared.scheduling.draft_choice import DraftOutcome
-    from shared.scheduling.factory import make_chooser
-    from shared.scheduling.request import RequestState
-
-    chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])
-    request = RequestState("r", [1, 2], Params(), 0)
-    live = ["m", "ngram"]
-    for _ in range(3):
-        chooser.observe(DraftOutcome("r", "m", 6, 3, 10.0, 10.0))  # 0.4 tokens/ms
-    chooser.observe(DraftOutcome("r", "ngram", 16, 15, 10.0, 10.0))  # 1.6 tokens/ms
-    assert chooser.assign([request], live, None) == {"r": "ngram"}
-    chooser.observe(DraftOutcome("r", "ngram", 16, 0, 10.0, 10.0))  # the copy ended
-    assert chooser.assign([request], live, None) == {"r": "m"}
-    chooser.observe(DraftOutcome("r", "ngram", 16, 12, 10.0, 10.0, counterfactual=True))
-    assert chooser.assign([request], live, None) == {"r": "ngram"}
-
-
 def test_counterfactual_chooser_retries_a_model_draft_it_ran_little_or_long_ago_on_a_miss():
     from shared.scheduling.counterfactual import RETRY_AFTER
     from shared.scheduling.draft_choice import DraftOutcome
@@ -261,18 +241,34 @@ def test_counterfactual_chooser_retries_a_model_draft_it_ran_little_or_long_ago_
     chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])
     request = RequestState("r", [1, 2], Params(), 0)
     live = ["m", "ngram"]
-    chooser.observe(DraftOutcome("r", "m", 6, 0, 40.0, 40.0))  # one unlucky step: 0.025/ms
-    chooser.observe(DraftOutcome("r", "ngram", 4, 0, 10.0, 10.0))  # a miss, 0.1/ms
+    chooser.observe(DraftOutcome("r", "m", 6, 2, 50.0, 50.0))  # one unlucky step: 0.06/ms
+    chooser.observe(DraftOutcome("r", "ngram", 4, 0, 10.0, 10.0))  # a miss at 0.1/ms
     assert chooser.assign([request], live, None) == {"r": "m"}  # tried again despite its score
     for _ in range(2):
-        chooser.observe(DraftOutcome("r", "m", 6, 0, 40.0, 40.0))
+        chooser.observe(DraftOutcome("r", "m", 6, 2, 50.0, 50.0))
     # three steps run: the model's estimate stands, and plain-rate steps beat it
     for _ in range(RETRY_AFTER):
         assert chooser.assign([request], live, None) == {"r": "ngram"}
         chooser.observe(DraftOutcome("r", "ngram", 4, 0, 10.0, 10.0))
-    # until the model has not run for RETRY_AFTER steps: then it is tried again
+    # until the model has not run for RETRY_AFTER steps: then it is tried again, once
     assert chooser.assign([request], live, None) == {"r": "m"}
-    assert chooser.assign([request], live, None) == {"r": "ngram"}  # one step only
+    assert chooser.assign([request], live, None) == {"r": "ngram"}
+    # a hit clears the miss: the copy goes on whatever the model's age
+    chooser.observe(DraftOutcome("r", "ngram", 16, 12, 10.0, 10.0, counterfactual=True))
+    assert ("r", "ngram") not in chooser.missed
+
+
+def test_counterfactual_chooser_does_not_retry_a_model_draft_far_behind():
+    from shared.scheduling.draft_choice import DraftOutcome
+    from shared.scheduling.factory import make_chooser
+    from shared.scheduling.request import RequestState
+
+    chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])
+    request = RequestState("r", [1, 2], Params(), 0)
+    live = ["m", "ngram"]
+    chooser.observe(DraftOutcome("r", "m", 6, 0, 50.0, 50.0))  # 0.02/ms
+    chooser.observe(DraftOutcome("r", "ngram", 4, 0, 10.0, 10.0))  # a miss, still 0.1/ms
+    assert chooser.assign([request], live, None) == {"r": "ngram"}  # below half: not worth it
 
 
 def test_a_counterfactual_step_is_priced_as_the_share_it_would_have_had():

@@ -12,24 +12,23 @@ from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
 
 RECENT_DECAY = 0.7  # the counterfactual chooser's per-request goodput: weight of older steps
-# a model-free draft's is its latest outcome alone: text is copied in runs, so the step after a
-# long accepted copy most likely continues it and the step after a miss most likely does not
-MODEL_FREE_DECAY = 0.0
 # When the model-free draft misses, a request's model draft runs again if the request has run
-# it fewer than MIN_MODEL_STEPS steps or not in its last RETRY_AFTER steps: its estimate is not
-# renewed while it does not run, and a few unlucky steps would otherwise keep it off for good.
+# it fewer than MIN_MODEL_STEPS steps or not in its last RETRY_AFTER steps, and its estimate is
+# at least EXPLORE_WITHIN of the model-free draft's: that estimate is not renewed while the
+# model does not run, and a few unlucky steps would otherwise keep it off for good; a model far
+# behind is not worth the steps a retry costs.
 MIN_MODEL_STEPS = 3
 RETRY_AFTER = 8
+EXPLORE_WITHIN = 0.5
 
 
 class Counterfactual:
     """Model-free drafts judged on every step by what they would have achieved, model drafts by
     LBSS among themselves; per request, the model-free draft with the best recent goodput wins
-    over LBSS's model when it is at least as good (a model draft's decayed mean per request, a
-    model-free draft's latest step). A miss (a latest step that accepted nothing) sends the
-    request back to a model draft it has run fewer than `MIN_MODEL_STEPS` steps or not in its
-    last `RETRY_AFTER`: that estimate, not renewed while the model does not run, could otherwise
-    stay at a few unlucky steps'."""
+    over LBSS's model when it is at least as good (decayed means per request and draft). A miss
+    (a model-free step that accepted nothing) sends the request back to a model draft it has run
+    fewer than `MIN_MODEL_STEPS` steps or not in its last `RETRY_AFTER`, unless that draft's
+    estimate is below `EXPLORE_WITHIN` of the model-free draft's."""
 
     name = "counterfactual"
     learns = True
@@ -69,6 +68,10 @@ class Counterfactual:
                 self.model_steps.get((r.request_id, model), 0) < MIN_MODEL_STEPS
                 or self.since_model.get(r.request_id, 0) >= RETRY_AFTER
             )
+            if explore:
+                theirs = self.estimate(r.request_id, model)
+                best = max((self.estimate(r.request_id, m) or 0.0 for m in free), default=0.0)
+                explore = theirs is None or theirs >= EXPLORE_WITHIN * best
             scored = [
                 (e, m)
                 for m in free
@@ -96,16 +99,14 @@ class Counterfactual:
         key = (outcome.request_id, outcome.draft_model)
         old = self.recent.get(key)
         new = outcome.goodput
-        decay = RECENT_DECAY
         if outcome.draft_model in self.model_free:
-            decay = MODEL_FREE_DECAY
             if outcome.num_accepted:
                 self.missed.discard(key)
             else:
                 self.missed.add(key)
         elif not outcome.counterfactual:
             self.model_steps[key] = self.model_steps.get(key, 0) + 1
-        self.recent[key] = new if old is None else decay * old + (1 - decay) * new
+        self.recent[key] = new if old is None else RECENT_DECAY * old + (1 - RECENT_DECAY) * new
         if outcome.draft_model not in self.model_free:
             self.lbss.observe(outcome)
 
