@@ -276,7 +276,7 @@ def test_a_counterfactual_step_is_priced_as_the_share_it_would_have_had():
     its nodes' share of the larger forward."""
     from types import SimpleNamespace
 
-    from shared.scheduling.core_types import PendingCounterfactual
+    from shared.scheduling.core_types import OtherLoad, PendingCounterfactual
     from shared.scheduling.learning import Learner
 
     class FlatCost:  # a memory-bound target: 100 ms plus 1 ms a token
@@ -285,10 +285,10 @@ def test_a_counterfactual_step_is_priced_as_the_share_it_would_have_had():
 
     learner = Learner(SimpleNamespace(cost=FlatCost()))  # type: ignore[arg-type]
     tree = TokenTree.root_only(1)
-    alone = PendingCounterfactual("ngram", tree, 0, 150.0, (0, 64.0, 1))
+    alone = PendingCounterfactual("ngram", tree, 0, 150.0, OtherLoad(0, 64, 1))
     assert learner._counterfactual_share(alone, 0) == pytest.approx(102.0)
     assert learner._counterfactual_share(alone, 14) == pytest.approx(116.0)
-    beside = PendingCounterfactual("ngram", tree, 0, 150.0, (30, 64.0, 4))
+    beside = PendingCounterfactual("ngram", tree, 0, 150.0, OtherLoad(30, 64, 4))
     assert learner._counterfactual_share(beside, 0) == pytest.approx(132.0 * 2 / 32)
     assert (
         learner._counterfactual_share(PendingCounterfactual("ngram", tree, 0, 150.0, None), 3)

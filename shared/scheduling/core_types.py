@@ -209,6 +209,16 @@ def request_history(request: RequestState, eos_token_ids: Sequence[int]) -> Toke
 
 
 @dataclass(frozen=True)
+class OtherLoad:
+    """A verification step apart from one request's tree: the other requests' nodes and the
+    prompt tokens beside them, the step's typical context and its number of requests."""
+
+    nodes: int
+    context: int
+    members: int
+
+
+@dataclass(frozen=True)
 class PendingCounterfactual:
     """A model-free tree proposed for a request but not run as its draft, waiting for enough
     committed tokens to settle how many of its tokens the target would have accepted."""
@@ -217,9 +227,7 @@ class PendingCounterfactual:
     tree: TokenTree
     start: int  # index (in the request's tokens) of the first token committed after its root
     step_ms: float
-    # the step's verification without this request's tree (None: no cost model): the other
-    # requests' nodes and prompt tokens, their mean context and the members of the batch
-    others: tuple[int, float, int] | None
+    others: OtherLoad | None  # the step beside this request's tree (None: no cost model)
 
 
 def draft_request(

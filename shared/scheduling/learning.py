@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from shared.scheduling.core_types import (
     MicroBatch,
+    OtherLoad,
     PendingCounterfactual,
     StepResult,
     mean_context,
@@ -48,6 +49,7 @@ class Learner:
         self.stats = AcceptanceStats()  # every verified decode step, as vLLM counts them
         # per model-free draft: its counterfactual acceptance on the steps it was not run
         self.counterfactual_stats: dict[str, AcceptanceStats] = {}
+        self._load: tuple[int, int, int] | None = None  # (batch id, nodes, context): _step_load
 
     def learn_step(
         self,
@@ -144,9 +146,10 @@ class Learner:
                 self._learn_state(request, model, part, trial, accepted)
         others = None
         if self.pool.cost is not None:
-            nodes = sum(verified_nodes(batch, r.request_id) for r in batch.decode)
-            nodes += batch.prefill_tokens - verified_nodes(batch, request.request_id)
-            others = (nodes, mean_context(batch.members), len(batch.members))
+            nodes, context = self._step_load(batch)
+            others = OtherLoad(
+                nodes - verified_nodes(batch, request.request_id), context, len(batch.members)
+            )
         self.pool.counterfactuals.setdefault(request.request_id, []).append(
             PendingCounterfactual(model, partner, request.num_tokens, step_ms, others)
         )
@@ -185,10 +188,18 @@ class Learner:
         forward, which on a memory-bound target costs about as much for 2 nodes as for 16."""
         if pending.others is None or self.pool.cost is None:
             return None
-        others, context, members = pending.others
+        others = pending.others
         nodes = 2 + accepted
-        total = others + nodes
-        return self.pool.cost.verify_ms(total, context, members) * nodes / total
+        total = others.nodes + nodes
+        return self.pool.cost.verify_ms(total, others.context, others.members) * nodes / total
+
+    def _step_load(self, batch: MicroBatch) -> tuple[int, int]:
+        """The batch's verified nodes and prompt tokens, and its typical context: once per batch
+        (every request with a model-free partner reads them)."""
+        if self._load is None or self._load[0] != batch.id:
+            nodes = sum(verified_nodes(batch, r.request_id) for r in batch.decode)
+            self._load = (batch.id, nodes + batch.prefill_tokens, mean_context(batch.members))
+        return self._load[1], self._load[2]
 
     # ---- cost shares ---------------------------------------------------------------------------
     def cost_shares(self, batch: MicroBatch) -> dict[str, float]:
