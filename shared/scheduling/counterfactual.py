@@ -63,36 +63,35 @@ class Counterfactual:
         base = self.lbss.assign(requests, models, cost) if models else {}
         chosen = {}
         for r in requests:
-            model = base.get(r.request_id)
-            explore = model is not None and (
-                self.model_steps.get((r.request_id, model), 0) < MIN_MODEL_STEPS
-                or self.since_model.get(r.request_id, 0) >= RETRY_AFTER
-            )
-            if explore:
-                theirs = self.estimate(r.request_id, model)
-                best = max((self.estimate(r.request_id, m) or 0.0 for m in free), default=0.0)
-                explore = theirs is None or theirs >= EXPLORE_WITHIN * best
-            scored = [
-                (e, m)
-                for m in free
-                if (e := self.estimate(r.request_id, m)) is not None
-                and not (explore and (r.request_id, m) in self.missed)
-            ]
-            best_free = max(scored, key=lambda pair: pair[0], default=None)
+            rid = r.request_id
+            model = base.get(rid)
+            theirs = self.estimate(rid, model) if model is not None else None
+            scores = {m: e for m in free if (e := self.estimate(rid, m)) is not None}
+            if model is not None and self._retries(rid, model, theirs, scores):
+                scores = {m: e for m, e in scores.items() if (rid, m) not in self.missed}
+            best_free = max(scores.items(), key=lambda pair: (pair[1], pair[0]), default=None)
             if best_free is None:  # not scored yet: a model draft's step scores it
                 pick = model if model is not None else (free[0] if free else None)
-            elif model is None:
-                pick = best_free[1]
+            elif model is None or theirs is None or best_free[1] >= theirs:
+                pick = best_free[0]
             else:
-                theirs = self.estimate(r.request_id, model)
-                pick = best_free[1] if theirs is None or best_free[0] >= theirs else model
+                pick = model
             if pick is not None:
-                chosen[r.request_id] = pick
+                chosen[rid] = pick
                 ran_model = pick not in self.model_free
-                self.since_model[r.request_id] = (
-                    0 if ran_model else self.since_model.get(r.request_id, 0) + 1
-                )
+                self.since_model[rid] = 0 if ran_model else self.since_model.get(rid, 0) + 1
         return chosen
+
+    def _retries(
+        self, request_id: str, model: str, theirs: float | None, scores: dict[str, float]
+    ) -> bool:
+        """Whether a miss of a model-free draft sends the request back to `model` this step."""
+        due = (
+            self.model_steps.get((request_id, model), 0) < MIN_MODEL_STEPS
+            or self.since_model.get(request_id, 0) >= RETRY_AFTER
+        )
+        best = max(scores.values(), default=0.0)
+        return due and (theirs is None or theirs >= EXPLORE_WITHIN * best)
 
     def observe(self, outcome: DraftOutcome) -> None:
         self.table.add(outcome)
