@@ -26,7 +26,7 @@ import torch
 
 from bench.bench_model_free import Models
 from bench.bench_speculation import KINDS, Tally, prompts_by_kind, run_one, run_pair
-from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
+from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts
 from shared.values.sampling import SamplingParams
@@ -129,13 +129,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model-set", choices=sorted(MODEL_SETS), default=SMOLLM2)
-    ap.add_argument("--target-dtype", default="float32")
+    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--draft", help="default: the set's default draft")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     if args.draft is None:
-        default = DEFAULT_GENERATE_DRAFT if args.model_set == SMOLLM2 else None
-        args.draft = default or next(iter(model_set_drafts(args.model_set)))
+        args.draft = next(iter(model_set_drafts(args.model_set, served=True)))
     if args.threads:
         torch.set_num_threads(args.threads)
     print(report(bench(args), args))
