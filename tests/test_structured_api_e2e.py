@@ -88,7 +88,8 @@ async def test_json_schema_and_required_tool_calls_under_speculation(
         server.url,
         "structured",
         engine={"block_size": 16, "kv_memory_bytes": 64 << 20},
-        gateway={"port": port},
+        # a slow or stalled CI machine is not a failure; a hang still is, after 5 minutes
+        gateway={"port": port, "output_idle_timeout_s": 300},
         models={"target_dir": smollm2_models.target},
     )
     stack = await start_stack(settings, server.url, smollm2_models)
