@@ -9,7 +9,8 @@ SmolLM2 target (the goodput planner on the cost profile the CLI loads, or `--pla
 the table gives tokens per target forward (bonus included) per kind and whether each output
 equals plain decoding token for token. A configuration is a draft of the model set (`draft-e`,
 `draft-l`, ...), a model-free draft (`ngram`, `suffix`), a model draft merged with a model-free
-one (`draft-e+ngram`: both draft every step, their trees merged), or `choose:` and drafts
+one (`draft-e+ngram`: their trees merged, the model drafting only what the copy is not expected
+to deliver; `draft-e+ngram=always`: both draft every step), or `choose:` and drafts
 (`choose:draft-e,ngram,suffix`: the counterfactual chooser among them, merging on).
 """
 
@@ -62,7 +63,9 @@ def prompts(
 
 
 class Models:
-    """The target (at `target_dtype`) and every draft a configuration may name, loaded once."""
+    """The target (at `target_dtype`) and every draft a configuration may name, loaded once.
+    Their runners cache no prefixes: engines share them, and a cache would hand whichever
+    configuration ran a prompt second the first one's prefill (timings would favour it)."""
 
     def __init__(
         self,
@@ -82,7 +85,9 @@ class Models:
         eos = self.target.cfg.eos_token_ids
         # one grammar book for every engine: they share the verifier and the model drafts
         self.grammar = None if tokenizer is None else GrammarBook.from_hf(tokenizer, eos)
-        self.verifier = Verifier(ModelRunner(self.target, kv_memory_bytes=kv_bytes))
+        self.verifier = Verifier(
+            ModelRunner(self.target, kv_memory_bytes=kv_bytes, prefix_caching=False)
+        )
         self.models: dict[str, Drafter] = {}
         self.planner = planner
         self._costs: dict[tuple[str, ...], object] = {}
@@ -91,7 +96,7 @@ class Models:
         if name not in self.models:
             path = self.draft_dirs[name]
             model = load_model(path, target_path=self.target_dir, int8=uses_int8("auto", "cpu"))
-            runner = ModelRunner(model, kv_memory_bytes=self.kv_bytes)
+            runner = ModelRunner(model, kv_memory_bytes=self.kv_bytes, prefix_caching=False)
             self.models[name] = Drafter(runner, name=name)
         return self.models[name]
 
@@ -110,6 +115,7 @@ class Models:
         max_running_requests: int | None = None,
     ) -> SpecEngine:
         chooser = "fixed"
+        config, always = config.removesuffix("=always"), config.endswith("=always")
         names = config.split("+")
         if config.startswith("choose:"):
             chooser, names = "counterfactual", config.removeprefix("choose:").split(",")
@@ -125,7 +131,11 @@ class Models:
                 self.verifier.runner, models, target_name=self.target_dir.name
             )
         cost = self._costs.get(key)
-        scheduling = SchedulerConfig(planner=self.planner, draft_chooser=chooser)
+        scheduling = SchedulerConfig(
+            planner=self.planner,
+            draft_chooser=chooser,
+            model_beside_copy="always" if always else "planned",
+        )
         if max_running_requests is not None:
             scheduling = scheduling.model_copy(
                 update={"max_running_requests": max_running_requests}

@@ -312,6 +312,9 @@ class SchedulerSettings(_Group):
     # merged with it; "auto" (the default): "model-free" where a model-free draft is configured,
     # else off
     merge_drafts: Literal["auto", "off", "standby", "at-risk", "model-free"] = "auto"
+    # with "model-free": "planned", the model drafts only the levels its partner is not expected
+    # to deliver (none inside a copy; the partner drafts alone then); "always", as if alone
+    model_beside_copy: Literal["planned", "always"] = "planned"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

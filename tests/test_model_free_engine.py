@@ -22,6 +22,7 @@ from shared.values.sampling import SamplingParams
 from shared.values.tree import counterfactual_accepted
 from tests.small_vocab import exact_joint, small_vocab_pair
 from tests.stats import P_VALUE_FLOOR, fit_p_value
+from tests.test_scheduler_core import cost_model
 
 # Prompts after which the tiny target's greedy output falls into repeats that prompt lookup can
 # copy (plain decoding of random weights loops); 80 tokens each.
@@ -30,6 +31,7 @@ MAX_TOKENS = 80
 # Tokens per target forward measured here: ngram 1.84, suffix 2.06 alone, merged with the tiny
 # model draft 1.85 and 2.08; the tiny model draft alone 1.00 (what a useless draft gets).
 FLOOR = 1.5
+CPU_CURVE = [(1, 10.0), (5, 17.0), (64, 120.25)]  # (tokens, ms): 5 tokens cost 1.7x one
 
 
 def runner(path, kv_bytes: int = 2 << 20) -> ModelRunner:
@@ -75,6 +77,41 @@ def test_merged_with_a_model_draft_greedy_equals_plain(
     assert engine.core.num_merged_trees > 0
     assert all(set(r.draft_stats) == {"tiny"} for r in reqs)  # the fixed chooser's model drafts
     assert engine.stats.mean_accepted_length >= FLOOR
+
+
+def test_a_model_that_does_not_pay_leaves_the_copy_beside_it_running(
+    tiny_target_dir, tiny_draft_dir, plain_outputs
+):
+    """With a cost model the planner sizes the model's depth; a useless model draft (random
+    weights) is planned at depth 0. "planned" (the default) still drafts its ngram partner
+    every step and verifies that tree alone; "always" (the model planned as if alone) drops
+    the copy with the model: about one token per forward."""
+    per_forward, model_trees = {}, {}
+    for mode in ("planned", "always"):
+        model = model_draft(tiny_draft_dir, name="d")  # the cost model's draft
+        trees = 0
+        draft = model.draft
+
+        def counted(requests, method, draft=draft):
+            nonlocal trees
+            trees += len(requests)
+            return draft(requests, method)
+
+        model.draft = counted  # type: ignore[method-assign]
+        engine = SpecEngine(
+            Verifier(runner(tiny_target_dir)),
+            {"d": model, "ngram": ModelFreeDrafter("ngram")},
+            CHAIN,
+            SchedulerConfig(model_beside_copy=mode),
+            cost=cost_model(CPU_CURVE, [(1, 3.3), (64, 6.0)]),
+        )
+        reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        assert [r.output for r in reqs] == plain_outputs
+        per_forward[mode] = engine.stats.mean_accepted_length
+        model_trees[mode] = trees / engine.stats.num_target_forwards
+    # measured: planned 1.45 tokens a forward, the model drafting no tree; always 1.04
+    assert per_forward["planned"] >= 1.35 and per_forward["always"] < 1.15
+    assert model_trees["planned"] < 0.1
 
 
 def test_model_free_beside_prompt_chunks_and_arrivals(

@@ -4,6 +4,7 @@ decoding where it does not, and learning from what the target accepted."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -111,6 +112,29 @@ def test_cpu_curve_drafts_deeper_for_the_better_draft() -> None:
     depths = plan([query("good", 0.9), query("bad", 0.2)], CPU)
     assert depths["good"] > depths["bad"]
     assert depths["good"] >= 2 and depths["bad"] == 0
+
+
+def test_a_model_beside_a_copying_partner_drafts_only_what_the_copy_leaves() -> None:
+    """A model-free partner merged with the model's tree: the model's level d adds only where
+    the partner's path does not reach d; inside a copy the model sits out, outside it drafts."""
+    alone = query("r", 0.8)
+    copying = replace(alone, partner_rate=0.95, partner_depth=8)
+    missing = replace(alone, partner_rate=0.1, partner_depth=8)
+    assert alone.level_gains() == pytest.approx([0.8**d for d in range(1, 5)])
+    raw = [0.8**d * (1 - 0.95**d) for d in range(1, 5)]  # rises with depth: pooled
+    gains = copying.level_gains()
+    assert gains == sorted(gains, reverse=True) and sum(gains) == pytest.approx(sum(raw))
+    assert copying.partner_tokens() == pytest.approx(sum(0.95**d for d in range(1, 9)))
+    # a draft forward costs a third of the target's (the 0.5B beside the 1.5B)
+    cost = cost_model(CPU, [(1, 3.3), (64, 6.0)])
+    step = {"prefill_tokens": 0, "budget": 512, "context": 100}
+    assert plan_depths([alone], cost, **step)["r"] >= 2
+    assert plan_depths([missing], cost, **step)["r"] >= 2
+    assert plan_depths([copying], cost, **step)["r"] == 0
+    # past the partner's depth the model's levels count in full
+    shallow = replace(copying, partner_depth=1)
+    expected = 0.8 * 0.05 + sum(0.8**d for d in range(2, 5))
+    assert sum(shallow.level_gains()) == pytest.approx(expected)
 
 
 @settings(max_examples=150, deadline=None)

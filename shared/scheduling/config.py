@@ -9,7 +9,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.scheduling.core import MergePolicy, MicroBatchSplit, SpeculationPlanner
+from shared.scheduling.core import (
+    MergePolicy,
+    MicroBatchSplit,
+    ModelBesideCopy,
+    SpeculationPlanner,
+)
 from shared.settings import AugurySettings, LapsSettings, LbssSettings, SloSettings
 
 
@@ -32,6 +37,7 @@ class SchedulerConfig(BaseModel):
     # the standby (or, "model-free", a model-free draft) also drafts a tree, merged (SpecInfer);
     # "auto": "model-free" where there is a model-free draft beside a model draft, else off
     merge_drafts: MergePolicy | Literal["auto"] = "auto"
+    model_beside_copy: ModelBesideCopy = "planned"  # with model-free merges (settings)
     replica_matcher: str = "least-loaded"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
@@ -59,6 +65,7 @@ class SchedulerConfig(BaseModel):
             lbss=s.lbss,
             fast_switching=s.fast_switching,
             merge_drafts=s.merge_drafts,
+            model_beside_copy=s.model_beside_copy,
             replica_matcher=s.replica_matcher,
             tree_selection=s.tree_selection,
             planner=s.speculation.planner,

@@ -22,6 +22,7 @@ SpeculationPlanner = Literal["goodput", "fixed"]
 # objective that they are not meeting; "model-free": every request drafting with a model also
 # gets the first live model-free draft's tree (`CoreConfig.model_free_drafts`), merged
 MergePolicy = Literal["off", "standby", "at-risk", "model-free"]
+ModelBesideCopy = Literal["planned", "always"]
 # Which decoding requests a micro-batch takes: the first in the policy's order ("policy"), or
 # its share of each draft model's requests ("per-draft", Spin §V-B: the batch on each drafter is
 # split into the M micro-batches, so that no micro-batch waits on one drafter holding most of it)
@@ -55,6 +56,9 @@ class CoreConfig:
     # expects it to move to next (`MicroBatch.warm`), so that the switch costs no prefill
     fast_switching: bool = False
     merge_drafts: MergePolicy = "off"
+    # with model-free merges: "planned", the model's depth counts only what the partner is not
+    # expected to deliver (`DepthQuery.level_gains`); "always", planned as if alone
+    model_beside_copy: ModelBesideCopy = "planned"
     # Drafts that load no model (`shared/engine/model_free.py`), in order of preference: they
     # draft with `model_free_method`, cost no drafting time, and, being deterministic functions
     # of the committed tokens, can be scored after every step without being run (counterfactual)
@@ -124,6 +128,9 @@ class MicroBatch:
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
+    # decoding requests placed on a draft but planned at depth 0 (a model-free partner may
+    # still draft for them: `StandbyPlanner`)
+    undrafted: set[str] = field(default_factory=set)
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
     # each request's own drafter's tree as drafted, before any merge and the selection: the
     # planner's per-depth estimate learns from it (the selector keeps the nodes likely to be

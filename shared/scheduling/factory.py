@@ -133,6 +133,7 @@ def make_core(
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,
             merge_drafts=resolve_merge(config.merge_drafts, bool(model_free), has_models),
+            model_beside_copy=config.model_beside_copy,
             model_free_drafts=model_free,
         ),
         policy=make_policy(config.policy, config.length_predictor, config.laps, true_lengths),

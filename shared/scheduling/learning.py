@@ -20,7 +20,7 @@ from shared.scheduling.core_types import (
 from shared.scheduling.draft_choice import DraftOutcome
 from shared.scheduling.pool import RequestPool
 from shared.scheduling.request import AcceptanceStats, RequestState
-from shared.scheduling.speculation import CALIBRATION_CLIP, DECAY
+from shared.scheduling.speculation import CALIBRATION_CLIP, DECAY, RECENT_ESTIMATE_DECAY
 from shared.values.tree import TokenTree, counterfactual_accepted, levels_accepted
 
 
@@ -120,6 +120,7 @@ class Learner:
         tried), and the selector's calibration from the verified `tree`'s `num_accepted`."""
         state = self.pool.state(request, model)
         state.estimate.observe(*trial)
+        state.recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
         self.pool.model_estimate(model).observe(*trial)
         predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
         if predicted > 0:
@@ -139,7 +140,9 @@ class Learner:
         """A model-free partner's tree: learn from its verified part where it was merged, and
         wait for the tokens that settle its counterfactual acceptance."""
         model = batch.merge[request.request_id].model
-        if verified is not None and request.request_id in batch.own_trees:
+        if partner.num_nodes == 1:  # nothing to copy here: the model beside it should draft
+            self.pool.state(request, model).recent.observe(0, 1, decay=RECENT_ESTIMATE_DECAY)
+        elif verified is not None and request.request_id in batch.own_trees:
             part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
             if part.num_nodes > 1:
                 trial = depth_trial(partner, part, accepted, result)

@@ -41,10 +41,13 @@ class DraftPlanner:
             return
         depths = self._depths(batch, queries)
         for q in queries:
+            plan = None
             if depths[q.request_id] >= 1:
                 plan = self._draft_plan(q, depths[q.request_id], placed[q.request_id])
-                if plan is not None:
-                    batch.drafts[q.request_id] = plan
+            if plan is not None:
+                batch.drafts[q.request_id] = plan
+            else:
+                batch.undrafted.add(q.request_id)
 
     def _queries(self, batch: MicroBatch) -> tuple[list[DepthQuery], Placements]:
         """Choose and place each decoding request's draft model; what the depth planner asks."""
@@ -73,18 +76,29 @@ class DraftPlanner:
             state = pool.state(request, model)
             prior = pool.model_estimate(model).rate()
             placed[request.request_id] = (model, request.drafter or "", method)
-            queries.append(
-                DepthQuery(
-                    request.request_id,
-                    model,
-                    method,
-                    min(pool.max_depth(request), method.num_layers),
-                    state.estimate.rate(prior),
-                    self.drafter_backlog(request, model),
-                    request.tokens_left,
-                )
+            query = DepthQuery(
+                request.request_id,
+                model,
+                method,
+                min(pool.max_depth(request), method.num_layers),
+                state.estimate.rate(prior),
+                self.drafter_backlog(request, model),
+                request.tokens_left,
             )
+            queries.append(self._with_partner(query, request))
         return queries, placed
+
+    def _with_partner(self, query: DepthQuery, request: RequestState) -> DepthQuery:
+        """The query with its model-free partner's recent acceptance, where one merges beside
+        the request's model draft (`merge_drafts` "model-free"; `StandbyPlanner`)."""
+        pool = self.pool
+        partner = pool.model_free_partner(request)
+        if partner is None:
+            return query
+        prior = pool.model_estimate(partner).rate()
+        rate = pool.state(request, partner).recent.rate(prior, weight=1.0)
+        depth = min(pool.config.model_free_method.num_layers, pool.max_depth(request))
+        return replace(query, partner_rate=rate, partner_depth=depth)
 
     def _depths(self, batch: MicroBatch, queries: list[DepthQuery]) -> dict[str, int]:
         """Each query's depth: the goodput planner's (a probe of one level where one is due and

@@ -218,6 +218,17 @@ class RequestPool:
         config = self.config
         return bool(config.model_free_drafts) and (config.merge_drafts == "model-free" or reads)
 
+    def model_free_partner(self, request: RequestState) -> str | None:
+        """The model-free draft whose tree merges with the request's model draft this step and
+        whose acceptance plans the model's depth (`merge_drafts = model-free`,
+        `model_beside_copy = planned`): the first live one; None where none does."""
+        config = self.config
+        if config.merge_drafts != "model-free" or config.model_beside_copy != "planned":
+            return None
+        if request.draft_model in config.model_free_drafts:
+            return None
+        return next((m for m in config.model_free_drafts if m in self.drafters), None)
+
     # ---- what the planner remembers ------------------------------------------------------------
     def state(self, request: RequestState, model: str) -> SpeculationState:
         per_model = self.speculation.setdefault(request.request_id, {})

@@ -23,6 +23,10 @@ whose draft keeps failing stops paying for it, and one whose draft is accurate d
    rank every node of the micro-batch; the verified prefix of that ranking is the one with the
    highest goodput. Drafting is spent by then, so only T_verify counts.
 
+A model-free partner merged with the model's tree (a copy from the context) is free to draft;
+the model's levels count only for what the partner is not expected to deliver, by the partner's
+recent acceptance, so inside a copy the model does not draft and the step costs one forward.
+
 A request planned at depth 0 probes again (depth 1) after an interval that doubles each time the
 probe does not change the plan, so an estimate can recover without paying every step; and only
 where a good draft (acceptance `OPTIMISTIC_RATE`) would pay in that step: in a step of many
@@ -35,7 +39,7 @@ import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,6 +54,9 @@ CALIBRATION_CLIP = (0.25, 4.0)
 FIRST_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 64
 OPTIMISTIC_RATE = 0.9  # a probe is worth it only if a draft this good would pay in the step
+# weight of older steps in a draft's recent per-depth estimate (`SpeculationState.recent`): a
+# copy from the context starts and ends abruptly, and the model beside it should follow
+RECENT_ESTIMATE_DECAY = 0.25
 # a drafter's backlog is spread over the steps of at most this many of the request's tokens to
 # come: `max_tokens` is only a bound on its length (a chat answer is typically shorter)
 AMORTIZED_TOKENS = 128
@@ -77,6 +84,9 @@ class SpeculationState:
     """What the planner remembers of one request (on one draft model)."""
 
     estimate: AcceptanceEstimate
+    # the same, mostly the latest step (`RECENT_ESTIMATE_DECAY`): how far a model-free partner
+    # is copying right now, which decides whether the model beside it drafts at all
+    recent: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     calibration: float = 1.0  # accepted / sum f(i) of what was verified, decayed
     idle_steps: int = 0  # steps planned at depth 0 since the last draft
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -93,6 +103,27 @@ class DepthQuery:
     rate: float  # per-depth acceptance estimate
     new_tokens: int  # committed tokens the drafter has not seen (its root forward)
     tokens_left: int | None = None  # output tokens the request may still commit (None: unknown)
+    # a model-free partner drafting beside the model (merged trees): its recent per-depth
+    # acceptance and its depth; the model's level d pays only where the partner falls short
+    partner_rate: float = 0.0
+    partner_depth: int = 0
+
+    def partner_tokens(self) -> float:
+        """The partner's expected accepted tokens: sum of partner_rate^d over its depths."""
+        return sum(self.partner_rate**d for d in range(1, self.partner_depth + 1))
+
+    def level_gains(self) -> list[float]:
+        """Expected tokens the model's levels 1..max_depth add, each over the one before. With
+        a partner whose path reaches depth d with probability p^d, the merged tree accepts
+        max(model's, partner's): level d adds rate^d (1 - p^d). Those gains may rise with d (a
+        partner sure of its first tokens), so rising runs are pooled into their mean: the
+        planner takes a request's levels in order, best first, and the totals are unchanged."""
+        depth = min(self.max_depth, self.method.num_layers)
+        gains = []
+        for d in range(1, depth + 1):
+            covered = self.partner_rate**d if d <= self.partner_depth else 0.0
+            gains.append(self.rate**d * (1.0 - covered))
+        return _non_increasing(gains)
 
     def root_tokens(self) -> float:
         """The root forward's tokens this step is charged for. A drafter that drafted last
@@ -140,8 +171,9 @@ def plan_depths(
     `num_requests`: requests in the verifier's forward, decoding and prefilling (None: the
     profile's spread layout).
 
-    Levels are taken best marginal expected tokens first (request i's level d adds rate_i^d;
-    a request's levels come in order, as its gains fall with depth), each adding about one node
+    Levels are taken best marginal expected tokens first (request i's level d adds rate_i^d,
+    less what a model-free partner drafting beside it covers: `DepthQuery.level_gains`; a
+    request's levels come in order, as its gains fall with depth), each adding about one node
     to the verifier's forward (what the selector after drafting verifies) until the budget is
     spent. The plan is the prefix of that order with the most expected tokens per millisecond
     of drafting and verification; every prefix is priced at once.
@@ -149,15 +181,17 @@ def plan_depths(
     depth = {q.request_id: 0 for q in queries}
     first_nodes = len(queries) + prefill_tokens  # one root per decoding request
     levels = sorted(
-        (-(q.rate**d), i, d)
+        (-gain, i, d)
         for i, q in enumerate(queries)
         if q.rate > 0
-        for d in range(1, min(q.max_depth, q.method.num_layers) + 1)
+        for d, gain in enumerate(q.level_gains(), start=1)
     )[: max(0, budget - first_nodes)]
     if not levels:
         return depth
-    # prefix k (0..K) takes levels[:k]: [K + 1] expected tokens and milliseconds
-    tokens = len(queries) - np.concatenate(([0.0], np.cumsum([g for g, _, _ in levels])))
+    # prefix k (0..K) takes levels[:k]: [K + 1] expected tokens and milliseconds (the roots and
+    # what the model-free partners are expected to add whatever the models draft)
+    base = len(queries) + sum(q.partner_tokens() for q in queries)
+    tokens = base - np.concatenate(([0.0], np.cumsum([g for g, _, _ in levels])))
     num_prefixes = len(levels) + 1
     step_ms = verify_shares(cost, prefill_tokens, first_nodes, num_prefixes, context, num_requests)
     for model in sorted({queries[i].draft_model for _, i, _ in levels}):
@@ -167,6 +201,19 @@ def plan_depths(
     for _, i, _ in levels[:best]:
         depth[queries[i].request_id] += 1
     return depth
+
+
+def _non_increasing(values: list[float]) -> list[float]:
+    """The closest non-increasing sequence with the same sum over every pooled run: each run
+    that rises is replaced by its mean (pool-adjacent-violators)."""
+    blocks: list[tuple[float, int]] = []  # (mean, length)
+    for v in values:
+        total, count = v, 1
+        while blocks and blocks[-1][0] < total / count:
+            mean, length = blocks.pop()
+            total, count = total + mean * length, count + length
+        blocks.append((total / count, count))
+    return [mean for mean, length in blocks for _ in range(length)]
 
 
 @functools.cache

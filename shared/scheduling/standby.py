@@ -26,6 +26,12 @@ class StandbyPlanner:
         if config.fast_switching or config.merge_drafts != "off" or self.pool.scores_model_free:
             for rid in batch.drafts:
                 self._plan_standby(self.pool.requests[rid], batch)
+        # a model-free partner drafts whether the model does or not: inside a copy the planner
+        # leaves the model out (`DepthQuery.level_gains`) and the partner's tree is the step's
+        for rid in sorted(batch.undrafted):
+            request = self.pool.requests[rid]
+            if self.pool.model_free_partner(request) is not None:
+                self._plan_model_free_partner(request, batch)
 
     def merges(self, request: RequestState) -> bool:
         """Whether the request's standby drafts a tree to merge this step (`merge_drafts`)."""
@@ -93,7 +99,8 @@ class StandbyPlanner:
         from a standby kept in step like fast switching's, as deep as its own method allows."""
         pool = self.pool
         live = [m for m in pool.config.model_free_drafts if m in pool.drafters]
-        if not live:
+        depth = min(pool.config.model_free_method.num_layers, pool.max_depth(request))
+        if not live or depth < 1:
             pool.release_standby(request)
             return
         standby = self._standby_on(request, live[0])
@@ -107,7 +114,7 @@ class StandbyPlanner:
             method,
             standby.num_seen,
             tuple(tokens[standby.num_seen :]),
-            max_depth=min(method.num_layers, pool.max_depth(request)),
+            max_depth=depth,
             max_nodes=method.max_draft_tokens,
             stream=1,
         )
