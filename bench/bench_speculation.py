@@ -17,6 +17,7 @@ equal token for token.
 Services mode: all services in this process over Redis (embedded), the default settings; at
 concurrency c, rounds of c requests alternate between speculative and plain decoding
 (`augury.speculate = false`, the same stack) and the ratio of their tokens/s is reported.
+Prefix caching is off in both modes: every run computes its own prompt.
 """
 
 from __future__ import annotations
@@ -92,14 +93,16 @@ class KindResult:
 def build_engines(
     draft: str, threads: int, draft_weights: str = "auto"
 ) -> tuple[SpecEngine, SpecEngine]:
-    """Plain and speculative engines over one target runner (one kernel plan, one profile)."""
+    """Plain and speculative engines over one target runner (one kernel plan, one profile).
+    No prefix caching: the engine that ran a prompt second would find the first one's KV."""
     tdir = target_dir()
-    target = ModelRunner(load_model(tdir), kv_memory_bytes=KV_BYTES)
+    target = ModelRunner(load_model(tdir), kv_memory_bytes=KV_BYTES, prefix_caching=False)
     ddir = all_draft_dirs()[draft]
     drafter = Drafter(
         ModelRunner(
             load_model(ddir, target_path=tdir, int8=uses_int8(draft_weights, "cpu")),
             kv_memory_bytes=KV_BYTES,
+            prefix_caching=False,
         ),
         name=draft,
     )
@@ -240,6 +243,9 @@ async def bench_services(args: argparse.Namespace) -> str:
                 "kv_memory_bytes": KV_BYTES,
                 "draft_weights": args.draft_weights,
                 "target_dtype": args.target_dtype,
+                # rounds repeat the prompts: a cache would give every round after the first
+                # its prefill, and plain rounds more of it than feature-draft speculation
+                "enable_prefix_caching": False,
             },
             models={"model_free": tuple(args.model_free)},
             service={"cell": "bench", "replica": "bench"},

@@ -2,7 +2,7 @@
 
 augury generate "Explain how a hash table works." --draft draft-l --method chain
 augury generate "Fix the bug: ..." --draft ngram          # a model-free draft alone
-augury generate "Fix the bug: ..." --model-free suffix    # merged with the model draft's trees
+augury generate "Fix the bug: ..." --model-free suffix    # suffix merged with the model draft (default ngram)
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ def _add_model_args(gen: argparse.ArgumentParser) -> None:
     )
     gen.add_argument(
         "--model-free",
-        choices=MODEL_FREE_KINDS,
-        help="also draft with this model-free draft, its tree merged with the model draft's",
+        choices=[*MODEL_FREE_KINDS, "none"],
+        default="ngram",
+        help="also draft with this model-free draft, its tree merged with the model draft's "
+        "(default: ngram; none: the model draft alone)",
     )
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument(
@@ -253,7 +255,7 @@ def _generate(
     verifier: Verifier,
 ) -> int:
     drafters = {drafter.name: drafter} if drafter is not None else {}
-    if args.model_free and drafter is not None and args.model_free != drafter.name:
+    if args.model_free != "none" and isinstance(drafter, Drafter):  # a model draft's partner
         drafters[args.model_free] = ModelFreeDrafter(args.model_free)
     # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
     cost = load_or_measure(

@@ -129,8 +129,9 @@ class ModelsSettings(_Group):
     target_dir: Path | None = None
     drafts: tuple[DraftModelSettings, ...] = ()
     # drafts that load no model (shared/engine/model_free.py), served beside the model drafts:
-    # "ngram" (prompt lookup), "suffix" (suffix index with a per-application cache)
-    model_free: tuple[Literal["ngram", "suffix"], ...] = ()
+    # "ngram" (prompt lookup), "suffix" (suffix index with a per-application cache); the first
+    # merges with the model draft's trees (scheduler.merge_drafts "auto"); () for none
+    model_free: tuple[Literal["ngram", "suffix"], ...] = ("ngram",)
 
     @field_validator("drafts")
     @classmethod

@@ -30,6 +30,7 @@ from shared.settings import load_settings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILES = sorted(p.name for p in ROOT.glob("compose*.yaml"))
 MODEL_SERVICES = ("verifier", "drafter")
+MODEL_FREE = ("ngram", "suffix")  # drafters that load no model: CPU services
 # overrides (valid only over another file) and the template the role files extend
 OVERRIDES = ("compose.cpu.yaml", "compose.redis-tls.yaml", "compose.common.yaml")
 PASSWORD = "s3cret-in-a-file-only-0123456789"
@@ -84,6 +85,11 @@ def augury_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: s for name, s in config["services"].items() if name != "redis"}
 
 
+def loads_a_model(service: dict[str, Any]) -> bool:
+    args = parse_args(service["command"])
+    return args.service in MODEL_SERVICES and getattr(args, "name", None) not in MODEL_FREE
+
+
 def gpu_ids(service: dict[str, Any]) -> list[str]:
     reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {})
     return [i for device in reservations.get("devices", []) for i in device["device_ids"]]
@@ -123,9 +129,13 @@ def test_one_host_has_every_role_in_order(project: Path) -> None:
     commands = {name: parse_args(s["command"]) for name, s in augury_services(config).items()}
     kinds = sorted({args.service for args in commands.values()})
     assert kinds == ["drafter", "gateway", "scheduler", "verifier"]
-    drafts = json.loads(config["services"]["verifier"]["environment"]["AUGURY_MODELS__DRAFTS"])
+    environment = config["services"]["verifier"]["environment"]
+    drafts = json.loads(environment["AUGURY_MODELS__DRAFTS"])
+    model_free = json.loads(environment["AUGURY_MODELS__MODEL_FREE"])
+    assert model_free == ["ngram"]
     served = sorted(a.name for a in commands.values() if a.service == "drafter")
-    assert served == sorted(d["name"] for d in drafts)  # one drafter per configured draft
+    # one drafter per configured draft, the model-free one included
+    assert served == sorted([*(d["name"] for d in drafts), *model_free])
     for draft in drafts:  # committed checkpoints, where the image copies models/
         assert draft["name"] in ALL_DRAFT_NAMES
         assert draft["dir"] == f"/app/models/drafts/{draft['name']}"
@@ -141,8 +151,7 @@ def test_model_services_get_distinct_gpus_and_cpu_services_none(project: Path) -
     config = render(project, "compose.yaml")
     used = []
     for name, service in augury_services(config).items():
-        kind = parse_args(service["command"]).service
-        if kind in MODEL_SERVICES:
+        if loads_a_model(service):
             [gpu] = gpu_ids(service)
             used.append(gpu)
             assert service["environment"]["AUGURY_ENGINE__DEVICE"] == "cuda"
@@ -157,7 +166,9 @@ def test_model_services_get_distinct_gpus_and_cpu_services_none(project: Path) -
 @needs_compose
 def test_the_cpu_override_reserves_no_gpu(project: Path) -> None:
     config = render(project, "compose.yaml", "compose.cpu.yaml")
-    assert sorted(config["services"]) == ["drafter-a", "gateway", "redis", "scheduler", "verifier"]
+    assert sorted(config["services"]) == [
+        "drafter-a", "drafter-ngram", "gateway", "redis", "scheduler", "verifier"
+    ]
     for name, service in augury_services(config).items():
         assert gpu_ids(service) == [], name
         assert service["environment"]["AUGURY_ENGINE__DEVICE"] == "cpu"
@@ -247,7 +258,7 @@ def test_health_gateways_and_grace_periods(project: Path) -> None:
         assert service["healthcheck"]["test"][:4] == ["CMD", "python3", "-m", "services"]
         assert probe.service == "health" and probe.probe == args.service, name
         assert seconds(service["stop_grace_period"]) >= 10
-        if args.service in MODEL_SERVICES:
+        if loads_a_model(service):
             assert not probe.live and seconds(service["healthcheck"]["start_period"]) >= 120
     gateway = config["services"]["gateway"]
     assert parse_args(gateway["healthcheck"]["test"][4:]).live  # no generation in the check
