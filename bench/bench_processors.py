@@ -7,13 +7,13 @@
 Every variant samples seeded at one temperature (seeded sampling is Gumbel-coupled, so the
 speculative output equals plain decoding's token for token) and adds its own options: the
 presence (0.5), frequency (0.3) or repetition (1.1) penalty alone, the three together
-(`penalties`), or 5 top logprobs (`logprobs`). One target
-and one draft serve every variant; for each prompt every variant runs plain and speculative
-decoding one after the other (alternating which goes first, the variants in rotating order), so
-drift in background load hits all of them alike. The table gives per variant the speed-up
-(speculative over plain tokens/s), that speed-up over the plain-sampling variant's, and tokens
-per target forward (bonus included): a processor that only costs time lowers the first ratio at
-the same tokens per forward, one that changes the text changes both.
+(`penalties`), or 5 top logprobs (`logprobs`). One target and the default drafts (the set's
+model draft, `ngram` merged beside it) serve every variant; for each prompt every variant runs
+plain and speculative decoding one after the other (alternating which goes first, the variants
+in rotating order), so drift in background load hits all of them alike. The table gives per
+variant the speed-up (speculative over plain tokens/s), that speed-up over the plain-sampling
+variant's, and tokens per target forward (bonus included): a processor that only costs time
+lowers the first ratio at the same tokens per forward, one that changes the text changes both.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def run_prompt(
 
 def bench(args: argparse.Namespace) -> dict[str, VariantResult]:
     models = Models("goodput", args.model_set, args.target_dtype)
-    plain, spec = models.plain_engine(), models.engine(args.draft)
+    config = args.draft if args.model_free == "none" else f"{args.draft}+{args.model_free}"
+    plain, spec = models.plain_engine(), models.engine(config)
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     params = {name: replace(base, **VARIANTS[name]) for name in args.variants}  # type: ignore[arg-type]
     prompts = prompts_by_kind(args.per_kind, args.model_set)
@@ -103,7 +104,8 @@ def bench(args: argparse.Namespace) -> dict[str, VariantResult]:
 def report(results: dict[str, VariantResult], args: argparse.Namespace) -> str:
     baseline = results.get("sampling")
     lines = [
-        f"model set {args.model_set} (target {args.target_dtype}), draft {args.draft}, "
+        f"model set {args.model_set} (target {args.target_dtype}), draft {args.draft}"
+        f"{'' if args.model_free == 'none' else ' + ' + args.model_free}, "
         f"method {DEFAULT_METHOD.kind} "
         f"(goodput planner), {torch.get_num_threads()} threads, {args.per_kind} prompts per "
         f"kind, max {args.max_tokens} tokens, temperature {args.temperature}, seed {args.seed}",
@@ -131,6 +133,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--model-set", choices=sorted(MODEL_SETS), default=SMOLLM2)
     ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--draft", help="default: the set's default draft")
+    ap.add_argument(
+        "--model-free",
+        choices=["ngram", "suffix", "none"],
+        default="ngram",
+        help="merged beside the draft, as served by default (none: the draft alone)",
+    )
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
     if args.draft is None:

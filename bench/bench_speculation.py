@@ -1,9 +1,9 @@
 """Speculation with the defaults against plain decoding of the same engine, per prompt kind.
 
-    python -m bench.bench_speculation --per-kind 4 --max-tokens 128
+    python -m bench.bench_speculation --per-kind 4 --max-tokens 128   # --model-free: model alone
     python -m bench.bench_speculation --services --concurrency 1 16 --per-kind 4
     python -m bench.bench_speculation --services --model-set qwen2.5-coder \
-        --target-dtype bfloat16 --model-free ngram --concurrency 1 4 16 --per-kind 2
+        --target-dtype bfloat16 --concurrency 1 4 16 --per-kind 2
     python -m bench.bench_speculation --temperature 0.8 --seed 1 --presence-penalty 0.5 \
         --frequency-penalty 0.3 --repetition-penalty 1.1 --logprobs 5   # processors, logprobs
 
@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch
 
 from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
+from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -91,7 +93,7 @@ class KindResult:
 
 
 def build_engines(
-    draft: str, threads: int, draft_weights: str = "auto"
+    draft: str, threads: int, draft_weights: str = "auto", model_free: Sequence[str] = ()
 ) -> tuple[SpecEngine, SpecEngine]:
     """Plain and speculative engines over one target runner (one kernel plan, one profile).
     No prefix caching: the engine that ran a prompt second would find the first one's KV."""
@@ -112,7 +114,9 @@ def build_engines(
     eos = target.cfg.eos_token_ids
     verifier = Verifier(target)
     plain = SpecEngine(verifier, eos_token_ids=eos)
-    spec = SpecEngine(verifier, drafter, DEFAULT_METHOD, eos_token_ids=eos, cost=cost)
+    # the model draft first (the fixed chooser's), model-free drafts merged beside it
+    drafters = {draft: drafter, **{name: ModelFreeDrafter(name) for name in model_free}}
+    spec = SpecEngine(verifier, drafters, DEFAULT_METHOD, eos_token_ids=eos, cost=cost)
     return plain, spec
 
 
@@ -152,7 +156,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
     args.draft = args.draft or DEFAULT_GENERATE_DRAFT
-    plain, spec = build_engines(args.draft, args.threads, args.draft_weights)
+    plain, spec = build_engines(args.draft, args.threads, args.draft_weights, args.model_free)
     prompts = prompts_by_kind(args.per_kind)
     params = sampling_params(args)
     for engine in (plain, spec):  # warm-up
@@ -195,7 +199,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, KindResult]:
 
 def report(results: dict[str, KindResult], args: argparse.Namespace) -> str:
     lines = [
-        f"draft {args.draft} (weights {args.draft_weights}), "
+        f"draft {args.draft} (weights {args.draft_weights})"
+        f"{''.join(f' + {m} merged' for m in args.model_free[:1])}, "
         f"method {DEFAULT_METHOD.kind} (goodput planner), "
         f"{torch.get_num_threads()} threads, {args.per_kind} prompts per kind, "
         f"max {args.max_tokens} tokens, {sampling_params(args)}",
@@ -322,10 +327,10 @@ def main() -> None:
     ap.add_argument(
         "--model-free",
         nargs="*",
-        default=[],
+        default=["ngram"],
         choices=["ngram", "suffix"],
-        help="with --services: model-free drafts served beside the model draft (its trees "
-        "merged with the model draft's, as models.model_free does)",
+        help="model-free drafts beside the model draft, the first's trees merged with the model "
+        "draft's, as models.model_free does (default: ngram, the default; none given: none)",
     )
     ap.add_argument(
         "--drafts",
@@ -344,8 +349,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not args.services and (args.model_set != SMOLLM2 or args.target_dtype or args.model_free):
-        ap.error("--model-set, --target-dtype and --model-free are for --services; in one "
+    if not args.services and (args.model_set != SMOLLM2 or args.target_dtype):
+        ap.error("--model-set and --target-dtype are for --services; in one "
                  "process: python -m bench.bench_model_set")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -89,7 +89,7 @@ def test_cli_streams_a_completion_and_reports_acceptance(capsys):
     assert main(["generate", "Name a color.", "--max-tokens", "12", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "generated tokens" in out and "tokens/s" in out
-    assert "mean accepted length" in out and "draft-e (dynamic)" in out
+    assert "mean accepted length" in out and "draft-e (dynamic, merged with ngram)" in out
 
 
 def test_cli_reports_bad_input_clearly(capsys):
