@@ -256,7 +256,9 @@ async def bench_services(args: argparse.Namespace) -> str:
             service={"cell": "bench", "replica": "bench"},
         )
         # the first is the draft every request uses
-        served = args.drafts or [args.draft or next(iter(model_set_drafts(args.model_set)))]
+        served = args.drafts or [
+            args.draft or next(iter(model_set_drafts(args.model_set, served=True)))
+        ]
         drafts = model_set_drafts(args.model_set)
         models = ModelPaths(
             model_set_target(args.model_set),
