@@ -2,7 +2,8 @@
 
 augury generate "Explain how a hash table works." --draft draft-l --method chain
 augury generate "Fix the bug: ..." --draft ngram          # a model-free draft alone
-augury generate "Fix the bug: ..." --model-free suffix    # suffix merged with the model draft (default ngram)
+augury generate "Fix the bug: ..." --model-free none      # the model draft alone (default: + ngram)
+augury generate "Fix the bug: ..." --model-free suffix    # suffix beside the model draft, merged
 """
 
 from __future__ import annotations
