@@ -128,9 +128,9 @@ class MicroBatch:
     swap_in: list[RequestState] = field(default_factory=list)  # resumed from host memory
     failed: list[StepOutput] = field(default_factory=list)  # could not go on (reported now)
     probes: set[str] = field(default_factory=set)  # drafting only to re-estimate acceptance
-    # decoding requests placed on a draft but planned at depth 0 (a model-free partner may
-    # still draft for them: `StandbyPlanner`)
-    undrafted: set[str] = field(default_factory=set)
+    # decoding requests whose model draft sits out this step (planned at depth 0) beside a
+    # model-free partner, which drafts alone for them (`StandbyPlanner`)
+    partner_only: set[str] = field(default_factory=set)
     trees: dict[str, TokenTree] = field(default_factory=dict)  # the selected trees
     # each request's own drafter's tree as drafted, before any merge and the selection: the
     # planner's per-depth estimate learns from it (the selector keeps the nodes likely to be

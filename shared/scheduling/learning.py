@@ -120,7 +120,6 @@ class Learner:
         tried), and the selector's calibration from the verified `tree`'s `num_accepted`."""
         state = self.pool.state(request, model)
         state.estimate.observe(*trial)
-        state.recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
         self.pool.model_estimate(model).observe(*trial)
         predicted = float(sum(math.exp(x) for x in tree.path_logprob()[1:]))
         if predicted > 0:
@@ -140,13 +139,15 @@ class Learner:
         """A model-free partner's tree: learn from its verified part where it was merged, and
         wait for the tokens that settle its counterfactual acceptance."""
         model = batch.merge[request.request_id].model
+        recent = self.pool.state(request, model).recent  # how far it is copying right now
         if partner.num_nodes == 1:  # nothing to copy here: the model beside it should draft
-            self.pool.state(request, model).recent.observe(0, 1, decay=RECENT_ESTIMATE_DECAY)
+            recent.observe(0, 1, decay=RECENT_ESTIMATE_DECAY)
         elif verified is not None and request.request_id in batch.own_trees:
             part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
             if part.num_nodes > 1:
                 trial = depth_trial(partner, part, accepted, result)
                 self._learn_state(request, model, part, trial, accepted)
+                recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
         others = None
         if self.pool.cost is not None:
             nodes, context = self._step_load(batch)

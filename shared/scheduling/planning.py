@@ -46,8 +46,8 @@ class DraftPlanner:
                 plan = self._draft_plan(q, depths[q.request_id], placed[q.request_id])
             if plan is not None:
                 batch.drafts[q.request_id] = plan
-            else:
-                batch.undrafted.add(q.request_id)
+            elif q.partner_depth >= 1:
+                batch.partner_only.add(q.request_id)
 
     def _queries(self, batch: MicroBatch) -> tuple[list[DepthQuery], Placements]:
         """Choose and place each decoding request's draft model; what the depth planner asks."""
@@ -97,8 +97,7 @@ class DraftPlanner:
             return query
         prior = pool.model_estimate(partner).rate()
         rate = pool.state(request, partner).recent.rate(prior, weight=1.0)
-        depth = min(pool.config.model_free_method.num_layers, pool.max_depth(request))
-        return replace(query, partner_rate=rate, partner_depth=depth)
+        return replace(query, partner_rate=rate, partner_depth=pool.model_free_depth(request))
 
     def _depths(self, batch: MicroBatch, queries: list[DepthQuery]) -> dict[str, int]:
         """Each query's depth: the goodput planner's (a probe of one level where one is due and

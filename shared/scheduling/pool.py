@@ -218,16 +218,25 @@ class RequestPool:
         config = self.config
         return bool(config.model_free_drafts) and (config.merge_drafts == "model-free" or reads)
 
+    def first_live_model_free(self) -> str | None:
+        """The model-free draft that drafts beside model drafts: the first configured live one."""
+        return next((m for m in self.config.model_free_drafts if m in self.drafters), None)
+
+    def model_free_depth(self, request: RequestState) -> int:
+        """How deep a model-free draft drafts for the request: its method's depth, as far as
+        the request's tokens left and context allow."""
+        return min(self.config.model_free_method.num_layers, self.max_depth(request))
+
     def model_free_partner(self, request: RequestState) -> str | None:
         """The model-free draft whose tree merges with the request's model draft this step and
         whose acceptance plans the model's depth (`merge_drafts = model-free`,
-        `model_beside_copy = planned`): the first live one; None where none does."""
+        `model_beside_copy = planned`); None where none does."""
         config = self.config
         if config.merge_drafts != "model-free" or config.model_beside_copy != "planned":
             return None
         if request.draft_model in config.model_free_drafts:
             return None
-        return next((m for m in config.model_free_drafts if m in self.drafters), None)
+        return self.first_live_model_free()
 
     # ---- what the planner remembers ------------------------------------------------------------
     def state(self, request: RequestState, model: str) -> SpeculationState:

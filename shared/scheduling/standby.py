@@ -28,10 +28,8 @@ class StandbyPlanner:
                 self._plan_standby(self.pool.requests[rid], batch)
         # a model-free partner drafts whether the model does or not: inside a copy the planner
         # leaves the model out (`DepthQuery.level_gains`) and the partner's tree is the step's
-        for rid in sorted(batch.undrafted):
-            request = self.pool.requests[rid]
-            if self.pool.model_free_partner(request) is not None:
-                self._plan_model_free_partner(request, batch)
+        for rid in sorted(batch.partner_only):
+            self._plan_model_free_partner(self.pool.requests[rid], batch)
 
     def merges(self, request: RequestState) -> bool:
         """Whether the request's standby drafts a tree to merge this step (`merge_drafts`)."""
@@ -98,12 +96,12 @@ class StandbyPlanner:
         """The first live model-free draft drafts beside the request's model (`batch.merge`),
         from a standby kept in step like fast switching's, as deep as its own method allows."""
         pool = self.pool
-        live = [m for m in pool.config.model_free_drafts if m in pool.drafters]
-        depth = min(pool.config.model_free_method.num_layers, pool.max_depth(request))
-        if not live or depth < 1:
+        model = pool.first_live_model_free()
+        depth = pool.model_free_depth(request)
+        if model is None or depth < 1:
             pool.release_standby(request)
             return
-        standby = self._standby_on(request, live[0])
+        standby = self._standby_on(request, model)
         tokens = request.all_tokens
         if standby.num_seen >= len(tokens):
             return
