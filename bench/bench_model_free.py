@@ -115,7 +115,8 @@ class Models:
         max_running_requests: int | None = None,
     ) -> SpecEngine:
         chooser = "fixed"
-        config, always = config.removesuffix("=always"), config.endswith("=always")
+        always = config.endswith("=always")  # the model planned as if alone beside the copy
+        config = config.removesuffix("=always")
         names = config.split("+")
         if config.startswith("choose:"):
             chooser, names = "counterfactual", config.removeprefix("choose:").split(",")

@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 
 from services.__main__ import PASSWORD_FILE_VARIABLE, parse_args, read_password_file
+from shared.engine.model_free import MODEL_FREE_KINDS
 from shared.model.model_set import ALL_DRAFT_NAMES
 from shared.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILES = sorted(p.name for p in ROOT.glob("compose*.yaml"))
 MODEL_SERVICES = ("verifier", "drafter")
-MODEL_FREE = ("ngram", "suffix")  # drafters that load no model: CPU services
 # overrides (valid only over another file) and the template the role files extend
 OVERRIDES = ("compose.cpu.yaml", "compose.redis-tls.yaml", "compose.common.yaml")
 PASSWORD = "s3cret-in-a-file-only-0123456789"
@@ -87,7 +87,7 @@ def augury_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def loads_a_model(service: dict[str, Any]) -> bool:
     args = parse_args(service["command"])
-    return args.service in MODEL_SERVICES and getattr(args, "name", None) not in MODEL_FREE
+    return args.service in MODEL_SERVICES and getattr(args, "name", None) not in MODEL_FREE_KINDS
 
 
 def gpu_ids(service: dict[str, Any]) -> list[str]:
@@ -167,7 +167,12 @@ def test_model_services_get_distinct_gpus_and_cpu_services_none(project: Path) -
 def test_the_cpu_override_reserves_no_gpu(project: Path) -> None:
     config = render(project, "compose.yaml", "compose.cpu.yaml")
     assert sorted(config["services"]) == [
-        "drafter-a", "drafter-ngram", "gateway", "redis", "scheduler", "verifier"
+        "drafter-a",
+        "drafter-ngram",
+        "gateway",
+        "redis",
+        "scheduler",
+        "verifier",
     ]
     for name, service in augury_services(config).items():
         assert gpu_ids(service) == [], name
