@@ -4,10 +4,11 @@ For each setting in `--settings` (default off,on,off,on: alternating, so that a 
 machine's load falls on both) the services start fresh (`python -m services all --drafts
 <draft> --threads 2`, a cell of their own on the system Redis, as `bench.scheduling.real`
 starts them) with `AUGURY_ENGINE__ENABLE_PREFIX_CACHING` set and the one draft `--draft` as the
-only configured draft (`AUGURY_MODELS__DRAFTS`: a token-level draft, so that the target may find
-prefixes at all, see docs/prefix-caching.md). The trace is replayed open-loop
-(`tools.load.client.replay`), each run's report written as `tools.replay run` writes it (so
-`python -m tools.replay compare` reads the run directories), and the gateway's
+only configured model draft (`AUGURY_MODELS__DRAFTS`), or, with `--draft default`, the
+model set's drafts as the services serve them by default (`draft-e` first, the others,
+`ngram`). The trace is replayed open-loop (`tools.load.client.replay`), each run's report
+written as `tools.replay run` writes it (so `python -m tools.replay compare` reads the run
+directories), and the gateway's
 `augury_prefix_cache_{hits,queries}_total` read before and after the replay (the difference:
 the replay's own; the readiness probe's one-token request is left out).
 
@@ -42,6 +43,7 @@ from tools.load.trace import TraceRequest
 HITS = "augury_prefix_cache_hits_total"
 QUERIES = "augury_prefix_cache_queries_total"
 SETTINGS = {"on": "true", "off": "false"}
+DEFAULT = "default"  # --draft: the drafts the services serve by default
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,14 @@ def drafts_env(draft: str) -> str:
 
 def serve(args: argparse.Namespace, index: int, caching: str, trace: Sequence[TraceRequest]) -> Run:
     name = f"{index}-{caching}"
-    overrides = {
-        "AUGURY_ENGINE__ENABLE_PREFIX_CACHING": SETTINGS[caching],
-        "AUGURY_MODELS__DRAFTS": drafts_env(args.draft),
-    }
+    overrides = {"AUGURY_ENGINE__ENABLE_PREFIX_CACHING": SETTINGS[caching]}
+    draft = None if args.draft == DEFAULT else args.draft
+    if draft is not None:
+        overrides["AUGURY_MODELS__DRAFTS"] = drafts_env(draft)
     with running(
         f"prefix-{name}",
         overrides,
-        draft=args.draft,
+        draft=draft,
         timeout_s=args.request_timeout,
         logs=args.out / "logs",
     ) as services:
@@ -168,7 +170,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--duration", type=float, help="stop sending after S seconds")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="x2: twice as fast")
-    parser.add_argument("--draft", default="draft-m", help="the one (token-level) draft")
+    parser.add_argument(
+        "--draft",
+        default=DEFAULT,
+        help="the one model draft configured, or 'default': the services' default drafts",
+    )
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".cache" / "bench-prefix-replay")
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -20,6 +21,7 @@ from shared.scheduling.config import SchedulerConfig
 from shared.values.blocks import block_hashes
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
+from shared.values.steps import VerifyRequest
 from tests.conftest import make_tiny_checkpoint
 from tests.small_vocab import VOCAB, exact_joint
 from tests.stats import P_VALUE_FLOOR, fit_p_value
@@ -223,6 +225,54 @@ def test_cached_prefix_gives_the_logits_of_a_full_prefill(tiny_target_dir):
     torch.testing.assert_close(cached_logits, full_logits[hit:], rtol=1e-4, atol=1e-4)
 
 
+def _prompt_entry(request_id: str, prompt: list[int], *, features: bool) -> VerifyRequest:
+    params = SamplingParams(max_tokens=4)
+    return VerifyRequest(
+        request_id, 0, params, 0, 4, chunk=tuple(prompt), chunk_is_last=True,
+        want_features=features,
+    )  # fmt: skip
+
+
+def test_a_feature_request_finds_the_blocks_and_their_features(tiny_target_dir):
+    """The target keeps the features it computed with the blocks they fill: a second request
+    for features finds the shared blocks and gets the same features as the first computed. A
+    block committed without features is found only by requests that want none."""
+    verifier = Verifier(ModelRunner(load_model(tiny_target_dir), block_size=BLOCK))
+    prompt = SHARED + [50, 51]
+    (first,) = verifier.step([_prompt_entry("a", prompt, features=True)])
+    (second,) = verifier.step([_prompt_entry("b", prompt, features=True)])
+    assert first.cached_tokens == 0 and second.cached_tokens == 16  # the full blocks of 19
+    assert second.features.shape == first.features.shape == (len(prompt), 64)
+    np.testing.assert_allclose(second.features, first.features, atol=2e-3)
+    assert second.accepted == first.accepted and second.bonus == first.bonus
+
+    other = [9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+    (plain,) = verifier.step([_prompt_entry("p", other, features=False)])
+    (wanting,) = verifier.step([_prompt_entry("q", other, features=True)])
+    (not_wanting,) = verifier.step([_prompt_entry("r", other, features=False)])
+    assert wanting.cached_tokens == 0 and not_wanting.cached_tokens == 8
+    (again,) = verifier.step([_prompt_entry("s", other, features=True)])  # q kept them
+    assert again.cached_tokens == 8
+    np.testing.assert_allclose(again.features, wanting.features, atol=2e-3)
+
+
+def test_a_blocks_features_go_when_it_is_evicted():
+    allocator = BlockAllocator(4)
+    cache = PrefixCache(allocator, BLOCK)
+    (name,) = block_hashes([1, 2, 3, 4], BLOCK)
+    block = allocator.allocate(1)[0]
+    cache.insert(name, block)
+    rows = np.ones((BLOCK, 3), dtype=np.float16)
+    cache.set_features(name, rows)
+    cache.set_features(name, rows * 2)  # equal names, equal features: the first stay
+    assert (cache.features_of(block) == 1).all()
+    with pytest.raises(ValueError, match="4 rows"):
+        cache.set_features(name, rows[:2])
+    allocator.free([block])
+    allocator.allocate(4)  # needs the kept block: evicted
+    assert cache.features_of(block) is None and cache.lookup([name]) == []
+
+
 def test_two_holders_then_eviction_under_pressure(tiny_target_dir):
     """A block is shared by two requests; once neither holds it, it is kept until an
     allocation needs it, then forgotten."""
@@ -389,13 +439,18 @@ def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
     plain,
 ):
     """The feature-level draft caches its own entries (named with the request's first token:
-    each reads the target's feature before it); the target computes every position for it (the
-    draft needs their features). Second-round requests find the draft's blocks and draft the
-    same trees as without the cache: the same tokens accepted, step by step."""
+    each reads the target's feature before it); the target keeps its features with its blocks.
+    Second-round requests find the target's and the draft's blocks and draft the same trees as
+    without the cache: the same tokens accepted, step by step."""
     params = SamplingParams(max_tokens=12)
     accepted = {}
     for caching in (False, True):
-        target = ModelRunner(load_model(tiny_target_dir), block_size=BLOCK, kv_memory_bytes=2 << 20)
+        target = ModelRunner(
+            load_model(tiny_target_dir),
+            block_size=BLOCK,
+            kv_memory_bytes=2 << 20,
+            prefix_caching=caching,
+        )
         model = load_model(feature_draft_dir, target_path=tiny_target_dir)
         draft = ModelRunner(
             model, block_size=BLOCK, kv_memory_bytes=1 << 20, prefix_caching=caching
@@ -410,9 +465,9 @@ def test_a_feature_draft_drafts_over_a_cached_prefix_as_over_a_computed_one(
         assert outputs == plain["one_by_one"]
         assert engine.stats.num_draft_tokens > 0
         accepted[caching] = list(engine.stats.accepted_per_position)
-        assert target.cache.prefix.hits == 0  # features are not cached: computed every time
         if caching:  # entries of tokens 1..16 for the 2nd and 4th prompts, 1..8 for the 3rd
             assert draft.cache.prefix.hits >= 16 + 8 + 16
+            assert target.cache.prefix.hits >= 16 + 8 + 16  # features found with the blocks
     assert accepted[True] == accepted[False]
 
 
@@ -437,9 +492,10 @@ def test_a_chunked_prompt_picks_up_blocks_committed_since_its_admission(tiny_tar
 
 
 def test_the_planner_charges_a_new_drafter_only_the_uncached_prompt():
-    """A token-level drafter new to a request is charged for the committed tokens past the
-    prefix the target found cached (its own cache holds the same blocks); a drafter that has
-    seen some tokens, or a feature-level one, for what it has not seen."""
+    """A drafter new to a request is charged for the committed tokens past the prefix the
+    target found cached (its own cache holds the same blocks; a feature-level draft's too,
+    since the target keeps the features with its blocks); a drafter that has seen some tokens,
+    for what it has not seen."""
     from shared.scheduling.core import CoreConfig, SchedulerCore
     from shared.scheduling.request import RequestState
 
@@ -448,7 +504,6 @@ def test_the_planner_charges_a_new_drafter_only_the_uncached_prompt():
     )
     request = RequestState("r", SHARED + [50, 51], SamplingParams(max_tokens=4), seed=0)
     request.num_cached_prompt_tokens = 16
-    assert core.planner.drafter_backlog(request, "d") == 20 - 16
-    assert core.planner.drafter_backlog(request, "e") == 20
+    assert core.planner.drafter_backlog(request) == 20 - 16
     request.num_seen_by_drafter = 18
-    assert core.planner.drafter_backlog(request, "d") == 2
+    assert core.planner.drafter_backlog(request) == 2

@@ -104,7 +104,7 @@ def policy_env(policy: str, batch_size: int, laps: LapsSettings) -> dict[str, st
 def start_services(
     overrides: Mapping[str, str],
     *,
-    draft: str | Sequence[str],
+    draft: str | Sequence[str] | None,
     timeout_s: float,
     cell: str,
     port: int,
@@ -123,8 +123,9 @@ def start_services(
         }
     )
     env.update(overrides)
-    drafts = [draft] if isinstance(draft, str) else list(draft)
-    command = [sys.executable, "-m", "services", "all", "--drafts", *drafts, "--threads", "2"]
+    command = [sys.executable, "-m", "services", "all", "--threads", "2"]
+    if draft is not None:  # None: every configured draft
+        command += ["--drafts", *([draft] if isinstance(draft, str) else draft)]
     command += ["--log-level", "DEBUG"]  # the per-micro-batch timings the simulator calibrates on
     with log.open("wb") as out:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -163,7 +164,7 @@ def running(
     name: str,
     overrides: Mapping[str, str],
     *,
-    draft: str | Sequence[str],
+    draft: str | Sequence[str] | None,
     timeout_s: float,
     logs: Path = LOGS,
 ) -> Iterator[Running]:

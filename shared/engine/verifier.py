@@ -115,11 +115,12 @@ class Verifier:
             if e.tree is None:
                 chunk = e.chunk
                 # the scheduler service's first chunk, and any later chunk that continues cached
-                # blocks (the engine attaches at admission too); features are not cached, so
-                # those requests compute everything
-                # the prompt's log-probabilities need every position's logits: computed too
-                if not e.want_features and e.sampling.prompt_logprobs is None:
-                    skip = self.runner.attach_prefix(e.request_id, chunk, len(chunk) - 1)
+                # blocks (the engine attaches at admission too, features aside); the prompt's
+                # log-probabilities need every position's logits: computed
+                if e.sampling.prompt_logprobs is None:
+                    skip = self.runner.attach_prefix(
+                        e.request_id, chunk, len(chunk) - 1, with_features=e.want_features
+                    )
                     chunk = chunk[skip:]
                     skipped[e.request_id] = skip
                 logits = "last" if e.chunk_is_last else "none"
@@ -135,6 +136,7 @@ class Verifier:
                 )
         outputs = self.runner.forward_full(items)
         commits: dict[str, Sequence[int]] = {}
+        features: dict[str, np.ndarray] = {}
         results = []
         for e, out in zip(entries, outputs, strict=True):
             if e.tree is None:
@@ -161,9 +163,14 @@ class Verifier:
             commits[e.request_id] = kept
             if e.want_features:  # the committed positions' features, for a feature-level draft
                 rows = out.features[list(kept)].to(torch.float16).cpu().numpy()
-                result = replace(result, features=np.ascontiguousarray(rows))
+                features[e.request_id] = rows = np.ascontiguousarray(rows)
+                if skip := skipped.get(e.request_id, 0):  # found with the cached blocks
+                    start = e.chunk_start
+                    cached = self.runner.prefix_features(e.request_id, start, start + skip)
+                    rows = np.concatenate([cached, rows])
+                result = replace(result, features=rows)
             results.append(result)
-        self.runner.commit(commits)
+        self.runner.commit(commits, features)
         return results
 
     def _prompt_logprobs(self, e: VerifyRequest, logits: torch.Tensor) -> TokenLogprobs:

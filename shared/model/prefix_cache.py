@@ -8,12 +8,18 @@ released first out, until memory is needed (`docs/prefix-caching.md`).
 
 Only full blocks are named, and only once every token in them is committed, so a named block is
 never written again: a request that goes on writing does so in a block of its own.
+
+A target verified for a feature-level draft also keeps, beside a named block, the features it
+computed at the block's positions (`set_features`): like the KV, they depend only on the tokens
+up to each position, so a request that finds the block finds its features too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from shared.values.blocks import BlockHash
 
@@ -34,6 +40,7 @@ class PrefixCache:
         self.block_size = block_size
         self._block_of: dict[BlockHash, int] = {}
         self._name_of: dict[int, BlockHash] = {}
+        self._features: dict[int, np.ndarray] = {}  # block -> its positions' features, fp16
         self.queries = 0  # tokens of the full blocks looked up (each lookup counts)
         self.hits = 0  # of them, found cached
         allocator.on_evict = self._forget
@@ -68,5 +75,18 @@ class PrefixCache:
     def name_of(self, block: int) -> BlockHash | None:
         return self._name_of.get(block)
 
+    def set_features(self, name: BlockHash, rows: np.ndarray) -> None:
+        """Keep the features of the named block's positions ([block_size, width]), unless it
+        has them already (equal names: equal features)."""
+        if len(rows) != self.block_size:
+            raise ValueError(f"a block's features are {self.block_size} rows, got {len(rows)}")
+        block = self._block_of.get(name)
+        if block is not None and block not in self._features:
+            self._features[block] = rows
+
+    def features_of(self, block: int) -> np.ndarray | None:
+        return self._features.get(block)
+
     def _forget(self, block: int) -> None:
         del self._block_of[self._name_of.pop(block)]
+        self._features.pop(block, None)

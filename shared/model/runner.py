@@ -86,6 +86,10 @@ class _Sequence:
     salt: bytes | None = b""
     num_named: int = 0
     last_name: BlockHash | None = None
+    # a feature-level draft's target: features of committed positions [feature_start,
+    # feature_start + len), not yet kept with a named block (`PrefixCache.set_features`)
+    feature_rows: list[np.ndarray] = field(default_factory=list)
+    feature_start: int = 0
     tree_tokens: list[int] = field(default_factory=list)  # the tree region's tokens
     # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
     # ancestor bitmask over tree-region indices, as a Python int.
@@ -249,13 +253,16 @@ class ModelRunner:
     def prefix_caching(self) -> bool:
         return self.cache.prefix is not None
 
-    def attach_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+    def attach_prefix(
+        self, request_id: str, tokens: Sequence[int], limit: int, *, with_features: bool = False
+    ) -> int:
         """Extend the request's committed KV by the cached blocks of its next `tokens` (those after
         what it holds), at most `limit` of them (a forward must still compute the token whose
         logits it needs); returns how many of `tokens` it now holds, which the caller does not
         forward. Only a request that holds whole blocks, every one named, and no tree can be
         extended (a new one, or one whose chunks ended on block boundaries); 0 otherwise and
-        with prefix caching off."""
+        with prefix caching off. `with_features`: only blocks whose features are kept too
+        (`prefix_features` reads them)."""
         seq = self._seqs[request_id]
         prefix = self.cache.prefix
         block_size = self.cache.block_size
@@ -274,6 +281,9 @@ class ModelRunner:
         if not names:
             return 0
         blocks = prefix.lookup(names)
+        if with_features:
+            kept = [prefix.features_of(block) is not None for block in blocks]
+            blocks = blocks[: kept.index(False)] if False in kept else blocks
         prefix.count(len(names) * block_size, len(blocks) * block_size)
         if not blocks:
             return 0
@@ -283,7 +293,27 @@ class ModelRunner:
         seq.tokens.extend(tokens[:hit])
         seq.num_named += len(blocks)
         seq.last_name = names[len(blocks) - 1]
+        seq.feature_rows, seq.feature_start = [], seq.num_cached
         return hit
+
+    def prefix_features(self, request_id: str, start: int, end: int) -> np.ndarray:
+        """The kept features of positions [start, end), block-aligned, of the request's blocks
+        attached `with_features`."""
+        prefix, block_size = self.cache.prefix, self.cache.block_size
+        if prefix is None or start % block_size or end % block_size:
+            raise ValueError(f"features of [{start}, {end}): not whole blocks of a prefix cache")
+        blocks = self.cache.blocks(request_id)[start // block_size : end // block_size]
+        rows = [prefix.features_of(block) for block in blocks]
+        if any(r is None for r in rows):
+            raise KeyError(f"request {request_id}: no features kept for [{start}, {end})")
+        return np.concatenate(rows)
+
+    def _keep_features(self, seq: _Sequence, start: int, rows: np.ndarray) -> None:
+        """Record committed positions' features (from `start`), kept with the blocks named."""
+        held = sum(len(r) for r in seq.feature_rows)
+        if seq.feature_start + held != start:  # a gap: what came before is of no use
+            seq.feature_rows, seq.feature_start = [], start
+        seq.feature_rows.append(rows)
 
     def _name_blocks(self, request_id: str, seq: _Sequence) -> None:
         """Name the request's full blocks of committed tokens not named yet (a block whose name
@@ -305,8 +335,24 @@ class ModelRunner:
         blocks = self.cache.blocks(request_id)
         for index, name in enumerate(names, start=seq.num_named):
             prefix.insert(name, blocks[index])
+        if seq.feature_rows:
+            self._name_features(seq, names, full)
         seq.num_named = full
         seq.last_name = names[-1]
+
+    def _name_features(self, seq: _Sequence, names: Sequence[BlockHash], full: int) -> None:
+        """Keep the recorded features of the blocks just named with them; drop the rows
+        before the first block not full yet."""
+        prefix, block_size = self.cache.prefix, self.cache.block_size
+        assert prefix is not None
+        rows = np.concatenate(seq.feature_rows)
+        for index, name in enumerate(names, start=seq.num_named):
+            lo = index * block_size - seq.feature_start
+            if lo >= 0 and lo + block_size <= len(rows):
+                prefix.set_features(name, rows[lo : lo + block_size])
+        cut = max(0, full * block_size - seq.feature_start)
+        seq.feature_rows = [rows[cut:]] if cut < len(rows) else []
+        seq.feature_start += min(cut, len(rows))
 
     def blocks_needed(self, request_id: str | None, num_new_tokens: int) -> int:
         """Blocks a forward of `num_new_tokens` more tokens would have to allocate."""
@@ -484,11 +530,16 @@ class ModelRunner:
         )
 
     # ---- after the forward --------------------------------------------------------------------
-    def commit(self, paths: Mapping[str, Sequence[int]]) -> None:
+    def commit(
+        self,
+        paths: Mapping[str, Sequence[int]],
+        features: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Keep only each request's accepted path of tree nodes, compacted after its prefix.
 
         `paths[rid]` lists tree-region nodes root-first, each the parent of the next (empty keeps
         nothing). Their KV moves to the committed slots; the rest of the tree region is dropped.
+        `features[rid]`: the target's features of those nodes, kept with the blocks they fill.
         """
         src: list[np.ndarray] = []
         dst: list[np.ndarray] = []
@@ -507,6 +558,8 @@ class ModelRunner:
                     src.append(all_slots[offsets[moved]])
                     dst.append(all_slots[np.arange(len(path))[moved]])
             seq.tokens.extend(seq.tree_tokens[node] for node in path)
+            if features is not None and rid in features and path:
+                self._keep_features(seq, seq.num_cached, features[rid])
             seq.num_cached += len(path)
             seq.clear_tree()
             self.cache.shrink(rid, seq.num_cached)

@@ -234,7 +234,8 @@ class Admission:
     def _attach_prefix(self, request: RequestState, kv: KVView | None) -> None:
         """Before a request's first chunk: what of it the executor's prefix cache holds counts
         as prefilled (budget and KV need only the rest). Not for requests whose feature-level
-        drafts need the target's features of every position (those are not cached)."""
+        drafts need the target's features of every position: the verifier looks those up with
+        the features kept beside the blocks, and returns both (`_expected_hit` sizes them)."""
         if request.prefix_looked_up or request.num_prefilled or self.pool.wants_features(request):
             return
         if request.params.prompt_logprobs is not None:  # needs every prompt position's logits
@@ -258,8 +259,9 @@ class Admission:
             return 0
         tokens, start = request.prefill_tokens, request.num_prefilled
         hit = 0
-        looks_up = not self.pool.wants_features(request) and request.params.prompt_logprobs is None
-        if looks_up and getattr(kv, "attach_prefix", None) is None:
+        attaches = getattr(kv, "attach_prefix", None) is not None
+        verifier_looks_up = not attaches or self.pool.wants_features(request)
+        if verifier_looks_up and request.params.prompt_logprobs is None:
             hit = index.cached_tokens(tokens, start, len(tokens))
         return None if index.pending_at(tokens, start + hit) else hit
 

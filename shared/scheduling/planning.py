@@ -82,7 +82,7 @@ class DraftPlanner:
                 method,
                 min(pool.max_depth(request), method.num_layers),
                 state.estimate.rate(prior),
-                self.drafter_backlog(request, model),
+                self.drafter_backlog(request),
                 request.tokens_left,
             )
             queries.append(self._with_partner(query, request))
@@ -162,13 +162,12 @@ class DraftPlanner:
                 return start, log.take(lo, end)
         return None
 
-    def drafter_backlog(self, request: RequestState, model: str) -> int:
+    def drafter_backlog(self, request: RequestState) -> int:
         """Committed tokens the drafter must still forward: those it has not seen, less, for a
-        drafter new to the request, the prompt prefix the target found cached (a token-level
-        draft's prefix cache names the same blocks for the same requests: most likely it holds
-        them too; a feature-level draft's target computed every position, so no count)."""
+        drafter new to the request, the prompt prefix the target found cached (a draft's prefix
+        cache names the same blocks for the same requests: most likely it holds them too)."""
         unseen = request.num_tokens - request.num_seen_by_drafter
-        if request.num_seen_by_drafter == 0 and model not in self.pool.config.feature_drafts:
+        if request.num_seen_by_drafter == 0:
             unseen -= request.num_cached_prompt_tokens
         return unseen
 

@@ -520,9 +520,7 @@ class Simulator:
         cache = self.verifier_cache
         if cache is None:
             return 0
-        cached = 0
-        if not entry.want_features:
-            cached = cache.cached_tokens(tokens, start, start + chunk)
+        cached = cache.cached_tokens(tokens, start, start + chunk)
         cache.insert(tokens, start + chunk)
         self.cached_prompt_tokens += cached
         return cached
