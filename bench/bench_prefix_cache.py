@@ -7,7 +7,7 @@ then turn 2 (history, answer, a follow-up question), and reports per turn the ti
 token and the prompt tokens each model forwarded before it (the second number does not depend on
 the machine's load).
 
-    python -m bench.bench_prefix_cache --history 2000              # SmolLM2 and draft-l
+    python -m bench.bench_prefix_cache --history 2000              # SmolLM2 and draft-e
     python -m bench.bench_prefix_cache --history 64 --max-tokens 4 --draft none   # a quick check
 """
 
@@ -94,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--history", type=int, default=2000, help="tokens of the first turn")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens of each answer")
-    parser.add_argument("--draft", default="draft-l", help="a draft checkpoint name, or none")
+    parser.add_argument("--draft", default="draft-e", help="a draft checkpoint name, or none")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
 
