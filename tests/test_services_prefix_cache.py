@@ -22,6 +22,7 @@ from tests.test_services_openai import (  # noqa: F401  (smollm2_models: a fixtu
     smollm2_models,
     wait_for_gateway,
 )
+from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
 from tests.test_services_support import Client, make_settings, plain_greedy, running
 
 pytestmark = pytest.mark.anyio
@@ -199,3 +200,27 @@ async def test_requests_arriving_together_share_their_prefix_through_the_service
         outputs = [client.outcomes[f"s{i}"].tokens for i in range(2)]
         assert outputs == plain_greedy(tiny_target_dir, prompts, [params] * 2)
         assert verifier.runner.cache.prefix.hits - before == 40  # the second found all of it
+
+
+async def test_a_feature_draft_conversation_finds_the_target_blocks(
+    server: EmbeddedRedis,
+    tiny_target_dir: Path,
+    feature_draft_dir: Path,  # noqa: F811
+) -> None:
+    """With a feature-level draft configured every speculating request wants the target's
+    features; the verifier keeps them with its blocks, so the second turn finds its history
+    cached in the target too, and its output is still plain decoding's."""
+    models = ModelPaths(tiny_target_dir, {"e": feature_draft_dir})
+    params = SamplingParams(max_tokens=8)
+    async with running(server.url, "prefix-feat", models, scheduler=CHAIN) as (stack, client):
+        verifier = stack.verifier
+        assert verifier is not None and stack.scheduler is not None
+        assert stack.scheduler.core.config.feature_drafts == frozenset({"e"})
+        first, cached = await turn(client, "t1", SYSTEM, params)
+        assert first == plain_greedy(tiny_target_dir, [SYSTEM], [params])[0]
+        history = SYSTEM + first + [44, 45]
+        second, cached = await turn(client, "t2", history, params)
+        assert second == plain_greedy(tiny_target_dir, [history], [params])[0]
+        assert cached == ((len(SYSTEM) + len(first) - 1) // 4) * 4
+        assert verifier.runner.cache.prefix.hits == cached
+        assert client.outcomes["t2"].draft_tokens > 0
