@@ -16,13 +16,13 @@ from services.runtime import ModelPaths
 from shared.bus import EmbeddedRedis
 from shared.values.sampling import SamplingParams
 from shared.wire import Tokens
+from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
 from tests.test_services_openai import (  # noqa: F401  (smollm2_models: a fixture)
     QUESTION,
     free_port,
     smollm2_models,
     wait_for_gateway,
 )
-from tests.test_feature_draft import feature_draft_dir  # noqa: F401  (a fixture)
 from tests.test_services_support import Client, make_settings, plain_greedy, running
 
 pytestmark = pytest.mark.anyio
