@@ -79,11 +79,11 @@ def test_exports_reach_the_later_commands_of_their_block_only() -> None:
     assert exported("export A=1 B='x y'") == {"A": "1", "B": "x y"}
     assert exported("python -m services all") == {}
     found = documented_commands()
-    caching = [c for c in found if c.doc == "docs/prefix-caching.md"]
-    served = [c for c in caching if "-m services all" in c.line]
-    assert served and all("AUGURY_MODELS__DRAFTS" in dict(c.env) for c in served)
-    synth = next(c for c in caching if "--system-prompt-tokens" in c.line)
-    assert synth.env == ()  # before the export
+    deployment = [c for c in found if c.doc == "docs/deployment.md"]
+    served = [c for c in deployment if "-m services all --no-gateway" in c.line]
+    assert served and all(dict(c.env).get("AUGURY_REDIS__CLUSTER") == "true" for c in served)
+    later = [c for c in deployment if "bench.bench_cells" in c.line]
+    assert later and all(c.env == () for c in later)  # a later block: not exported there
 
 
 def test_an_env_assignment_in_front_stays_and_python_is_replaced() -> None:
