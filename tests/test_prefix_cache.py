@@ -227,10 +227,10 @@ def test_cached_prefix_gives_the_logits_of_a_full_prefill(tiny_target_dir):
 
 def _prompt_entry(request_id: str, prompt: list[int], *, features: bool) -> VerifyRequest:
     params = SamplingParams(max_tokens=4)
+    chunk = tuple(prompt)
     return VerifyRequest(
-        request_id, 0, params, 0, 4, chunk=tuple(prompt), chunk_is_last=True,
-        want_features=features,
-    )  # fmt: skip
+        request_id, 0, params, 0, 4, chunk=chunk, chunk_is_last=True, want_features=features
+    )
 
 
 def test_a_feature_request_finds_the_blocks_and_their_features(tiny_target_dir):
@@ -254,6 +254,14 @@ def test_a_feature_request_finds_the_blocks_and_their_features(tiny_target_dir):
     (again,) = verifier.step([_prompt_entry("s", other, features=True)])  # q kept them
     assert again.cached_tokens == 8
     np.testing.assert_allclose(again.features, wanting.features, atol=2e-3)
+
+
+def test_without_a_prefix_cache_no_features_are_held(tiny_target_dir):
+    """Features are held only until their blocks are named: with caching off, never."""
+    runner = ModelRunner(load_model(tiny_target_dir), block_size=BLOCK, prefix_caching=False)
+    (result,) = Verifier(runner).step([_prompt_entry("a", SHARED, features=True)])
+    assert result.features is not None and len(result.features) == len(SHARED)
+    assert runner._seqs["a"].feature_rows is None
 
 
 def test_a_blocks_features_go_when_it_is_evicted():

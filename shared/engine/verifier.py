@@ -162,9 +162,9 @@ class Verifier:
                 result = replace(result, logprobs=lps)
             commits[e.request_id] = kept
             if e.want_features:  # the committed positions' features, for a feature-level draft
-                rows = out.features[list(kept)].to(torch.float16).cpu().numpy()
-                features[e.request_id] = rows = np.ascontiguousarray(rows)
-                if skip := skipped.get(e.request_id, 0):  # found with the cached blocks
+                computed = out.features[list(kept)].to(torch.float16).cpu().numpy()
+                rows = features[e.request_id] = np.ascontiguousarray(computed)
+                if skip := skipped.get(e.request_id, 0):  # the cached blocks' rows come first
                     start = e.chunk_start
                     cached = self.runner.prefix_features(e.request_id, start, start + skip)
                     rows = np.concatenate([cached, rows])

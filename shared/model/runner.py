@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Literal
 
 import numpy as np
@@ -88,7 +89,7 @@ class _Sequence:
     last_name: BlockHash | None = None
     # a feature-level draft's target: features of committed positions [feature_start,
     # feature_start + len), not yet kept with a named block (`PrefixCache.set_features`)
-    feature_rows: list[np.ndarray] = field(default_factory=list)
+    feature_rows: np.ndarray | None = None
     feature_start: int = 0
     tree_tokens: list[int] = field(default_factory=list)  # the tree region's tokens
     # The tree region, one entry per node: parent, depth (0 = attached to the prefix) and the
@@ -281,9 +282,8 @@ class ModelRunner:
         if not names:
             return 0
         blocks = prefix.lookup(names)
-        if with_features:
-            kept = [prefix.features_of(block) is not None for block in blocks]
-            blocks = blocks[: kept.index(False)] if False in kept else blocks
+        if with_features:  # up to the first block without features
+            blocks = list(takewhile(lambda b: prefix.features_of(b) is not None, blocks))
         prefix.count(len(names) * block_size, len(blocks) * block_size)
         if not blocks:
             return 0
@@ -293,7 +293,7 @@ class ModelRunner:
         seq.tokens.extend(tokens[:hit])
         seq.num_named += len(blocks)
         seq.last_name = names[len(blocks) - 1]
-        seq.feature_rows, seq.feature_start = [], seq.num_cached
+        seq.feature_rows = None  # the attached blocks' features are kept with them
         return hit
 
     def prefix_features(self, request_id: str, start: int, end: int) -> np.ndarray:
@@ -309,11 +309,15 @@ class ModelRunner:
         return np.concatenate(rows)
 
     def _keep_features(self, seq: _Sequence, start: int, rows: np.ndarray) -> None:
-        """Record committed positions' features (from `start`), kept with the blocks named."""
-        held = sum(len(r) for r in seq.feature_rows)
-        if seq.feature_start + held != start:  # a gap: what came before is of no use
-            seq.feature_rows, seq.feature_start = [], start
-        seq.feature_rows.append(rows)
+        """Record committed positions' features (from `start`) until their blocks are named;
+        only where blocks are named at all."""
+        if self.cache.prefix is None or seq.salt is None:
+            return
+        held = seq.feature_rows
+        if held is None or seq.feature_start + len(held) != start:  # a gap: start over
+            seq.feature_rows, seq.feature_start = rows, start
+        else:
+            seq.feature_rows = np.concatenate([held, rows])
 
     def _name_blocks(self, request_id: str, seq: _Sequence) -> None:
         """Name the request's full blocks of committed tokens not named yet (a block whose name
@@ -335,7 +339,7 @@ class ModelRunner:
         blocks = self.cache.blocks(request_id)
         for index, name in enumerate(names, start=seq.num_named):
             prefix.insert(name, blocks[index])
-        if seq.feature_rows:
+        if seq.feature_rows is not None:
             self._name_features(seq, names, full)
         seq.num_named = full
         seq.last_name = names[-1]
@@ -344,15 +348,15 @@ class ModelRunner:
         """Keep the recorded features of the blocks just named with them; drop the rows
         before the first block not full yet."""
         prefix, block_size = self.cache.prefix, self.cache.block_size
-        assert prefix is not None
-        rows = np.concatenate(seq.feature_rows)
+        assert prefix is not None and seq.feature_rows is not None
+        rows = seq.feature_rows
         for index, name in enumerate(names, start=seq.num_named):
             lo = index * block_size - seq.feature_start
             if lo >= 0 and lo + block_size <= len(rows):
                 prefix.set_features(name, rows[lo : lo + block_size])
         cut = max(0, full * block_size - seq.feature_start)
-        seq.feature_rows = [rows[cut:]] if cut < len(rows) else []
-        seq.feature_start += min(cut, len(rows))
+        seq.feature_rows = rows[cut:] if cut < len(rows) else None
+        seq.feature_start += cut
 
     def blocks_needed(self, request_id: str | None, num_new_tokens: int) -> int:
         """Blocks a forward of `num_new_tokens` more tokens would have to allocate."""
