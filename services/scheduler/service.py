@@ -483,20 +483,26 @@ class SchedulerService:
         self.stats.draft_ms += draft_ms
         self.stats.verify_ms += result.verify_ms
         if log.isEnabledFor(logging.DEBUG):  # its sums walk the batch: only when it is read
-            self._log_step(batch, draft_ms, result.verify_ms, wall_ms)
+            committed = sum(len(r.tokens) for r in results.values() if r.error is None)
+            self._log_step(batch, committed, draft_ms, result.verify_ms, wall_ms)
 
     @staticmethod
-    def _log_step(batch: MicroBatch, draft_ms: float, verify_ms: float, wall_ms: float) -> None:
+    def _log_step(
+        batch: MicroBatch, committed: int, draft_ms: float, verify_ms: float, wall_ms: float
+    ) -> None:
         """One micro-batch's timings; tools.sim.calibrate fits the simulator's overheads on them."""
         log.debug(
-            "micro-batch %d: %d decoding (%d tree nodes), %d prefilling (%d tokens), context %d; "
-            "draft %.1f ms, verify %.1f ms, step %.1f ms",
+            "micro-batch %d: %d decoding (%d tree nodes, %d model drafts), %d prefilling "
+            "(%d tokens), context %d, %d tokens committed; draft %.1f ms, verify %.1f ms, "
+            "step %.1f ms",
             batch.id,
             len(batch.decode),
             sum(t.num_nodes for t in batch.trees.values()),
+            len(batch.drafts),
             len(batch.prefill),
             batch.prefill_tokens,
             mean_context(batch.members),
+            committed,
             draft_ms,
             verify_ms,
             wall_ms,
