@@ -6,6 +6,10 @@
         --target-dtype bfloat16 --concurrency 1 4 16 --per-kind 2
     python -m bench.bench_speculation --temperature 0.8 --seed 1 --presence-penalty 0.5 \
         --frequency-penalty 0.3 --repetition-penalty 1.1 --logprobs 5   # processors, logprobs
+    python -m bench.bench_speculation --services --model-set qwen2.5-coder --target-dtype \
+        bfloat16 --kinds code-edit revision chat everyday --concurrency 8 --drafts none
+        # a mixed trace with the model-free draft alone (`--model-free` with no name: the model
+        # draft alone; neither: the defaults)
 
 Engine mode: one target (its kernel plan and cost profile loaded as the CLI loads them) serves
 both configurations; for every prompt, plain and speculative decoding run one after the other,
@@ -16,7 +20,8 @@ equal token for token.
 
 Services mode: all services in this process over Redis (embedded), the default settings; at
 concurrency c, rounds of c requests alternate between speculative and plain decoding
-(`augury.speculate = false`, the same stack) and the ratio of their tokens/s is reported.
+(`augury.speculate = false`, the same stack) and the ratio of their tokens/s is reported. The
+prompts take the kinds in turn (`--kinds`), so every running set mixes them.
 Prefix caching is off in both modes: every run computes its own prompt.
 """
 
@@ -53,18 +58,26 @@ from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 from shared.values.sampling import SamplingParams
 from tools.prompts import chat_ids
+from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
 
 KINDS = ("chat", "code", "math", "everyday")
 KV_BYTES = 256 << 20
 
 
-def prompts_by_kind(per_kind: int, model_set: str = SMOLLM2) -> dict[str, list[list[int]]]:
+def prompts_by_kind(
+    per_kind: int, model_set: str = SMOLLM2, kinds: Sequence[str] = KINDS
+) -> dict[str, list[list[int]]]:
+    """`per_kind` prompts of each kind: the datasets' (`KINDS`) or the copy-heavy workloads'
+    (`COPY_KINDS`: a function to edit, a paragraph to revise, ...)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_set_target(model_set))
     out: dict[str, list[list[int]]] = {}
-    for kind in KINDS:
-        out[kind] = [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
+    for kind in kinds:
+        if kind in COPY_KINDS:
+            out[kind] = [conversation_ids(tokenizer, c) for c in workload_messages(kind, per_kind)]
+        else:
+            out[kind] = [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
     return out
 
 
@@ -239,7 +252,9 @@ async def bench_services(args: argparse.Namespace) -> str:
     from shared.settings import AugurySettings, RedisSettings
     from tests.test_services_support import Client
 
-    prompts = [p for ps in prompts_by_kind(args.per_kind, args.model_set).values() for p in ps]
+    by_kind = prompts_by_kind(args.per_kind, args.model_set, args.kinds)
+    # the kinds taken in turn, so that every running set mixes them
+    prompts = [p for group in zip(*by_kind.values(), strict=True) for p in group]
     params = SamplingParams(max_tokens=args.max_tokens)
     with redis_url(RedisSettings()) as url:
         settings = AugurySettings(
@@ -259,6 +274,8 @@ async def bench_services(args: argparse.Namespace) -> str:
         served = args.drafts or [
             args.draft or next(iter(model_set_drafts(args.model_set, served=True)))
         ]
+        if served == ["none"]:  # the model-free drafts alone
+            served = []
         drafts = model_set_drafts(args.model_set)
         models = ModelPaths(
             model_set_target(args.model_set),
@@ -271,7 +288,7 @@ async def bench_services(args: argparse.Namespace) -> str:
         lines = [
             f"services, default settings ({args.model_set}, target {args.target_dtype or 'fp32'}"
             f"; drafts {', '.join([*served, *args.model_free])}; weights {args.draft_weights}), "
-            f"{len(prompts)} prompts x "
+            f"{len(prompts)} prompts ({', '.join(args.kinds)}, in turn) x "
             f"max {args.max_tokens} tokens per round, {args.rounds} rounds",
             "",
             "| concurrency | plain tok/s | speculative tok/s | ratio, each round | worst "
@@ -339,7 +356,7 @@ def main() -> None:
         nargs="+",
         help="with --services: the stack's draft set, in order (the first drafts every request, "
         "as the default chooser does; the services' default: draft-e draft-s draft-m draft-l); "
-        "default: --draft alone",
+        "none: no model draft, the --model-free drafts alone; default: --draft alone",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="engine mode: 0 is greedy")
     ap.add_argument("--seed", type=int, help="engine mode: seeded (coupled) sampling")
@@ -348,6 +365,13 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--logprobs", type=int, help="engine mode: ask for N top logprobs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(KINDS),
+        choices=[*KINDS, *COPY_KINDS],
+        help="with --services: the prompt kinds, mixed in one trace (copy-heavy ones too)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

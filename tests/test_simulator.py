@@ -185,7 +185,7 @@ def test_overheads_are_fitted_from_the_scheduler_log() -> None:
 
     # every step took the verify forward (10 ms) plus 3 ms plus 2 ms x sqrt(decoding requests)
     lines = [
-        f"x DEBUG micro-batch {i}: {d} decoding ({2 * d} tree nodes, {d} model drafts), "
+        f"x DEBUG micro-batch {i}: {d} decoding ({2 * d} tree nodes, {d} planned drafts), "
         f"1 prefilling (40 tokens), context 300, {d + 1} tokens committed; draft 1.5 ms, "
         f"verify 12.0 ms, step {1.5 + 10 + 3 + 2 * d**0.5:.4f} ms"
         for i, d in enumerate([1, 4, 9, 16, 25])

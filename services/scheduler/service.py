@@ -492,7 +492,7 @@ class SchedulerService:
     ) -> None:
         """One micro-batch's timings; tools.sim.calibrate fits the simulator's overheads on them."""
         log.debug(
-            "micro-batch %d: %d decoding (%d tree nodes, %d model drafts), %d prefilling "
+            "micro-batch %d: %d decoding (%d tree nodes, %d planned drafts), %d prefilling "
             "(%d tokens), context %d, %d tokens committed; draft %.1f ms, verify %.1f ms, "
             "step %.1f ms",
             batch.id,

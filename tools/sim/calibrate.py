@@ -32,7 +32,7 @@ import numpy as np
 from shared.scheduling.cost_model import CostModel, CostProfile
 
 LINE = re.compile(
-    r"micro-batch \d+: (\d+) decoding \((\d+) tree nodes(?:, \d+ model drafts)?\), "
+    r"micro-batch \d+: (\d+) decoding \((\d+) tree nodes(?:, \d+ planned drafts)?\), "
     r"(\d+) prefilling \((\d+) tokens\), context (\d+)(?:, \d+ tokens committed)?; "
     r"draft ([\d.]+) ms, verify ([\d.]+) ms, step ([\d.]+) ms"
 )
