@@ -32,9 +32,11 @@ import numpy as np
 from shared.scheduling.cost_model import CostModel, CostProfile
 
 LINE = re.compile(
-    r"micro-batch \d+: (\d+) decoding \((\d+) tree nodes(?:, \d+ planned drafts)?\), "
-    r"(\d+) prefilling \((\d+) tokens\), context (\d+)(?:, \d+ tokens committed)?; "
-    r"draft ([\d.]+) ms, verify ([\d.]+) ms, step ([\d.]+) ms"
+    r"micro-batch \d+: (?P<decoding>\d+) decoding \((?P<nodes>\d+) tree nodes"
+    r"(?:, (?P<planned>\d+) planned drafts)?\), (?P<prefilling>\d+) prefilling "
+    r"\((?P<prefill_tokens>\d+) tokens\), context (?P<context>\d+)"
+    r"(?:, (?P<committed>\d+) tokens committed)?; draft (?P<draft>[\d.]+) ms, "
+    r"verify (?P<verify>[\d.]+) ms, step (?P<step>[\d.]+) ms"
 )
 
 
@@ -48,16 +50,30 @@ class StepTiming:
     draft_ms: float
     verify_ms: float
     step_ms: float
+    # logged since 2026-11-27 (None in older logs): requests with a draft plan, tokens committed
+    num_planned_drafts: int | None = None
+    num_committed: int | None = None
 
 
 def parse_log(lines: Iterable[str]) -> list[StepTiming]:
+    """The scheduler's per-micro-batch DEBUG lines among `lines`."""
     steps = []
     for line in lines:
         m = LINE.search(line)
-        if m is not None:
-            ints = [int(x) for x in m.groups()[:5]]
-            floats = [float(x) for x in m.groups()[5:]]
-            steps.append(StepTiming(*ints, *floats))  # type: ignore[arg-type]
+        if m is None:
+            continue
+        g = m.groupdict()
+        steps.append(
+            StepTiming(
+                *(int(g[k]) for k in ("decoding", "nodes", "prefilling", "prefill_tokens")),
+                int(g["context"]),
+                float(g["draft"]),
+                float(g["verify"]),
+                float(g["step"]),
+                None if g["planned"] is None else int(g["planned"]),
+                None if g["committed"] is None else int(g["committed"]),
+            )
+        )
     return steps
 
 
