@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.drafters.__main__ import RECORDING, main
 from bench.drafters.experiments import KINDS, Setup, chooser_runs, fig11, per_request_best
 from shared.scheduling.cost_model import CostModel, CostProfile
@@ -86,7 +88,7 @@ def test_fig13_marks_the_best_count_and_the_heuristics_goodput(tmp_path: Path, m
     assert "| M=1 | M=2 | M=3 | auto |" in text and text.count("(best)") == 3
 
 
-def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled() -> None:
+def test_real_runs_serve_each_fixed_draft_alone_and_count_where_requests_settled() -> None:
     import json
 
     from bench.drafters.real import real_runs, run_env, settled
@@ -95,8 +97,9 @@ def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled()
     labels = ["fixed draft-s", "fixed draft-m", "fixed draft-l", "lbss", "lbss+fast"]
     labels.append("lbss+pruned")
     assert [r.label for r in runs] == labels
-    assert runs[1].drafts[0] == "draft-m" and sorted(runs[1].drafts) == sorted(DRAFTS)
+    assert runs[1].drafts == ("draft-m",) and runs[3].drafts == tuple(DRAFTS)
     env = run_env(runs[1], 8, "fixed")
+    assert json.loads(env["AUGURY_MODELS__MODEL_FREE"]) == []  # none named: none served
     assert env["AUGURY_SCHEDULER__DRAFT_CHOOSER"] == "fixed"
     assert env["AUGURY_SCHEDULER__FAST_SWITCHING"] == "false"
     fast = run_env(runs[4], 8, "fixed")
@@ -108,10 +111,41 @@ def test_real_runs_put_each_fixed_draft_first_and_count_where_requests_settled()
     assert pruned["AUGURY_SCHEDULER__LBSS__PRUNE_Z"] == "1.5"
     assert pruned["AUGURY_SCHEDULER__FAST_SWITCHING"] == "false"
     assert env["AUGURY_SCHEDULER__SPECULATION__PLANNER"] == "fixed"
-    assert [d["name"] for d in json.loads(env["AUGURY_MODELS__DRAFTS"])][0] == "draft-m"
+    assert [d["name"] for d in json.loads(env["AUGURY_MODELS__DRAFTS"])] == ["draft-m"]
     a, b, c = (RequestRecord(i, 0.0, 4, kind=k) for i, k in enumerate(["chat", "chat", "code"]))
     a.steps_by_draft, b.steps_by_draft = {"draft-s": 3, "draft-l": 5}, {"draft-s": 4}
     assert settled([a, b, c]) == {"chat": {"draft-l": 1, "draft-s": 1}}
+
+
+def test_real_runs_serve_model_free_drafts_as_such_and_the_default_merges_them() -> None:
+    import json
+
+    from bench.drafters.real import DEFAULT_RUN, real_runs, run_env
+
+    drafts = ["ngram", "draft-s"]
+    runs = real_runs(drafts, ["fixed", DEFAULT_RUN, "counterfactual"], prune_z=0.0)
+    assert [r.label for r in runs] == ["fixed ngram", "fixed draft-s", "default", "counterfactual"]
+    alone = run_env(runs[0], 8, "goodput", target_dtype="bfloat16")
+    assert json.loads(alone["AUGURY_MODELS__MODEL_FREE"]) == ["ngram"]
+    assert json.loads(alone["AUGURY_MODELS__DRAFTS"]) == []
+    assert alone["AUGURY_ENGINE__TARGET_DTYPE"] == "bfloat16"
+    # the default: `fixed` on the model draft, the copy merged beside it
+    default = run_env(runs[2], 8, "goodput")
+    assert default["AUGURY_SCHEDULER__DRAFT_CHOOSER"] == "fixed"
+    assert runs[2].drafts == ("draft-s", "ngram")
+    assert [d["name"] for d in json.loads(default["AUGURY_MODELS__DRAFTS"])] == ["draft-s"]
+    assert json.loads(default["AUGURY_MODELS__MODEL_FREE"]) == ["ngram"]
+    assert "AUGURY_ENGINE__TARGET_DTYPE" not in default
+
+
+def test_a_kinds_trace_takes_the_kinds_in_turn() -> None:
+    from bench.drafters.real import kinds_trace
+
+    trace = kinds_trace(["code-edit", "chat"], 2, 32)
+    assert [t.kind for t in trace] == ["code-edit", "chat", "code-edit", "chat"]
+    assert all(t.output_length == 32 and t.messages for t in trace)
+    assert [t.arrival_s for t in trace] == [0.0, 0.05, 0.1, pytest.approx(0.15)]
+    assert trace[0].messages != trace[2].messages
 
 
 def test_the_per_request_best_is_no_bound_and_the_batch_aware_oracle_beats_it() -> None:

@@ -4,6 +4,9 @@
     python -m bench.drafters fig13 [--profile PATH] [--batch-size 16] [--max-micro-batches 6]
                                    [--split policy|per-draft]
     python -m bench.drafters real [--requests 24] [--max-tokens 64] [--batch-size 8]
+    python -m bench.drafters real --model-set qwen2.5-coder --target-dtype bfloat16 \
+        --drafts qwen2.5-coder-0.5b ngram --choosers fixed default counterfactual \
+        --kinds code-edit revision chat everyday --per-kind 4
     python -m bench.drafters mixed [--profile PATH] [--drafts draft-s ngram suffix] [--per-kind N]
 
 Results go to `--out` (default `docs/results/drafters/`): a JSON with the command that made it and
@@ -21,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.model.model_set import DRAFT_NAMES, REPO_ROOT
+from shared.datasets import EVAL_KINDS
+from shared.model.model_set import DRAFT_NAMES, MODEL_SETS, REPO_ROOT, SMOLLM2
+from tools.workloads import COPY_KINDS
 
 OUT = REPO_ROOT / "docs" / "results" / "drafters"
 PROFILE = (
@@ -94,14 +99,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=64, help="answer length cap")
     p.add_argument("--batch-size", type=int, default=8, help="running-set limit")
-    p.add_argument("--drafts", nargs="+", default=list(DRAFT_NAMES))
     p.add_argument(
-        "--choosers", nargs="+", default=["fixed", "eps-greedy", "lbss"],
-        choices=("fixed", "greedy-length", "eps-greedy", "lbss", "eps-greedy+fast", "lbss+fast",
-                 "lbss+pruned"),
-        help="draft choosers; NAME+fast: that chooser with fast switching; lbss+pruned: LBSS "
-        "with pruned exploration (--prune-z)",
-    )  # fmt: skip
+        "--drafts",
+        nargs="+",
+        default=list(DRAFT_NAMES),
+        help="model drafts of the set and model-free ones (ngram, suffix)",
+    )
+    p.add_argument(
+        "--choosers",
+        nargs="+",
+        default=["fixed", "eps-greedy", "lbss"],
+        choices=(
+            "fixed",
+            "default",
+            "greedy-length",
+            "eps-greedy",
+            "lbss",
+            "counterfactual",
+            "eps-greedy+fast",
+            "lbss+fast",
+            "lbss+pruned",
+        ),
+        help="draft choosers; fixed: once per draft, served alone; default: the services' "
+        "default over every draft (the first model draft, the first model-free one merged); "
+        "NAME+fast: that chooser with fast switching; lbss+pruned: LBSS with pruned "
+        "exploration (--prune-z)",
+    )
+    p.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    p.add_argument("--target-dtype", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=(*COPY_KINDS, *EVAL_KINDS),
+        help="a trace of these kinds in turn (--per-kind each, --max-tokens each) "
+        "instead of SmolLM2's held-out mix",
+    )
+    p.add_argument("--per-kind", type=int, default=4, help="with --kinds")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
     lbss_options(p, "z of the lbss+pruned runs (lbss runs explore every model)")
@@ -340,10 +373,15 @@ def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 
 def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from bench.drafters.real import heldout_trace, real
+    from bench.drafters.real import heldout_trace, kinds_trace, real
 
     started = time.monotonic()
-    trace = heldout_trace(args.requests, args.max_tokens, args.seed)
+    if args.kinds:
+        trace = kinds_trace(args.kinds, args.per_kind, args.max_tokens, args.model_set)
+    elif args.model_set != SMOLLM2:
+        raise SystemExit("the held-out mix is SmolLM2's recording: with --model-set, give --kinds")
+    else:
+        trace = heldout_trace(args.requests, args.max_tokens, args.seed)
     result = real(
         trace,
         args.drafts,
@@ -355,6 +393,8 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         alpha=args.alpha,
         beta=args.beta,
         prune_z=args.prune_z,
+        model_set=args.model_set,
+        target_dtype=args.target_dtype,
     )
     command = command_line(argv).strip()
     result = {"command": command, "seconds": round(time.monotonic() - started, 1)} | result
