@@ -17,6 +17,7 @@ to deliver; `draft-e+ngram=always`: both draft every step), or `choose:` and dra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,8 @@ class Models:
         max_running_requests: int | None = None,
     ) -> SpecEngine:
         chooser = "fixed"
+        config, _, overrides = config.partition("@")  # NAME@field=value,...: the method changed
+        method = with_overrides(method, overrides)
         always = config.endswith("=always")  # the model planned as if alone beside the copy
         config = config.removesuffix("=always")
         names = config.split("+")
@@ -153,6 +156,16 @@ class Models:
         if chooser == "fixed":  # the model draft first, as written
             engine.core.chooser.preferred = list(names)  # type: ignore[attr-defined]
         return engine
+
+
+def with_overrides(method: DraftMethod, overrides: str) -> DraftMethod:
+    """`method` with `field=value,...` (numbers) changed: `max_width=2,min_path_prob=0.05`."""
+    changes: dict[str, int | float] = {}
+    for item in filter(None, overrides.split(",")):
+        name, _, value = item.partition("=")
+        current = getattr(method, name)  # an unknown field raises here
+        changes[name] = type(current)(value)
+    return dataclasses.replace(method, **changes) if changes else method
 
 
 def plain_outputs(models: Models, batch: dict[str, list[list[int]]], max_tokens: int) -> dict:

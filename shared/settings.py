@@ -195,12 +195,12 @@ class EngineSettings(_Group):
 
 class SpeculationSettings(_Group):
     # The defaults are the engine's preset (`shared.engine.presets.DEFAULT_METHOD`): a dynamic
-    # tree of up to 16 nodes, 6 deep, 4 wide, nodes the draft gives under 0.2 not drafted.
+    # tree of up to 16 nodes, 6 deep, 4 wide, nodes the draft gives under 0.05 not drafted.
     method: Literal["none", "chain", "static", "beam", "dynamic"] = "dynamic"
     # goodput: each request's speculation is sized by the cost model every step (plain
     # decoding included); fixed: always the method's whole tree
     planner: Literal["goodput", "fixed"] = "goodput"
-    min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
+    min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     chain_length: PositiveInt = 4
     static_expansion: tuple[PositiveInt, ...] = (2, 2, 1, 1)  # SpecInfer's <k1..km>
     beam_depth: PositiveInt = 4

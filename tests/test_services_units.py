@@ -42,7 +42,7 @@ def test_method_from_settings_maps_each_method() -> None:
     # the defaults: the engine's preset, and its path-probability floor for every method
     assert method_from_settings(SpeculationSettings()) == DEFAULT_METHOD
     assert method_from_settings(SpeculationSettings(method="beam")) == DraftMethod(
-        "beam", depth=4, width=2, min_path_prob=0.2
+        "beam", depth=4, width=2, min_path_prob=DEFAULT_METHOD.min_path_prob
     )
 
 
@@ -62,7 +62,9 @@ def test_build_core_follows_the_settings() -> None:
     config = core.config
     assert (config.vocab_size, config.max_context, config.eos_token_ids) == (96, 256, (2,))
     assert (config.token_budget, config.max_running, config.micro_batches) == (64, 7, 2)
-    assert config.method == DraftMethod("static", expansion=(2, 2, 1, 1), min_path_prob=0.2)
+    assert config.method == DraftMethod(
+        "static", expansion=(2, 2, 1, 1), min_path_prob=DEFAULT_METHOD.min_path_prob
+    )
     assert config.planner == "fixed"
     assert isinstance(core.policy, FCFS) and isinstance(core.selector, GlobalGreedy)
     off = AugurySettings.model_validate({"scheduler": {"speculation": {"method": "none"}}})
