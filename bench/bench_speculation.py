@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from shared.datasets import eval_prompts
 from shared.engine.drafting import Drafter
 from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
@@ -57,8 +56,8 @@ from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.request import AcceptanceStats
 from shared.values.sampling import SamplingParams
-from tools.prompts import chat_ids
-from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
+from tools.prompts import in_turn, kind_prompt_ids
+from tools.workloads import COPY_KINDS
 
 KINDS = ("chat", "code", "math", "everyday")
 KV_BYTES = 256 << 20
@@ -72,13 +71,7 @@ def prompts_by_kind(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_set_target(model_set))
-    out: dict[str, list[list[int]]] = {}
-    for kind in kinds:
-        if kind in COPY_KINDS:
-            out[kind] = [conversation_ids(tokenizer, c) for c in workload_messages(kind, per_kind)]
-        else:
-            out[kind] = [chat_ids(tokenizer, text) for text in eval_prompts(kind, per_kind)]
-    return out
+    return {kind: kind_prompt_ids(tokenizer, kind, per_kind) for kind in kinds}
 
 
 @dataclass
@@ -253,8 +246,7 @@ async def bench_services(args: argparse.Namespace) -> str:
     from tests.test_services_support import Client
 
     by_kind = prompts_by_kind(args.per_kind, args.model_set, args.kinds)
-    # the kinds taken in turn, so that every running set mixes them
-    prompts = [p for group in zip(*by_kind.values(), strict=True) for p in group]
+    prompts = in_turn(by_kind.values())  # so that every running set mixes the kinds
     params = SamplingParams(max_tokens=args.max_tokens)
     with redis_url(RedisSettings()) as url:
         settings = AugurySettings(

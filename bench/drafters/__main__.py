@@ -134,7 +134,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a trace of these kinds in turn (--per-kind each, --max-tokens each) "
         "instead of SmolLM2's held-out mix",
     )
-    p.add_argument("--per-kind", type=int, default=4, help="with --kinds")  # fmt: skip
+    p.add_argument("--per-kind", type=int, default=4, help="with --kinds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner", choices=("goodput", "fixed"), default="goodput")
     lbss_options(p, "z of the lbss+pruned runs (lbss runs explore every model)")
@@ -377,7 +377,7 @@ def main_real(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     started = time.monotonic()
     if args.kinds:
-        trace = kinds_trace(args.kinds, args.per_kind, args.max_tokens, args.model_set)
+        trace = kinds_trace(args.kinds, args.per_kind, args.max_tokens)
     elif args.model_set != SMOLLM2:
         raise SystemExit("the held-out mix is SmolLM2's recording: with --model-set, give --kinds")
     else:

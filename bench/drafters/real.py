@@ -179,24 +179,15 @@ def heldout_trace(num_requests: int, max_tokens: int, seed: int) -> list[TraceRe
     ]
 
 
-def kinds_trace(
-    kinds: Sequence[str], per_kind: int, max_tokens: int, model_set: str = SMOLLM2
-) -> list[TraceRequest]:
+def kinds_trace(kinds: Sequence[str], per_kind: int, max_tokens: int) -> list[TraceRequest]:
     """`per_kind` prompts of each kind (copy-heavy workloads or the datasets' kinds), the kinds
     taken in turn so that every running set mixes them, sent 50 ms apart, each asking for
     `max_tokens` (there is no recorded answer length for every model set)."""
-    from shared.datasets import eval_prompts
-    from tools.workloads import COPY_KINDS, workload_messages
+    from tools.prompts import in_turn, kind_conversations
 
-    by_kind: list[list[TraceRequest]] = []
-    for kind in kinds:
-        if kind in COPY_KINDS:
-            conversations = workload_messages(kind, per_kind)
-        else:
-            conversations = [(("user", text),) for text in eval_prompts(kind, per_kind)]
-        by_kind.append(
-            [TraceRequest(0.0, output_length=max_tokens, messages=tuple(c), kind=kind)
-             for c in conversations]
-        )  # fmt: skip
-    ordered = [t for group in zip(*by_kind, strict=True) for t in group]
-    return [dataclasses.replace(t, arrival_s=i * 0.05) for i, t in enumerate(ordered)]
+    requests = in_turn(
+        [TraceRequest(0.0, output_length=max_tokens, messages=c, kind=kind)
+         for c in kind_conversations(kind, per_kind)]
+        for kind in kinds
+    )  # fmt: skip
+    return [dataclasses.replace(t, arrival_s=i * 0.05) for i, t in enumerate(requests)]

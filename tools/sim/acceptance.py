@@ -428,7 +428,6 @@ def record(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from shared.datasets import eval_prompts
     from shared.engine.drafting import Drafter
     from shared.engine.presets import DEFAULT_METHOD
     from shared.engine.spec_engine import SpecEngine
@@ -438,8 +437,7 @@ def record(
     from shared.model.runner import ModelRunner
     from shared.scheduling.config import SchedulerConfig
     from shared.values.sampling import SamplingParams
-    from tools.prompts import chat_ids
-    from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
+    from tools.prompts import kind_prompt_ids
 
     method = method or DEFAULT_METHOD
     tdir = target_dir()
@@ -449,14 +447,7 @@ def record(
     config = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
     sessions: list[Session] = []
     jobs = [(k, d, i) for d in drafts for k in kinds for i in range(per_kind)]
-    prompts = {
-        k: (
-            [conversation_ids(tokenizer, c) for c in workload_messages(k, per_kind)]
-            if k in COPY_KINDS
-            else [chat_ids(tokenizer, t) for t in eval_prompts(k, per_kind)]
-        )
-        for k in kinds
-    }
+    prompts = {k: kind_prompt_ids(tokenizer, k, per_kind) for k in kinds}
     engines: dict[str, SpecEngine] = {}
     steps: list[RecordedStep] = []
     positions: list[int] = []
