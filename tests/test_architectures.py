@@ -119,24 +119,31 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: save_checkpoint(root / name, *variant) for name, variant in VARIANTS.items()}
 
 
-def hf_model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_model(path: Path, device: str = "cpu") -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
-def hf_generate(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_generate(
+    path: Path, prompt: list[int], max_new_tokens: int, device: str = "cpu"
+) -> list[int]:
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     with torch.no_grad():
-        out = hf_model(path).generate(torch.tensor([prompt]), generation_config=config)
+        out = hf_model(path, device).generate(
+            torch.tensor([prompt], device=device), generation_config=config
+        )
     return out[0, len(prompt) :].tolist()
 
 
-def make_engine(path: Path, method: DraftMethod | None, *, int8_draft: bool = False) -> SpecEngine:
-    verifier = Verifier(ModelRunner(load_model(path), block_size=4, kv_memory_bytes=2 << 20))
+def make_engine(
+    path: Path, method: DraftMethod | None, *, int8_draft: bool = False, device: str = "cpu"
+) -> SpecEngine:
+    target = load_model(path, device=device)
+    verifier = Verifier(ModelRunner(target, block_size=4, kv_memory_bytes=2 << 20))
     drafter = None
     if method is not None:
-        draft = load_model(path, int8=int8_draft)
+        draft = load_model(path, device=device, int8=int8_draft)
         drafter = Drafter(ModelRunner(draft, block_size=4, kv_memory_bytes=2 << 20))
     return SpecEngine(verifier, drafter, method, SchedulerConfig(planner="fixed"))
 
@@ -169,6 +176,31 @@ def test_plain_and_speculative_greedy_equal_transformers(checkpoints, name):
         engine = make_engine(path, method)
         assert [r.output for r in engine.generate(PROMPTS, params)] == expected, method.kind
         assert engine.stats.mean_accepted_length > floor, method.kind
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_on_gpu_logits_and_greedy_equal_transformers(checkpoints, name):
+    """On CUDA the runner attends with the Triton tree kernel and replays CUDA graphs: the fp32
+    logits are transformers' on the same GPU, and plain and speculative greedy output its
+    `generate`'s."""
+    path = checkpoints[name]
+    runner = ModelRunner(load_model(path, device="cuda"), block_size=4, kv_memory_bytes=1 << 20)
+    tokens = PROMPTS[1] * 4 + PROMPTS[0] * 3
+    runner.add_request("a")
+    [ours] = runner.forward([ForwardItem.chain("a", tokens, logits="all")])
+    with torch.no_grad():
+        ref = hf_model(path, "cuda")(torch.tensor([tokens], device="cuda")).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = [hf_generate(path, p, MAX_TOKENS, "cuda") for p in PROMPTS]
+    plain = make_engine(path, None, device="cuda").generate(PROMPTS, params)
+    assert [r.output for r in plain] == expected
+    method = DraftMethod("dynamic", budget=12, max_size=8, max_depth=4, max_width=3)
+    engine = make_engine(path, method, device="cuda")
+    assert [r.output for r in engine.generate(PROMPTS, params)] == expected
+    assert engine.stats.mean_accepted_length > 2.5
 
 
 @requires_int8

@@ -3,6 +3,9 @@
     python -m tools.profile --threads 2                         # CPU, fp32, the default models
     python -m tools.profile --device cuda --dtype bfloat16 --max-tokens 512 --random-weights
     python -m tools.profile --model-set qwen2.5-coder --target-dtype bfloat16 --threads 2
+    python -m tools.profile --device cuda --dtype bfloat16 --random-weights \
+        --target bench/shapes/Qwen2.5-Coder-1.5B-shape \
+        --drafts qwen2.5-coder-0.5b=bench/shapes/Qwen2.5-Coder-0.5B-shape
 
 The profile (`shared/scheduling/cost_model.py`) goes to
 `profiles/<model>-<device>-<dtype>-t<threads>.json` unless `--out` says otherwise; the
@@ -59,6 +62,15 @@ def kv_bytes_for(model: LlamaModel, dtype: torch.dtype, contexts, max_tokens, re
     return max(16 << 20, int(per_token * tokens * 1.1))
 
 
+def draft_dir(arg: str, named: dict[str, Path]) -> tuple[str, Path]:
+    """A `--drafts` entry as (name, directory): a set's draft name, a folder, or NAME=FOLDER
+    (a shape folder profiled under the name the set gives its draft)."""
+    if "=" in arg:
+        name, folder = arg.split("=", 1)
+        return name, Path(folder)
+    return Path(arg).name, named.get(arg, Path(arg))
+
+
 def table(profile: CostProfile) -> str:
     """Per model: tokens x context, ms and the ratio to n = 1 at the same context."""
     lines = []
@@ -100,7 +112,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
     ap.add_argument("--target", type=Path, help="target checkpoint (default: the set's target)")
-    ap.add_argument("--drafts", nargs="*", help="names or directories (default: the set's drafts)")
+    ap.add_argument(
+        "--drafts",
+        nargs="*",
+        help="names, directories or NAME=DIRECTORY (default: the set's drafts)",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument(
@@ -149,7 +165,7 @@ def main() -> None:
     tdir = args.target or model_set_target(args.model_set)
     named = model_set_drafts(args.model_set)
     draft_names = list(named) if args.drafts is None else args.drafts
-    ddirs = {Path(d).name: named.get(d, Path(d)) for d in draft_names}
+    ddirs = dict(draft_dir(d, named) for d in draft_names)
 
     draft_int8 = uses_int8(args.draft_weights, args.device)
 
