@@ -76,6 +76,7 @@ class Models:
         *,
         kv_bytes: int = KV_BYTES,
         tokenizer: Any = None,  # engines given one serve structured requests
+        exact_attention: bool = False,  # bf16 trees attend row by row (`ModelRunner`)
     ) -> None:
         self.target_dir = model_set_target(model_set)
         self.draft_dirs = model_set_drafts(model_set)
@@ -87,11 +88,20 @@ class Models:
         # one grammar book for every engine: they share the verifier and the model drafts
         self.grammar = None if tokenizer is None else GrammarBook.from_hf(tokenizer, eos)
         self.verifier = Verifier(
-            ModelRunner(self.target, kv_memory_bytes=kv_bytes, prefix_caching=False)
+            ModelRunner(
+                self.target,
+                kv_memory_bytes=kv_bytes,
+                prefix_caching=False,
+                exact_attention=exact_attention,
+            )
         )
         self.models: dict[str, Drafter] = {}
         self.planner = planner
-        self._costs: dict[tuple[str, ...], object] = {}
+        # the target's profile brings its kernel plan: loaded before any run, so plain decoding
+        # multiplies with the kernels speculation verifies with (as `augury generate` does)
+        self._costs: dict[tuple[str, ...], object] = {
+            (): load_or_measure(self.verifier.runner, {}, target_name=self.target_dir.name)
+        }
 
     def model_draft(self, name: str) -> Drafter:
         if name not in self.models:
@@ -134,7 +144,7 @@ class Models:
             self._costs[key] = load_or_measure(
                 self.verifier.runner, models, target_name=self.target_dir.name
             )
-        cost = self._costs.get(key)
+        cost = self._costs.get(key) if self.planner == "goodput" else None
         scheduling = SchedulerConfig(
             planner=self.planner,
             draft_chooser=chooser,

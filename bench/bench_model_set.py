@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", help="default: the set's model draft, ngram, suffix, "
                     "the draft merged with each, the chooser among all three")  # fmt: skip
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted")
+    ap.add_argument("--exact-attention", action="store_true", help="bf16 trees attend row by row")
     ap.add_argument("--per-kind", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
@@ -182,7 +183,9 @@ def main() -> None:
     draft = next(iter(model_set_drafts(args.model_set)))
     merged = [f"{draft}+ngram", f"{draft}+suffix", f"choose:{draft},ngram,suffix"]
     configs = args.configs or [draft, "ngram", "suffix", *merged]
-    models = Models("goodput", args.model_set, args.target_dtype)
+    models = Models(
+        "goodput", args.model_set, args.target_dtype, exact_attention=args.exact_attention
+    )
     runs = {PLAIN: engine_run(models, PLAIN, args.max_tokens)}
     runs |= {c: engine_run(models, c, args.max_tokens) for c in configs}
     if not args.no_assisted:

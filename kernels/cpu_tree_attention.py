@@ -16,6 +16,14 @@ fp32 requests are two batched matmuls and a softmax. A request whose scores woul
 `max_scores` elements (a long prompt chunk) and every request in another dtype go through SDPA
 as in the reference, with the boolean mask of the plan; then only that compact mask stays in
 the plan between forwards.
+
+With `exact_rows` (`ModelRunner(exact_attention=True)`, `AUGURY_ENGINE__EXACT_ATTENTION`), a
+bf16 (or fp16) request of 2 to `EXACT_ROWS` new tokens attends row by row instead, each
+query against exactly the keys it sees, in position order. SDPA's sums over keys round
+differently when a row's keys sit among masked ones (a longer key axis, another blocking), and
+in bf16 that rounding can flip a near-tie between two tokens; one row over its own keys is
+what plain decoding computes for that token, so verification agrees with it bit for bit (with
+the batch-invariant linear kernels of `shared/model/linear.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.reference import group_query_rows, grouped_sdpa, ungroup_query_rows
+
+EXACT_ROWS = 64  # with exact attention, bf16 requests of up to this many new tokens go row by row
 
 
 @dataclass(frozen=True)
@@ -40,14 +51,20 @@ class _RequestPlan:
     # matmul: [group * n, num_kv] fp32 additive; SDPA: [n, num_kv] bool; None: the request's
     # one new token sees everything
     mask: torch.Tensor | None
+    # row by row (bf16, 2 to EXACT_ROWS new tokens), rows seeing equally many keys together:
+    # (their query rows [r], the key positions each sees [r, keys])
+    row_keys: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
 
 class CpuTreeAttention:
     """One per model runner; callable as an `AttentionFn`. It remembers the plan of the last
     forward's metadata (by identity: the runner builds new metadata for every forward)."""
 
-    def __init__(self, max_scores: int = 1 << 22, *, reads_views: bool = True) -> None:
+    def __init__(
+        self, max_scores: int = 1 << 22, *, reads_views: bool = True, exact_rows: int = 0
+    ) -> None:
         self.max_scores = max_scores
+        self.exact_rows = exact_rows  # bf16 requests of up to this many new tokens: row by row
         self.reads_views = reads_views  # False: gather every request (to measure what views save)
         self._meta: AttentionMetadata | None = None
         self._plans: list[_RequestPlan] = []
@@ -71,6 +88,7 @@ class CpuTreeAttention:
                 dtype=q.dtype,
                 max_scores=self.max_scores,
                 reads_views=self.reads_views,
+                exact_rows=self.exact_rows,
             )
             self._meta = meta
         out = torch.empty_like(q)
@@ -78,6 +96,10 @@ class CpuTreeAttention:
             q_rows = q[plan.q_lo : plan.q_hi]  # [n, Hq, D]
             k = _request_kv(k_cache, plan)  # [S, Hkv, D]
             v = _request_kv(v_cache, plan)
+            if plan.row_keys is not None:
+                for rows, keys in plan.row_keys:
+                    out[plan.q_lo + rows] = _rows_alone(q_rows[rows], k[keys], v[keys], scale)
+                continue
             if not plan.is_matmul:
                 out[plan.q_lo : plan.q_hi] = grouped_sdpa(q_rows, k, v, plan.mask, scale)
                 continue
@@ -99,6 +121,7 @@ def plan_requests(
     dtype: torch.dtype = torch.float32,
     max_scores: int = 1 << 22,
     reads_views: bool = True,
+    exact_rows: int = 0,
 ) -> list[_RequestPlan]:
     """What every layer of one forward needs per request, computed once."""
     plans: list[_RequestPlan] = []
@@ -112,6 +135,14 @@ def plan_requests(
             dtype == torch.float32 and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
         )
         mask = meta.visible(r)
+        row_keys = None
+        if (
+            mask is not None
+            and not is_matmul
+            and dtype != torch.float32
+            and len(mask) <= exact_rows
+        ):
+            row_keys = _rows_by_key_count(mask)
         if mask is not None and is_matmul:  # additive, one row per query head of a group
             mask = torch.where(mask, 0.0, float("-inf")).repeat(group, 1)
         plans.append(
@@ -126,9 +157,43 @@ def plan_requests(
                 else torch.tensor(table, dtype=torch.int64, device=meta.block_tables.device),
                 is_matmul=is_matmul,
                 mask=mask,
+                row_keys=row_keys,
             )
         )
     return plans
+
+
+def _rows_by_key_count(mask: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Rows of a [n, num_kv] visibility mask grouped by how many keys they see (a tree's depth):
+    per group, its row indices and each row's visible key positions in order."""
+    counts = mask.sum(1)
+    groups = []
+    for count in counts.unique().tolist():
+        rows = (counts == count).nonzero().squeeze(1)
+        keys = mask[rows].nonzero()[:, 1].view(len(rows), count)
+        groups.append((rows, keys))
+    return tuple(groups)
+
+
+def _rows_alone(
+    q: torch.Tensor,  # [r, Hq, D]
+    k: torch.Tensor,  # [r, S, Hkv, D]: each row's own keys
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [r, Hq, D]
+    """Each query row over its own keys, bitwise as `grouped_sdpa` attends one new token (no
+    mask): the same 3-D SDPA call with (row, KV head) pairs as its leading dimension. (A 4-D
+    call would take another kernel, which rounds differently.)"""
+    r, num_heads, dim = q.shape
+    num_kv_heads, keys = k.shape[2], k.shape[1]
+    group = num_heads // num_kv_heads
+    o = F.scaled_dot_product_attention(
+        q.reshape(r * num_kv_heads, group, dim),
+        k.transpose(1, 2).reshape(r * num_kv_heads, keys, dim),
+        v.transpose(1, 2).reshape(r * num_kv_heads, keys, dim),
+        scale=scale,
+    )
+    return o.view(r, num_heads, dim)
 
 
 def _request_kv(cache: torch.Tensor, plan: _RequestPlan) -> torch.Tensor:  # [num_kv, Hkv, D]

@@ -114,6 +114,7 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
         cuda_graph_max_requests=settings.cuda_graph_max_requests,
         prefix_caching=settings.enable_prefix_caching,
         max_kept_fraction=settings.prefix_cache_max_kept_fraction,
+        exact_attention=settings.exact_attention,
     )
     runner.capture_graphs()  # on CUDA: now, not on the first requests
     return runner

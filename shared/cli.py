@@ -100,6 +100,12 @@ def _add_model_args(gen: argparse.ArgumentParser) -> None:
         help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16); speculation "
         "gives the greedy output of plain decoding at this precision",
     )
+    gen.add_argument(
+        "--exact-attention",
+        action="store_true",
+        help="bf16 trees attend row by row, so speculation rounds as plain decoding does "
+        "(bitwise equal greedy output; slower verification)",
+    )
 
 
 def _add_method_args(gen: argparse.ArgumentParser) -> None:
@@ -239,7 +245,8 @@ def generate(args: argparse.Namespace) -> int:
         group = start_local_group(target_path, args.tp, threads=args.threads)
         verifier = Verifier(group.runner)  # type: ignore[arg-type]
     else:
-        verifier = Verifier(ModelRunner(load_model(target_path, dtype=target_dtype)))
+        target = load_model(target_path, dtype=target_dtype)
+        verifier = Verifier(ModelRunner(target, exact_attention=args.exact_attention))
     try:
         return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)
     finally:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.cpu_tree_attention import CpuTreeAttention, plan_requests
+from kernels.cpu_tree_attention import EXACT_ROWS, CpuTreeAttention, _request_kv, plan_requests
 from kernels.reference import tree_attention_reference
 from kernels.synthetic import PagedBatch, RequestSpec, chain, make_paged_batch, random_tree, star
 
@@ -105,6 +105,51 @@ def test_bfloat16_cache() -> None:
         dtype=torch.bfloat16,
     )
     assert_matches_reference(b, run(b))
+
+
+def one_token(b: PagedBatch, k: torch.Tensor, v: torch.Tensor, row: slice) -> PagedBatch:
+    """A batch of one request whose one new token (query `b.q[row]`) has `k`, `v` [S, Hkv, D]
+    as its whole context: what plain decoding attends for that token."""
+    lone = batch([RequestSpec(len(k) - 1, chain(1))], heads=(b.q.shape[1], k.shape[1]),
+                 head_dim=b.q.shape[2], dtype=b.q.dtype)  # fmt: skip
+    blocks = lone.meta.block_tables[0]
+    k_cache, v_cache = lone.k_cache.clone(), lone.v_cache.clone()
+    for pos in range(len(k)):
+        block, offset = int(blocks[pos // 16]), pos % 16
+        k_cache[block, offset], v_cache[block, offset] = k[pos], v[pos]
+    return replace(lone, q=b.q[row].clone(), k_cache=k_cache, v_cache=v_cache)
+
+
+def test_exact_bfloat16_rows_attend_to_their_own_keys_as_one_token_does() -> None:
+    """With exact rows a bf16 tree attends row by row: each row's output is bitwise what a lone
+    new token over the same keys gets (plain decoding's one-token forward), whatever else the
+    forward holds. Without (the default) it is one masked SDPA call per request."""
+    b = batch(
+        [RequestSpec(70, random_tree(12, random.Random(8))), RequestSpec(20, chain(5))],
+        dtype=torch.bfloat16,
+    )
+    attention = CpuTreeAttention(exact_rows=EXACT_ROWS)
+    out = run(b, attention)
+    assert_matches_reference(b, out)
+    assert all(p.row_keys is None for p in plan_requests(b.meta, block_size=16, num_kv_heads=3,
+               group=3, dtype=torch.bfloat16))  # fmt: skip
+    for plan in attention._plans:
+        assert plan.row_keys is not None
+        k, v = (_request_kv(cache, plan) for cache in (b.k_cache, b.v_cache))
+        seen = []
+        for rows, keys in plan.row_keys:
+            for i, row_keys in zip(rows.tolist(), keys, strict=True):
+                row = slice(plan.q_lo + i, plan.q_lo + i + 1)
+                alone = run(one_token(b, k[row_keys], v[row_keys], row))
+                assert torch.equal(out[row], alone)
+                seen.append(i)
+        assert sorted(seen) == list(range(plan.q_hi - plan.q_lo))
+    wide = batch([RequestSpec(10, chain(EXACT_ROWS + 1))], dtype=torch.bfloat16)
+    [plan] = plan_requests(
+        wide.meta, block_size=16, num_kv_heads=3, group=3, dtype=torch.bfloat16,
+        exact_rows=EXACT_ROWS,
+    )  # fmt: skip
+    assert plan.row_keys is None  # a long prompt chunk stays one SDPA call
 
 
 def test_long_chunks_take_sdpa_with_the_same_mask() -> None:

@@ -17,6 +17,7 @@ from shared.model.linear import (
     available_kernels,
     bucket_index,
     choose,
+    two_rows,
 )
 from shared.model.runner import ModelRunner
 from tests.helpers import paged_logits
@@ -97,6 +98,45 @@ def test_choice_prefers_one_batch_invariant_kernel_when_nearly_as_fast() -> None
     assert plan.choices["gate_up"] == ("x_wt", "w_xt", "w_xt", "linear", "linear", "linear")
     strict = choose(timings, BUCKETS, KERNELS, invariant={"o": ("w_xt",)}, uniform_tolerance=0)
     assert strict.choices["o"] == ("linear",) * 6
+
+
+def test_past_the_buckets_a_uniform_invariant_kernel_serves_on() -> None:
+    """A forward of more tokens than the largest bucket (a large tree, a prompt chunk) keeps the
+    kernel every bucket uses when it is batch-invariant, so its tokens round as one token does;
+    otherwise it runs F.linear."""
+    invariant = {"qkv": ("onednn_packed_two_rows",)}
+    uniform = LinearPlan(BUCKETS, {"qkv": ("onednn_packed_two_rows",) * 6}, invariant=invariant)
+    assert uniform.kernel_for("qkv", 18) == "onednn_packed_two_rows"
+    assert uniform.kernel_for("qkv", 500) == "onednn_packed_two_rows"
+    not_invariant = LinearPlan(BUCKETS, {"qkv": ("onednn_packed",) * 6}, invariant=invariant)
+    assert not_invariant.kernel_for("qkv", 18) == BASELINE
+    mixed = LinearPlan(BUCKETS, {"qkv": ("onednn_packed_two_rows",) * 5 + ("linear",)})
+    assert mixed.kernel_for("qkv", 18) == BASELINE
+
+
+def test_a_single_row_is_multiplied_as_two() -> None:
+    seen: list[int] = []
+
+    def fake(x: torch.Tensor, p: dict, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return F.linear(x, p["w"], bias)
+
+    w = torch.randn(8, 4)
+    x = torch.randn(1, 4)
+    y = two_rows(fake)(x, {"w": w}, None)
+    assert seen == [2] and y.shape == (1, 8)
+    torch.testing.assert_close(y, F.linear(x, w))
+    two_rows(fake)(torch.randn(3, 4), {"w": w}, None)
+    assert seen == [2, 3]
+
+
+def test_choice_takes_an_invariant_kernel_by_its_total_time() -> None:
+    """Per-bucket noise does not break the uniform choice: an invariant kernel within the
+    tolerance summed over the buckets serves them all, though slower in one bucket."""
+    timings = _timings()
+    timings["o"]["w_xt"] = (9.0, 9.0, 9.0, 12.0, 9.5, 9.5)  # 20 % over F.linear at n = 5
+    plan = choose(timings, BUCKETS, KERNELS, invariant={"o": ("w_xt",)})
+    assert plan.choices["o"] == ("w_xt",) * 6
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,11 @@ weights stream from memory as in a real forward) for each token-count bucket, `c
 role and bucket, deterministically from those timings, and `PlannedLinear` applies the choice.
 
 A token count n uses the kernel of the smallest bucket >= n; past the largest bucket (prompt
-chunks) it uses plain `F.linear`, the unplanned behaviour. A plan is plain data (`to_dict` /
-`from_dict`), so processes that must agree bit for bit can share one measured plan.
+chunks, large trees) it uses plain `F.linear`, the unplanned behaviour, unless one
+batch-invariant kernel serves every bucket: then that one, so that a token's output rounds the
+same whether its forward holds one token or many (speculative greedy output then equals plain
+decoding's bit for bit, in bf16 too). A plan is plain data (`to_dict` / `from_dict`), so
+processes that must agree bit for bit can share one measured plan.
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, p["w"], bias)
+
+
+def two_rows(fn: ApplyFn) -> ApplyFn:
+    """`fn` with a single row padded to two. BLAS may multiply one row by a matrix-vector
+    kernel that rounds differently from its n-row product (oneDNN's bf16 on an AVX-512 CPU does,
+    for wide weights); two rows take the n-row path, so a token's output does not depend on how
+    many tokens share its forward, and plain decoding rounds as verification does."""
+
+    def apply(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return fn(torch.cat([x, x]), p, bias)[:1]
+        return fn(x, p, bias)
+
+    return apply
 
 
 def _x_wt(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,11 +103,15 @@ def available_kernels(device: torch.device) -> dict[str, Kernel]:
     kernels = {BASELINE: Kernel(BASELINE, _linear)}
     if device.type != "cpu":
         return kernels
+    kernels["linear_two_rows"] = Kernel("linear_two_rows", two_rows(_linear))
     kernels["x_wt"] = Kernel("x_wt", _x_wt, layout="wt")
     kernels["w_xt"] = Kernel("w_xt", _w_xt)
     if _onednn_available():
         kernels["onednn"] = Kernel("onednn", _onednn)
         kernels["onednn_packed"] = Kernel("onednn_packed", _onednn_packed, layout="packed")
+        kernels["onednn_packed_two_rows"] = Kernel(
+            "onednn_packed_two_rows", two_rows(_onednn_packed), layout="packed"
+        )
     return kernels
 
 
@@ -118,10 +139,19 @@ class LinearPlan:
     invariant: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def kernel_for(self, role: str, n: int) -> str:
-        i = bucket_index(self.buckets, n)
-        if i is None or role not in self.choices:
+        if role not in self.choices:
             return BASELINE
-        return self.choices[role][i]
+        i = bucket_index(self.buckets, n)
+        return self.past_buckets(role) if i is None else self.choices[role][i]
+
+    def past_buckets(self, role: str) -> str:
+        """The kernel past the largest bucket (prompt chunks, large trees): F.linear, unless
+        every bucket of the role uses one batch-invariant kernel; then that kernel, so a token
+        rounds alike in a forward of any size."""
+        used = set(self.choices.get(role, ()))
+        if len(used) == 1 and (only := used.pop()) in self.invariant.get(role, ()):
+            return only
+        return BASELINE
 
     def layouts(self, role: str, kernels: Mapping[str, Kernel]) -> set[str]:
         return {kernels[k].layout for k in self.choices.get(role, ()) if kernels[k].layout}
@@ -186,8 +216,9 @@ def choose(
     `copy_gain` of that time in at least one bucket (`copy_gain=inf`: never copy). The extra
     layout kept is the one saving the most time summed over buckets. Then, if a kernel listed in
     `invariant[role]` (its rows do not depend on n, measured by `batch_invariant_kernels`) is
-    within `uniform_tolerance` of that choice in every bucket, it serves all buckets: one token
-    and n tokens then round the same way, so verification agrees with one-token decoding.
+    within `uniform_tolerance` of that choice summed over the buckets, it serves all buckets
+    (and past them): one token and n tokens then round the same way, so verification agrees
+    with one-token decoding.
     Ties go to the earlier kernel in `kernels` (F.linear first).
     """
     buckets = tuple(buckets)
@@ -212,13 +243,11 @@ def choose(
             if pays and sum(gains) > best_saving:
                 chosen, allowed_final, best_saving = pick, allowed, sum(gains)
         stable = set((invariant or {}).get(role, ()))
+        chosen_total = sum(cost[c][i] for i, c in enumerate(chosen))
         uniform = [
             k
             for k in allowed_final
-            if k in stable
-            and all(
-                cost[k][i] <= (1 + uniform_tolerance) * cost[c][i] for i, c in enumerate(chosen)
-            )
+            if k in stable and sum(cost[k]) <= (1 + uniform_tolerance) * chosen_total
         ]
         if uniform:
             best = min(uniform, key=lambda k: (sum(cost[k]), order.index(k)))
@@ -250,13 +279,17 @@ def batch_invariant_kernels(
     kernels: Mapping[str, Kernel],
 ) -> dict[str, tuple[str, ...]]:
     """Per role, the kernels whose output rows are bitwise the same for every token count in
-    `buckets` (tried on the role's first weight): a property of the BLAS build and CPU."""
+    `buckets` as in their own product of more rows than the largest bucket (tried on the role's
+    first weight): a property of the BLAS build and CPU. Such a kernel, used for every bucket
+    and past them (`LinearPlan.past_buckets`), makes a token's output independent of how many
+    tokens its forward holds."""
     out: dict[str, tuple[str, ...]] = {}
     with torch.inference_mode():
         for role, ws in weights.items():
             [(p, b)] = _prepare_all(ws[:1], kernels)
             gen = torch.Generator().manual_seed(1)
-            x = torch.randn(max(buckets), ws[0][0].shape[1], generator=gen, dtype=ws[0][0].dtype)
+            rows = 2 * max(buckets) + 1
+            x = torch.randn(rows, ws[0][0].shape[1], generator=gen, dtype=ws[0][0].dtype)
             stable = []
             for name, k in kernels.items():
                 full = k.apply(x, p, b)
@@ -320,7 +353,7 @@ def measure(
 class PlannedLinear:
     """One linear layer run with the kernel its plan chose for the call's token count."""
 
-    __slots__ = ("bias", "prepared", "table", "weight")
+    __slots__ = ("bias", "past", "prepared", "table", "weight")
 
     def __init__(
         self,
@@ -335,14 +368,15 @@ class PlannedLinear:
         for name in sorted(set(plan.choices.get(role, ()))):
             kernels[name].prepare(weight, self.prepared)
         max_n = max(plan.buckets) if plan.buckets else 0
-        # table[n] = kernel for n tokens, n <= the largest bucket.
+        # table[n] = kernel for n tokens, n <= the largest bucket; `past` beyond it.
         self.table: list[ApplyFn] = [_linear] + [
             kernels[plan.kernel_for(role, n)].apply for n in range(1, max_n + 1)
         ]
+        self.past: ApplyFn = kernels[plan.kernel_for(role, max_n + 1)].apply
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        fn = self.table[n] if n < len(self.table) else _linear
+        fn = self.table[n] if n < len(self.table) else self.past
         return fn(x, self.prepared, self.bias)
 
     def extra_bytes(self) -> int:

@@ -110,4 +110,8 @@ def model_set_drafts(name: str = SMOLLM2, *, served: bool = False) -> dict[str, 
         return served_draft_dirs() if served else all_draft_dirs()
     from shared.model import qwen_coder
 
-    return {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}
+    drafts = {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}
+    cut = qwen_coder.cut_draft_dir()
+    if not served and (cut / "config.json").is_file():
+        drafts[qwen_coder.CUT_DRAFT_NAME] = cut
+    return drafts

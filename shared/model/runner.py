@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, num_mask_words
-from kernels.cpu_tree_attention import CpuTreeAttention
+from kernels.cpu_tree_attention import EXACT_ROWS, CpuTreeAttention
 from kernels.reference import commit_kv_reference
 from shared.errors import ContextLengthError, InvalidRequestError
 from shared.model.cuda_graphs import (
@@ -112,10 +112,10 @@ def mask_words(masks: Sequence[int], num_words: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.int64).reshape(len(masks), num_words).copy()
 
 
-def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
+def select_attention(device: torch.device, *, exact: bool = False) -> tuple[AttentionFn, object]:
     """Chosen once per runner: the Triton kernels on CUDA, the planned CPU implementation
     elsewhere (`kernels.cpu_tree_attention`; the PyTorch reference is what both are tested
-    against)."""
+    against). `exact`: on a CPU, bf16 trees attend row by row (bitwise as plain decoding)."""
     if device.type == "cuda":
         try:
             from kernels.triton_tree_attention import commit_kv_triton, tree_attention_triton
@@ -123,7 +123,7 @@ def select_attention(device: torch.device) -> tuple[AttentionFn, object]:
             pass
         else:
             return tree_attention_triton, commit_kv_triton
-    return CpuTreeAttention(), commit_kv_reference
+    return CpuTreeAttention(exact_rows=EXACT_ROWS if exact else 0), commit_kv_reference
 
 
 def is_triton_attention(attention: AttentionFn) -> bool:
@@ -146,6 +146,7 @@ class ModelRunner:
         record_graphs: bool = True,
         prefix_caching: bool = True,
         max_kept_fraction: float = 1.0,
+        exact_attention: bool = False,
     ) -> None:
         """`cuda_graph_max_tokens`: on CUDA with the Triton attention, forwards of up to this
         many tokens over up to `cuda_graph_max_requests` requests replay CUDA graphs
@@ -154,12 +155,13 @@ class ModelRunner:
         device with the Triton attention (interpreted on a CPU): the graphs' inputs can then be
         checked where no GPU is. `prefix_caching`: full blocks of committed tokens are shared
         between requests and kept after them, up to `max_kept_fraction` of the cache
-        (`docs/prefix-caching.md`)."""
+        (`docs/prefix-caching.md`). `exact_attention`: on a CPU, bf16 trees attend row by row,
+        so a tree's tokens round as plain decoding's (`kernels.cpu_tree_attention`)."""
         self.model = model
         self.cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        default_attention, self._commit_kv = select_attention(self.device)
+        default_attention, self._commit_kv = select_attention(self.device, exact=exact_attention)
         self.attention = attention or default_attention
         use_graphs = (
             cuda_graph_max_tokens > 0

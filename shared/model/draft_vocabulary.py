@@ -1,0 +1,147 @@
+"""A draft whose output head covers only the tokens text uses most.
+
+On a CPU a draft's forward reads every weight once per token, and a large vocabulary makes the
+output head a large share of them: the qwen2.5-coder 0.5B's 151,936 x 896 head is 136 M of its
+494 M weights. Drafting among the N most frequent tokens of a corpus reads N rows instead (the
+idea of FR-Spec, Zhao et al. 2025). The target still verifies over its whole vocabulary, so the
+output is unchanged: a rarer token is never drafted, only emitted by the target itself (the
+step's bonus token, or a rejection's resample).
+
+The counts come from the distillation text (`shared.datasets.distill_documents`), which is
+disjoint from every evaluation prompt. The restricted draft is an ordinary checkpoint: the
+decoder layers as they were, `lm_head.weight` holding the kept rows, `augury.output_token_ids`
+their ids and `augury_num_output_tokens` in its config, as the feature drafts store theirs.
+
+    python -m shared.model.draft_vocabulary --draft DIR --size 32768 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from shared import datasets
+from shared.model.loader import OUTPUT_TOKEN_IDS_KEY, checkpoint_dir
+
+EMBED_KEY = "model.embed_tokens.weight"
+HEAD_KEY = "lm_head.weight"
+# documents per kind counted: about 1.5 M tokens with the qwen2 tokenizer, a few seconds
+CORPUS_DOCUMENTS = {"chat": 3000, "code": 1500, "math": 500}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def corpus_texts(documents: dict[str, int] = CORPUS_DOCUMENTS) -> Iterable[list[tuple[str, str]]]:
+    """The conversations counted: distillation documents of every kind (never evaluation text)."""
+    for kind, n in documents.items():
+        yield from datasets.distill_documents(kind, n)
+
+
+def token_counts(tokenizer_dir: Path, conversations: Iterable[list[tuple[str, str]]]) -> np.ndarray:
+    """How often each token id occurs in the conversations, rendered with the chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    counts = np.zeros(len(tok), dtype=np.int64)
+    for conv in tqdm(list(conversations), desc="counting tokens", unit="doc"):
+        messages = [{"role": role, "content": text} for role, text in conv]
+        text = tok.apply_chat_template(messages, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=len(counts))
+    return counts
+
+
+def frequent_tokens(counts: np.ndarray, size: int, must_include: Sequence[int]) -> list[int]:
+    """The `size` ids to keep, in id order: `must_include` (special tokens), then the most
+    frequent (ties broken by the lower id)."""
+    if size > len(counts):
+        raise ValueError(f"--size {size} exceeds the vocabulary ({len(counts)})")
+    keep = list(dict.fromkeys(int(i) for i in must_include))
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    chosen = set(keep)
+    for i in order:
+        if len(keep) >= size:
+            break
+        if int(i) not in chosen:
+            keep.append(int(i))
+            chosen.add(int(i))
+    return sorted(keep)
+
+
+def special_token_ids(tokenizer_dir: Path) -> list[int]:
+    """Every special or added token of the tokenizer (chat markers, end of turn, ...)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    return sorted(i for i in ids if i < len(tok))
+
+
+def write_restricted_draft(draft_dir: Path, out_dir: Path, token_ids: Sequence[int]) -> Path:
+    """A copy of the draft checkpoint whose head keeps only `token_ids`' rows."""
+    draft_dir = checkpoint_dir(draft_dir)
+    config = json.loads((draft_dir / "config.json").read_text())
+    if config.get("augury_num_output_tokens") is not None:
+        raise ValueError(f"{draft_dir} already has a reduced output vocabulary")
+    files = sorted(draft_dir.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = f.get_tensor(name)
+    ids = torch.tensor(sorted(token_ids), dtype=torch.int64)
+    head = tensors.get(HEAD_KEY, tensors[EMBED_KEY])
+    tensors[HEAD_KEY] = head[ids].contiguous()
+    tensors[OUTPUT_TOKEN_IDS_KEY] = ids.to(torch.int32)
+    config["augury_num_output_tokens"] = len(ids)
+    config["tie_word_embeddings"] = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in [*TOKENIZER_FILES, "generation_config.json"]:
+        if (draft_dir / name).is_file():
+            shutil.copy(draft_dir / name, out_dir / name)
+    return out_dir
+
+
+def build(draft_dir: Path, out_dir: Path, size: int) -> dict:
+    """Count the corpus with the draft's tokenizer, keep `size` tokens, write the draft."""
+    counts = token_counts(draft_dir, corpus_texts())
+    keep = frequent_tokens(counts, size, special_token_ids(draft_dir))
+    write_restricted_draft(draft_dir, out_dir, keep)
+    covered = float(counts[keep].sum() / counts.sum())
+    summary = {
+        "source": str(draft_dir),
+        "output_tokens": len(keep),
+        "corpus_tokens": int(counts.sum()),
+        "corpus_documents": CORPUS_DOCUMENTS,
+        "corpus_coverage": round(covered, 5),
+    }
+    (out_dir / "vocabulary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", type=Path, required=True, help="the draft checkpoint folder")
+    ap.add_argument("--size", type=int, default=32768, help="output tokens kept")
+    ap.add_argument("--out", type=Path, required=True, help="where the new checkpoint goes")
+    args = ap.parse_args(argv)
+    print(json.dumps(build(args.draft, args.out, args.size)))
+
+
+if __name__ == "__main__":
+    main()
