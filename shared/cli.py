@@ -104,7 +104,7 @@ def _add_model_args(gen: argparse.ArgumentParser) -> None:
         "--exact-attention",
         action="store_true",
         help="bf16 trees attend row by row, so speculation rounds as plain decoding does "
-        "(bitwise equal greedy output; slower verification)",
+        "(slower verification)",
     )
 
 

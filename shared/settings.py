@@ -175,8 +175,8 @@ class EngineSettings(_Group):
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
     plan_kernels: bool = True
-    # On a CPU, a bf16 target's tree rows attend one by one over exactly their own keys, so
-    # speculative greedy output equals plain greedy decoding bit for bit (slower verification).
+    # On a CPU, a bf16 target's tree rows attend one by one over exactly their own keys, so a
+    # tree's tokens round as plain decoding's (slower verification; docs/kernels.md).
     exact_attention: bool = False
     # On CUDA, forwards of up to this many tokens over up to that many requests replay CUDA
     # graphs recorded at start (an eager forward waits on the host's kernel launches); 0 tokens:

@@ -110,8 +110,10 @@ def model_set_drafts(name: str = SMOLLM2, *, served: bool = False) -> dict[str, 
         return served_draft_dirs() if served else all_draft_dirs()
     from shared.model import qwen_coder
 
-    drafts = {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}
+    full = {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}
     cut = qwen_coder.cut_draft_dir()
-    if not served and (cut / "config.json").is_file():
-        drafts[qwen_coder.CUT_DRAFT_NAME] = cut
-    return drafts
+    if not (cut / "config.json").is_file():  # installed before the installer wrote it
+        return full
+    # served: the 0.5B with a 32k-token head, which measured 0-10% faster than the full one
+    cut_draft = {qwen_coder.CUT_DRAFT_NAME: cut}
+    return cut_draft if served else {**cut_draft, **full}
