@@ -5,8 +5,15 @@
 # ~/.cache/augury/models (about 9 GB of fp32 weights; about 8 GB of memory while converting).
 #   bash scripts/install-qwen-coder.sh            # both models
 #   bash scripts/install-qwen-coder.sh --only draft
+# and then writes the 0.5B with a 32k-token head (python -m tools.draft_vocabulary --model-set ...)
 # Then: augury generate --model-set qwen2.5-coder "..."  or  AUGURY_MODELS__MODEL_SET=qwen2.5-coder
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${AUGURY_VENV:-.venv}/bin/python" -m shared.model.qwen_coder "$@"
+PY="${AUGURY_VENV:-.venv}/bin/python"
+"$PY" -m shared.model.qwen_coder "$@"
+# then the 0.5B with a 32k-token head (docs/models.md), unless only the target was asked for
+case " $* " in
+    *" target "*) ;;
+    *) "$PY" -m tools.draft_vocabulary --model-set qwen2.5-coder ;;
+esac

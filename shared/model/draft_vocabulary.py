@@ -7,17 +7,17 @@ idea of FR-Spec, Zhao et al. 2025). The target still verifies over its whole voc
 output is unchanged: a rarer token is never drafted, only emitted by the target itself (the
 step's bonus token, or a rejection's resample).
 
-The counts come from the distillation text (`shared.datasets.distill_documents`), which is
-disjoint from every evaluation prompt. The restricted draft is an ordinary checkpoint: the
+The counts come from text the caller gives (`python -m tools.draft_vocabulary` counts the
+distillation documents, disjoint from every evaluation prompt). The restricted draft is an
+ordinary checkpoint: the
 decoder layers as they were, `lm_head.weight` holding the kept rows, `augury.output_token_ids`
 their ids and `augury_num_output_tokens` in its config, as the feature drafts store theirs.
 
-    python -m shared.model.draft_vocabulary --draft DIR --size 32768 --out DIR
+    python -m tools.draft_vocabulary --draft DIR --size 32768 --out DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from collections.abc import Iterable, Sequence
@@ -29,25 +29,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from shared import datasets
 from shared.model.loader import OUTPUT_TOKEN_IDS_KEY, checkpoint_dir
 
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
-# documents per kind counted: about 1.5 M tokens with the qwen2 tokenizer, a few seconds
-CORPUS_DOCUMENTS = {"chat": 3000, "code": 1500, "math": 500}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-
-
-def corpus_texts(documents: dict[str, int] = CORPUS_DOCUMENTS) -> Iterable[list[tuple[str, str]]]:
-    """The conversations counted: distillation documents of every kind (never evaluation text)."""
-    for kind, n in documents.items():
-        yield from datasets.distill_documents(kind, n)
 
 
 def token_counts(tokenizer_dir: Path, conversations: Iterable[list[tuple[str, str]]]) -> np.ndarray:
@@ -117,31 +108,24 @@ def write_restricted_draft(draft_dir: Path, out_dir: Path, token_ids: Sequence[i
     return out_dir
 
 
-def build(draft_dir: Path, out_dir: Path, size: int) -> dict:
-    """Count the corpus with the draft's tokenizer, keep `size` tokens, write the draft."""
-    counts = token_counts(draft_dir, corpus_texts())
+def build(
+    draft_dir: Path,
+    out_dir: Path,
+    size: int,
+    conversations: Iterable[list[tuple[str, str]]],
+    corpus: dict | None = None,  # what the conversations were, recorded with the counts
+) -> dict:
+    """Count the conversations with the draft's tokenizer, keep `size` tokens, write the draft
+    (and `vocabulary.json` beside it: what was counted and kept)."""
+    counts = token_counts(draft_dir, conversations)
     keep = frequent_tokens(counts, size, special_token_ids(draft_dir))
     write_restricted_draft(draft_dir, out_dir, keep)
-    covered = float(counts[keep].sum() / counts.sum())
     summary = {
         "source": str(draft_dir),
         "output_tokens": len(keep),
         "corpus_tokens": int(counts.sum()),
-        "corpus_documents": CORPUS_DOCUMENTS,
-        "corpus_coverage": round(covered, 5),
+        "corpus_coverage": round(float(counts[keep].sum() / counts.sum()), 5),
+        "corpus": corpus or {},
     }
     (out_dir / "vocabulary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft", type=Path, required=True, help="the draft checkpoint folder")
-    ap.add_argument("--size", type=int, default=32768, help="output tokens kept")
-    ap.add_argument("--out", type=Path, required=True, help="where the new checkpoint goes")
-    args = ap.parse_args(argv)
-    print(json.dumps(build(args.draft, args.out, args.size)))
-
-
-if __name__ == "__main__":
-    main()

