@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
         plan: LinearPlan | None = None,
         rounds: int = 5,
         copy_gain: float = 0.10,
-        uniform_tolerance: float = 0.05,
+        uniform_tolerance: float = 0.10,
     ) -> LinearPlan:
         """Choose each linear layer's kernel per token-count bucket and use it from now on.
 
