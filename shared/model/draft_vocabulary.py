@@ -22,6 +22,7 @@ import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +42,9 @@ TOKENIZER_FILES = (
 )
 
 
-def token_counts(tokenizer_dir: Path, conversations: Iterable[list[tuple[str, str]]]) -> np.ndarray:
-    """How often each token id occurs in the conversations, rendered with the chat template."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+def token_counts(tok: Any, conversations: Iterable[list[tuple[str, str]]]) -> np.ndarray:
+    """How often each token id occurs in the conversations, rendered with `tok`'s chat
+    template (a transformers tokenizer)."""
     counts = np.zeros(len(tok), dtype=np.int64)
     for conv in tqdm(list(conversations), desc="counting tokens", unit="doc"):
         messages = [{"role": role, "content": text} for role, text in conv]
@@ -72,11 +71,8 @@ def frequent_tokens(counts: np.ndarray, size: int, must_include: Sequence[int]) 
     return sorted(keep)
 
 
-def special_token_ids(tokenizer_dir: Path) -> list[int]:
+def special_token_ids(tok: Any) -> list[int]:
     """Every special or added token of the tokenizer (chat markers, end of turn, ...)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
     return sorted(i for i in ids if i < len(tok))
 
@@ -117,8 +113,11 @@ def build(
 ) -> dict:
     """Count the conversations with the draft's tokenizer, keep `size` tokens, write the draft
     (and `vocabulary.json` beside it: what was counted and kept)."""
-    counts = token_counts(draft_dir, conversations)
-    keep = frequent_tokens(counts, size, special_token_ids(draft_dir))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(draft_dir)
+    counts = token_counts(tok, conversations)
+    keep = frequent_tokens(counts, size, special_token_ids(tok))
     write_restricted_draft(draft_dir, out_dir, keep)
     summary = {
         "source": str(draft_dir),
