@@ -138,12 +138,7 @@ def plan_requests(
         )
         mask = meta.visible(r)
         row_keys = None
-        if (
-            mask is not None
-            and not is_matmul
-            and dtype != torch.float32
-            and len(mask) <= exact_rows
-        ):
+        if mask is not None and dtype != torch.float32 and len(mask) <= exact_rows:
             row_keys = _rows_by_key_count(mask)
         if mask is not None and is_matmul:  # additive, one row per query head of a group
             mask = torch.where(mask, 0.0, float("-inf")).repeat(group, 1)

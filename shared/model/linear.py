@@ -273,6 +273,11 @@ def _prepare_all(
     return prepared
 
 
+# Input draws the invariance check tries (scales of activations): whether a kernel rounds one
+# row otherwise than n rows depends on the values, so one draw can miss it.
+INVARIANCE_SCALES = (0.1, 1.0, 1.0, 30.0)
+
+
 def batch_invariant_kernels(
     weights: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]],
     buckets: Sequence[int],
@@ -289,8 +294,6 @@ def batch_invariant_kernels(
             [(p, b)] = _prepare_all(ws[:1], kernels)
             gen = torch.Generator().manual_seed(1)
             rows = 2 * max(buckets) + 1
-            # whether one row rounds otherwise depends on the values: several draws, of the
-            # scales activations take, must all agree
             xs = [
                 torch.randn(rows, ws[0][0].shape[1], generator=gen) * scale
                 for scale in INVARIANCE_SCALES
@@ -301,9 +304,6 @@ def batch_invariant_kernels(
                     stable.append(name)
             out[role] = tuple(stable)
     return out
-
-
-INVARIANCE_SCALES = (0.1, 1.0, 1.0, 30.0)
 
 
 def _rows_agree(
