@@ -97,11 +97,14 @@ class Models:
         )
         self.models: dict[str, Drafter] = {}
         self.planner = planner
-        # the target's profile brings its kernel plan: loaded before any run, so plain decoding
-        # multiplies with the kernels speculation verifies with (as `augury generate` does)
-        self._costs: dict[tuple[str, ...], object] = {
-            (): load_or_measure(self.verifier.runner, {}, target_name=self.target_dir.name)
-        }
+        self._costs: dict[tuple[str, ...], object] = {}
+        if planner == "goodput":
+            # the target's profile brings its kernel plan: loaded before any run, so plain
+            # decoding multiplies with the kernels speculation verifies with (as `augury
+            # generate` does); other planners load no profile and plan no kernels at all
+            self._costs[()] = load_or_measure(
+                self.verifier.runner, {}, target_name=self.target_dir.name
+            )
 
     def model_draft(self, name: str) -> Drafter:
         if name not in self.models:
@@ -144,7 +147,7 @@ class Models:
             self._costs[key] = load_or_measure(
                 self.verifier.runner, models, target_name=self.target_dir.name
             )
-        cost = self._costs.get(key) if self.planner == "goodput" else None
+        cost = self._costs.get(key)
         scheduling = SchedulerConfig(
             planner=self.planner,
             draft_chooser=chooser,
