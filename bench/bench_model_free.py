@@ -34,7 +34,7 @@ from shared.grammar.matcher import GrammarBook
 from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
-from shared.model.precision import check_target_dtype
+from shared.model.precision import TARGET_DTYPES, check_target_precision
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
@@ -76,14 +76,16 @@ class Models:
         *,
         kv_bytes: int = KV_BYTES,
         tokenizer: Any = None,  # engines given one serve structured requests
-        exact_attention: bool = False,  # bf16 trees attend row by row (`ModelRunner`)
+        exact_attention: bool = False,  # trees attend row by row (`ModelRunner`)
     ) -> None:
         self.target_dir = model_set_target(model_set)
         self.draft_dirs = model_set_drafts(model_set)
-        dtype = check_target_dtype(target_dtype, "cpu", setting="--target-dtype")
-        self.dtype = dtype
+        precision = check_target_precision(target_dtype, "cpu", setting="--target-dtype")
+        self.dtype = precision.dtype
         self.kv_bytes = kv_bytes
-        self.target = load_model(self.target_dir, dtype=dtype)
+        self.target = load_model(
+            self.target_dir, dtype=precision.dtype, int8=precision.int8, per_token=True
+        )
         eos = self.target.cfg.eos_token_ids
         # one grammar book for every engine: they share the verifier and the model drafts
         self.grammar = None if tokenizer is None else GrammarBook.from_hf(tokenizer, eos)
@@ -238,7 +240,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--planner", choices=["goodput", "fixed"], default="goodput")
     ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
-    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 from bench.bench_model_free import DATASET_KINDS, Models, prompts
+from shared.model.loader import read_config
 from shared.model.model_set import MODEL_SETS, model_set_drafts
+from shared.model.precision import TARGET_DTYPES
 from shared.values.sampling import SamplingParams
 from tools.workloads import COPY_KINDS
 
@@ -81,8 +83,9 @@ def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def assisted_run(models: Models, target_dtype: torch.dtype, max_tokens: int) -> Run:
-    """transformers' `generate` with `assistant_model`: the set's model draft in fp32."""
-    draft_dir = next(p for p in models.draft_dirs.values())
+    """transformers' `generate` with `assistant_model`: the set's first model draft that
+    transformers can load (a full output head), in fp32."""
+    draft_dir = next(p for p in models.draft_dirs.values() if not read_config(p).num_output_tokens)
     target = hf_model(models.target_dir, target_dtype)
     draft = hf_model(draft_dir, torch.float32)
     eos = list(models.target.cfg.eos_token_ids)
@@ -166,13 +169,13 @@ def report(tallies: dict[str, dict[str, Tally]]) -> tuple[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-set", choices=MODEL_SETS, default="qwen2.5-coder")
-    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
     ap.add_argument("--kinds", nargs="+", default=["code-edit", "code", "everyday"],
                     choices=[*COPY_KINDS, *DATASET_KINDS])  # fmt: skip
     ap.add_argument("--configs", nargs="+", help="default: the set's model draft, ngram, suffix, "
                     "the draft merged with each, the chooser among all three")  # fmt: skip
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted")
-    ap.add_argument("--exact-attention", action="store_true", help="bf16 trees attend row by row")
+    ap.add_argument("--exact-attention", action="store_true", help="trees attend row by row")
     ap.add_argument("--per-kind", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
@@ -188,7 +191,7 @@ def main() -> None:
     )
     runs = {PLAIN: engine_run(models, PLAIN, args.max_tokens)}
     runs |= {c: engine_run(models, c, args.max_tokens) for c in configs}
-    if not args.no_assisted:
+    if not args.no_assisted and args.target_dtype != "int8":  # transformers has no such target
         runs[HF_ASSISTED] = assisted_run(models, models.dtype, args.max_tokens)
     batch = prompts(args.kinds, args.per_kind, args.model_set)
     tallies = measure(runs, batch)

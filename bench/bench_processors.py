@@ -29,6 +29,7 @@ from bench.bench_speculation import KINDS, Tally, prompts_by_kind, run_one, run_
 from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts
+from shared.model.precision import TARGET_DTYPES
 from shared.values.sampling import SamplingParams
 
 VARIANTS: dict[str, dict[str, float | int]] = {
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model-set", choices=sorted(MODEL_SETS), default=SMOLLM2)
-    ap.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
     ap.add_argument("--draft", help="default: the set's default draft")
     ap.add_argument(
         "--model-free",

@@ -174,7 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--planner", default="goodput", help="SchedulerConfig.planner (the services' default)"
     )
-    parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--target-dtype", choices=["float32", "bfloat16", "int8"], default="float32"
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])

@@ -3,8 +3,9 @@
     python -m bench.precision_departures --model-set qwen2.5-coder --per-kind 4 --max-tokens 64
 
 Plain greedy decoding (no draft) of the same prompts at fp32 and at `--dtype` (bfloat16 on a CPU
-with AMX or AVX-512 BF16). For each prompt: whether the outputs differ, and where (the index of
-the first differing token). Counts tokens, not time, so the machine's load does not matter.
+with AMX or AVX-512 BF16, or int8 weights). For each prompt: whether the outputs differ, and
+where (the index of the first differing token). Counts tokens, not time, so the machine's load
+does not matter.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.model_set import MODEL_SETS, model_set_target
-from shared.model.precision import check_target_dtype
+from shared.model.precision import check_target_precision
 from shared.model.runner import ModelRunner
 from shared.values.sampling import SamplingParams
 from tools.workloads import COPY_KINDS
@@ -43,7 +44,7 @@ def greedy(model: torch.nn.Module, batch: dict[str, list[list[int]]], max_tokens
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-set", choices=MODEL_SETS, default="qwen2.5-coder")
-    ap.add_argument("--dtype", choices=["bfloat16"], default="bfloat16")
+    ap.add_argument("--dtype", choices=["bfloat16", "int8"], default="bfloat16")
     ap.add_argument("--kinds", nargs="+", default=["code-edit", "revision", "code", "everyday",
                     "chat", "math"], choices=[*COPY_KINDS, *DATASET_KINDS])  # fmt: skip
     ap.add_argument("--per-kind", type=int, default=4)
@@ -52,8 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     path = model_set_target(args.model_set)
     batch = prompts(args.kinds, args.per_kind, args.model_set)
-    low_dtype = check_target_dtype(args.dtype, "cpu", setting="--dtype")
-    low = greedy(load_model(path, dtype=low_dtype), batch, args.max_tokens)
+    precision = check_target_precision(args.dtype, "cpu", setting="--dtype")
+    low_model = load_model(path, dtype=precision.dtype, int8=precision.int8, per_token=True)
+    low = greedy(low_model, batch, args.max_tokens)
     full = greedy(load_model(path), batch, args.max_tokens)
     rows = []
     for kind in batch:

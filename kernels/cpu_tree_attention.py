@@ -18,12 +18,14 @@ as in the reference, with the boolean mask of the plan; then only that compact m
 the plan between forwards.
 
 With `exact_rows` (`ModelRunner(exact_attention=True)`, `AUGURY_ENGINE__EXACT_ATTENTION`), a
-bf16 (or fp16) request of 2 to `EXACT_ROWS` new tokens attends row by row instead, each
-query against exactly the keys it sees, in position order. SDPA's sums over keys round
-differently when a row's keys sit among masked ones (a longer key axis, another blocking), and
-in bf16 that rounding can flip a near-tie between two tokens; one row over its own keys is
-what plain decoding computes for that token, so verification agrees with it bit for bit (with
-the batch-invariant linear kernels of `shared/model/linear.py`).
+request of 2 to `EXACT_ROWS` new tokens attends row by row instead, each query against
+exactly the keys it sees, in position order, and no request takes the fp32 matmuls. SDPA's
+sums over keys round differently when a row's keys sit among masked ones (a longer key axis,
+another blocking), and in bf16 that rounding can flip a near-tie between two tokens, as it can
+in an int8 target, whose per-token activation scales turn a last-bit difference into a
+quantization step; one row over its own keys is what plain decoding computes for that token,
+so verification agrees with it bit for bit (with the batch-invariant linear kernels of
+`shared/model/linear.py`, or the int8 target's exact integer products).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from kernels.attention_metadata import AttentionMetadata
 from kernels.reference import group_query_rows, grouped_sdpa, ungroup_query_rows
 
-# With exact attention, bf16 requests of up to this many new tokens go row by row: the default
+# With exact attention, requests of up to this many new tokens go row by row: the default
 # step budget (`max_tokens_per_step`), so every tree does (a copy draft's can pass 64 nodes).
 EXACT_ROWS = 512
 
@@ -53,7 +55,7 @@ class _RequestPlan:
     # matmul: [group * n, num_kv] fp32 additive; SDPA: [n, num_kv] bool; None: the request's
     # one new token sees everything
     mask: torch.Tensor | None
-    # row by row (bf16, 2 to EXACT_ROWS new tokens), rows seeing equally many keys together:
+    # row by row (exact, 2 to EXACT_ROWS new tokens), rows seeing equally many keys together:
     # (their query rows [r], the key positions each sees [r, keys])
     row_keys: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
@@ -66,7 +68,7 @@ class CpuTreeAttention:
         self, max_scores: int = 1 << 22, *, reads_views: bool = True, exact_rows: int = 0
     ) -> None:
         self.max_scores = max_scores
-        self.exact_rows = exact_rows  # bf16 requests of up to this many new tokens: row by row
+        self.exact_rows = exact_rows  # requests of up to this many new tokens: row by row
         self.reads_views = reads_views  # False: gather every request (to measure what views save)
         self._meta: AttentionMetadata | None = None
         self._plans: list[_RequestPlan] = []
@@ -134,11 +136,13 @@ def plan_requests(
         first = table[0] if table else 0
         is_consecutive = reads_views and table == list(range(first, first + num_blocks))
         is_matmul = (
-            dtype == torch.float32 and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
+            dtype == torch.float32
+            and not exact_rows  # exact: single tokens through SDPA too, as tree rows go
+            and num_kv_heads * group * (q_hi - q_lo) * num_kv <= max_scores
         )
         mask = meta.visible(r)
         row_keys = None
-        if mask is not None and dtype != torch.float32 and len(mask) <= exact_rows:
+        if mask is not None and len(mask) <= exact_rows:
             row_keys = _rows_by_key_count(mask)
         if mask is not None and is_matmul:  # additive, one row per query head of a group
             mask = torch.where(mask, 0.0, float("-inf")).repeat(group, 1)

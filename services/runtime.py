@@ -90,21 +90,25 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
     import torch
 
     from shared.model import load_model
-    from shared.model.precision import check_target_dtype
+    from shared.model.precision import check_target_precision
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
 
-    dtype = getattr(torch, settings.dtype)
-    if target is None and settings.target_dtype is not None:
-        dtype = check_target_dtype(
+    dtype, int8 = getattr(torch, settings.dtype), False
+    if target is not None:  # a draft
+        int8 = uses_int8(settings.draft_weights, settings.device)
+    elif settings.target_dtype is not None:
+        precision = check_target_precision(
             settings.target_dtype, settings.device, setting="AUGURY_ENGINE__TARGET_DTYPE"
         )
+        dtype, int8 = precision.dtype, precision.int8
     model = load_model(
         path,
         dtype=dtype,
         device=settings.device,
         target_path=target,
-        int8=target is not None and uses_int8(settings.draft_weights, settings.device),
+        int8=int8,
+        per_token=target is None,
     )
     runner = ModelRunner(
         model,

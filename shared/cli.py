@@ -27,7 +27,7 @@ from shared.model import load_model
 from shared.model.cost_profiles import load_or_measure
 from shared.model.loader import checkpoint_dir
 from shared.model.model_set import MODEL_SETS, SMOLLM2
-from shared.model.precision import check_target_dtype
+from shared.model.precision import TARGET_DTYPES, check_target_precision
 from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
@@ -95,16 +95,17 @@ def _add_model_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--no-spec", action="store_true", help="plain decoding, no draft")
     gen.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=TARGET_DTYPES,
         default="float32",
-        help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16); speculation "
-        "gives the greedy output of plain decoding at this precision",
+        help="the target's precision (bfloat16: CPUs with AMX or AVX-512 BF16; int8: int8 "
+        "weights, fp32 elsewhere); speculation gives the greedy output of plain decoding at "
+        "this precision",
     )
     gen.add_argument(
         "--exact-attention",
         action="store_true",
-        help="bf16 trees attend row by row, so speculation rounds as plain decoding does "
-        "(slower verification)",
+        help="trees attend row by row, so a bf16 or int8 target's speculation rounds as plain "
+        "decoding does (slower verification)",
     )
 
 
@@ -219,10 +220,10 @@ def generate(args: argparse.Namespace) -> int:
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     try:
-        target_dtype = check_target_dtype(args.dtype, "cpu", setting="--dtype")
+        precision = check_target_precision(args.dtype, "cpu", setting="--dtype")
     except ValueError as err:
         raise SystemExit(f"augury: error: {err}") from err
-    if args.tp > 1 and target_dtype != torch.float32:
+    if args.tp > 1 and args.dtype != "float32":
         raise SystemExit("augury: error: --tp runs the target in float32 only")
     drafter: Drafter | ModelFreeDrafter | None = None
     if draft_path in MODEL_FREE_KINDS:
@@ -245,7 +246,7 @@ def generate(args: argparse.Namespace) -> int:
         group = start_local_group(target_path, args.tp, threads=args.threads)
         verifier = Verifier(group.runner)  # type: ignore[arg-type]
     else:
-        target = load_model(target_path, dtype=target_dtype)
+        target = load_model(target_path, dtype=precision.dtype, int8=precision.int8, per_token=True)
         verifier = Verifier(ModelRunner(target, exact_attention=args.exact_attention))
     try:
         return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)

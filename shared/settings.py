@@ -151,9 +151,10 @@ DraftWeights = Literal["auto", "native", "int8"]
 
 class EngineSettings(_Group):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    # The target's own dtype (None: `dtype`); bfloat16 on a CPU needs AMX or AVX-512 BF16
-    # (shared/model/precision.py). Drafts keep `dtype` (and `draft_weights`).
-    target_dtype: Literal["float32", "bfloat16"] | None = None
+    # The target's own dtype (None: `dtype`); bfloat16 on a CPU needs AMX or AVX-512 BF16, int8
+    # (int8 linear weights, fp32 elsewhere) a CPU (shared/model/precision.py). Drafts keep
+    # `dtype` (and `draft_weights`).
+    target_dtype: Literal["float32", "bfloat16", "int8"] | None = None
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     kv_memory_bytes: PositiveInt = 1 << 30
     block_size: PositiveInt = 16
@@ -175,8 +176,8 @@ class EngineSettings(_Group):
     # On a CPU, choose each linear layer's kernel per token count by measuring (with a profile
     # to measure; a stored profile brings the plan it was measured with).
     plan_kernels: bool = True
-    # On a CPU, a bf16 target's tree rows attend one by one over exactly their own keys, so a
-    # tree's tokens round as plain decoding's (slower verification; docs/kernels.md).
+    # On a CPU, a target's tree rows attend one by one over exactly their own keys, so a tree's
+    # tokens round as plain decoding's: for bf16 and int8 targets (slower; docs/kernels.md).
     exact_attention: bool = False
     # On CUDA, forwards of up to this many tokens over up to that many requests replay CUDA
     # graphs recorded at start (an eager forward waits on the host's kernel launches); 0 tokens:

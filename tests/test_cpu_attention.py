@@ -51,6 +51,11 @@ def run(b: PagedBatch, attention: CpuTreeAttention | None = None) -> torch.Tenso
     return attention(b.q, b.k_cache, b.v_cache, b.meta, b.q.shape[-1] ** -0.5)
 
 
+def attention_like(attention: CpuTreeAttention) -> CpuTreeAttention:
+    """A fresh attention with the same settings (plain decoding's runner)."""
+    return CpuTreeAttention(attention.max_scores, exact_rows=attention.exact_rows)
+
+
 def assert_matches_reference(b: PagedBatch, out: torch.Tensor) -> None:
     expected = tree_attention_reference(
         b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, b.q.shape[-1] ** -0.5
@@ -120,34 +125,35 @@ def one_token(b: PagedBatch, k: torch.Tensor, v: torch.Tensor, row: slice) -> Pa
     return replace(lone, q=b.q[row].clone(), k_cache=k_cache, v_cache=v_cache)
 
 
-def test_exact_bfloat16_rows_attend_to_their_own_keys_as_one_token_does() -> None:
-    """With exact rows a bf16 tree attends row by row: each row's output is bitwise what a lone
-    new token over the same keys gets (plain decoding's one-token forward), whatever else the
-    forward holds. Without (the default) it is one masked SDPA call per request."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_rows_attend_to_their_own_keys_as_one_token_does(dtype: torch.dtype) -> None:
+    """With exact rows a tree attends row by row: each row's output is bitwise what a lone new
+    token over the same keys gets (plain decoding's one-token forward, through the same kernel),
+    whatever else the forward holds. Without (the default) it is one masked SDPA call per bf16
+    request, two matmuls per fp32 one."""
     b = batch(
         [RequestSpec(70, random_tree(12, random.Random(8))), RequestSpec(20, chain(5))],
-        dtype=torch.bfloat16,
+        dtype=dtype,
     )
     attention = CpuTreeAttention(exact_rows=EXACT_ROWS)
     out = run(b, attention)
     assert_matches_reference(b, out)
     assert all(p.row_keys is None for p in plan_requests(b.meta, block_size=16, num_kv_heads=3,
-               group=3, dtype=torch.bfloat16))  # fmt: skip
+               group=3, dtype=dtype))  # fmt: skip
     for plan in attention._plans:
-        assert plan.row_keys is not None
+        assert plan.row_keys is not None and not plan.is_matmul
         k, v = (_request_kv(cache, plan) for cache in (b.k_cache, b.v_cache))
         seen = []
         for rows, keys in plan.row_keys:
             for i, row_keys in zip(rows.tolist(), keys, strict=True):
                 row = slice(plan.q_lo + i, plan.q_lo + i + 1)
-                alone = run(one_token(b, k[row_keys], v[row_keys], row))
+                alone = run(one_token(b, k[row_keys], v[row_keys], row), attention_like(attention))
                 assert torch.equal(out[row], alone)
                 seen.append(i)
         assert sorted(seen) == list(range(plan.q_hi - plan.q_lo))
-    wide = batch([RequestSpec(10, chain(EXACT_ROWS + 1))], dtype=torch.bfloat16)
+    wide = batch([RequestSpec(10, chain(EXACT_ROWS + 1))], dtype=dtype)
     [plan] = plan_requests(
-        wide.meta, block_size=16, num_kv_heads=3, group=3, dtype=torch.bfloat16,
-        exact_rows=EXACT_ROWS,
+        wide.meta, block_size=16, num_kv_heads=3, group=3, dtype=dtype, exact_rows=EXACT_ROWS,
     )  # fmt: skip
     assert plan.row_keys is None  # a long prompt chunk stays one SDPA call
 

@@ -67,9 +67,10 @@ def test_target_dtype_setting_reaches_the_target_only(tmp_path):
 def test_bf16_is_refused_on_a_cpu_without_native_bf16(monkeypatch):
     monkeypatch.setattr(precision, "cpu_bf16_flags", lambda: [])
     with pytest.raises(ValueError, match="AUGURY_ENGINE__TARGET_DTYPE bfloat16 needs a CPU"):
-        precision.check_target_dtype("bfloat16", "cpu", setting="AUGURY_ENGINE__TARGET_DTYPE")
-    assert precision.check_target_dtype("float32", "cpu", setting="x") == torch.float32
-    assert precision.check_target_dtype("bfloat16", "cuda", setting="x") == torch.bfloat16
+        precision.check_target_precision("bfloat16", "cpu", setting="AUGURY_ENGINE__TARGET_DTYPE")
+    check = precision.check_target_precision
+    assert check("float32", "cpu", setting="x").dtype == torch.float32
+    assert check("bfloat16", "cuda", setting="x").dtype == torch.bfloat16
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):

@@ -121,8 +121,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument(
         "--target-dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="the target's own dtype (default: --dtype), as AUGURY_ENGINE__TARGET_DTYPE",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        help="the target's own dtype (default: --dtype), as AUGURY_ENGINE__TARGET_DTYPE "
+        "(int8: int8 weights, fp32 elsewhere)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--max-tokens", type=int, help="largest forward (default 64 CPU, 512 CUDA)")
@@ -159,7 +160,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible to torch")
     dtype = getattr(torch, args.dtype)
-    target_dtype = getattr(torch, args.target_dtype or args.dtype)
+    target_int8 = args.target_dtype == "int8"
+    target_dtype = torch.float32 if target_int8 else getattr(torch, args.target_dtype or args.dtype)
     max_tokens = args.max_tokens or (512 if args.device == "cuda" else 64)
 
     tdir = args.target or model_set_target(args.model_set)
@@ -177,6 +179,8 @@ def main() -> None:
             model = load_model(path, dtype=model_dtype, device=args.device, target_path=tdir)
         if is_draft and draft_int8:
             model.quantize_int8()
+        elif not is_draft and target_int8:
+            model.quantize_int8(per_token=True)
         elif args.device == "cpu" and not args.no_kernel_plan:
             model.plan_kernels()
         kv = kv_bytes_for(model, model_dtype, args.contexts, max_tokens, args.max_requests)

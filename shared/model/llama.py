@@ -23,7 +23,13 @@ from shared.model.linear import (
     choose,
     measure,
 )
-from shared.model.quantized import HEAD_OUTLIER_CHANNELS, int8_available, quantized_linear
+from shared.model.quantized import (
+    HEAD_OUTLIER_CHANNELS,
+    Int8TokenLinear,
+    int8_available,
+    int8_token_available,
+    quantized_linear,
+)
 from shared.model.rope import RopeScaling, inverse_frequencies
 
 AttentionFn = Callable[
@@ -120,7 +126,8 @@ class LlamaModel(nn.Module):
         self.linear_plan: LinearPlan | None = None
         self._layer_linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] | None = None
         self._head_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.is_int8 = False  # `quantize_int8` was applied
+        # `quantize_int8` was applied: "tensor" (a draft's) or "token" (a target's) scales
+        self.int8_scales: str | None = None
         self.requires_grad_(False)
 
     def init_rope(self, device: torch.device) -> None:
@@ -201,24 +208,44 @@ class LlamaModel(nn.Module):
             self.lm_head.weight, self.lm_head.bias, "lm_head", plan, kernels
         )
 
-    def quantize_int8(self) -> None:
+    @property
+    def is_int8(self) -> bool:
+        return self.int8_scales is not None
+
+    def quantize_int8(self, *, per_token: bool = False) -> None:
         """Run the decoder layers' linear layers and the output head with int8 weights from
-        now on (`shared/model/quantized.py`): for drafts on a CPU, where a forward is bound by
-        the bytes of its weights. Input projections, embeddings and norms stay as they are, and
-        so do the full-precision weights (training and export read them). Irreversible."""
-        if next(self.parameters()).device.type != "cpu" or not int8_available():
+        now on (`shared/model/quantized.py`): on a CPU, where a forward is bound by the bytes of
+        its weights. A draft's activations take one scale per call; with `per_token` (a
+        target's) one per token, so no token's result depends on the others of its forward.
+        Input projections, embeddings and norms stay as they are, and so do the full-precision
+        weights (training and export read them). Irreversible."""
+        on_cpu = next(self.parameters()).device.type == "cpu"
+        if per_token and not (on_cpu and int8_token_available()):
+            raise RuntimeError("an int8 target needs PyTorch's int8 matrix product on a CPU")
+        if not per_token and not (on_cpu and int8_available()):
             raise RuntimeError("int8 weights need PyTorch's FBGEMM kernels on an x86 CPU")
-        if self.is_int8:
+        scales = "token" if per_token else "tensor"
+        if self.int8_scales is not None:
+            if self.int8_scales != scales:
+                raise RuntimeError(f"already int8 with one scale per {self.int8_scales}")
             return
         self.linear_plan = None
-        self._layer_linears = [
-            tuple(quantized_linear(m) for m in self._layer_modules(layer)) for layer in self.layers
-        ]
-        # a feature-level draft's head reads a (predicted) target feature, whose few huge
-        # channels would set the activation scale for all (shared/model/quantized.py)
-        outliers = HEAD_OUTLIER_CHANNELS if self.cfg.feature_size else 0
-        self._head_linear = quantized_linear(self.lm_head, outliers)
-        self.is_int8 = True
+        if per_token:
+            self._layer_linears = [
+                tuple(Int8TokenLinear(m.weight, m.bias) for m in self._layer_modules(layer))
+                for layer in self.layers
+            ]
+            self._head_linear = Int8TokenLinear(self.lm_head.weight, self.lm_head.bias)
+        else:
+            self._layer_linears = [
+                tuple(quantized_linear(m) for m in self._layer_modules(layer))
+                for layer in self.layers
+            ]
+            # a feature-level draft's head reads a (predicted) target feature, whose few huge
+            # channels would set the activation scale for all (shared/model/quantized.py)
+            outliers = HEAD_OUTLIER_CHANNELS if self.cfg.feature_size else 0
+            self._head_linear = quantized_linear(self.lm_head, outliers)
+        self.int8_scales = scales
 
     def planned_extra_bytes(self) -> int:
         """Memory the plan's weight copies (transposed / packed layouts) take."""

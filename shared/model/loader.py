@@ -129,13 +129,15 @@ def load_model(
     *,
     target_path: str | Path | None = None,
     int8: bool = False,
+    per_token: bool = False,
 ) -> LlamaModel:
     """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections.
 
     `target_path` is the target checkpoint, needed only by a draft that shares its input embedding
     or output head (`augury_shares_target_embedding`, `augury_shares_target_head`); other
     checkpoints ignore it. `int8`: run the linear layers with int8 weights
-    (`LlamaModel.quantize_int8`; drafts on a CPU only, as `quantized.uses_int8` decides).
+    (`LlamaModel.quantize_int8`; drafts on a CPU as `quantized.uses_int8` decides, a target as
+    its `int8` dtype asks, with `per_token` activation scales).
     """
     path = checkpoint_dir(path)
     target_path = None if target_path is None else checkpoint_dir(target_path)
@@ -168,7 +170,7 @@ def load_model(
     model.output_token_ids = model.output_token_ids.long()
     model.init_rope(torch.device(device))
     if int8:
-        model.quantize_int8()
+        model.quantize_int8(per_token=per_token)
     return model.eval()
 
 

@@ -36,6 +36,7 @@ import torch
 from shared.errors import OutOfKVMemoryError
 from shared.model.config import ModelConfig
 from shared.model.kv_cache import SwappedKV
+from shared.model.llama import LlamaModel
 from shared.model.profile_files import architecture_fingerprint, cpu_name
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tensor_parallel import full_config, tensor_parallel_size
@@ -75,6 +76,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def precision_name(model: LlamaModel, dtype: torch.dtype) -> str:
+    """A profile key's dtype: `int8` (a draft's int8 weights), `int8-token` (a target's) or the
+    model's dtype."""
+    scales = model.int8_scales
+    return dtype_name(dtype) if scales is None else "int8" if scales == "tensor" else "int8-token"
+
+
 def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
     """The key a profile of `runner`'s model on this machine has (threads: torch's CPU threads,
     0 on CUDA). Services build it to look a profile up before measuring one. A sharded target
@@ -83,7 +91,7 @@ def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
         model=model,
         fingerprint=fingerprint_of(full_config(runner.model)),
         device=device_name(runner.device),
-        dtype="int8" if runner.model.is_int8 else dtype_name(runner.dtype),
+        dtype=precision_name(runner.model, runner.dtype),
         threads=0 if runner.device.type == "cuda" else torch.get_num_threads(),
         tensor_parallel=tensor_parallel_size(runner.model),
     )

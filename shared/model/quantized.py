@@ -7,8 +7,11 @@ cache; PyTorch's FBGEMM kernel (`quantized::linear_dynamic`) quantizes each call
 on the fly and runs the product in integers. Drafts may use it because a draft's numbers never
 reach a client: the target verifies every drafted token against its own exact distribution
 (greedy and sampled verification alike use the draft distribution the draft actually computed),
-so a quantized draft can only change how often drafts are accepted, never the output. Targets
-stay in their own precision.
+so a quantized draft can only change how often drafts are accepted, never the output.
+
+A target may run int8 too, as its own precision (`Int8TokenLinear`, the `int8` target dtype):
+its output is then the int8 target's, and speculation must round every token as plain decoding
+does, so activations are quantized one token at a time and multiplied exactly in integers.
 
 `int8_available()` says whether this PyTorch build has the kernel (FBGEMM, x86 CPUs);
 `Int8Linear` is one layer; `LlamaModel.quantize_int8()` applies it to the decoder layers and the
@@ -93,8 +96,47 @@ class Int8Linear:
         return y.to(x.dtype)
 
 
+class Int8TokenLinear:
+    """`F.linear(x, W, b)` with W stored as symmetric int8 (one scale per output row) and each
+    row of x quantized on its own (symmetric int8, one scale per token): for targets.
+
+    A target's speculative output must equal its plain decoding, so a token's result may not
+    depend on the other tokens of its forward. Here it cannot: the scale is the row's own, the
+    product accumulates in int32 exactly (`torch._int_mm`), and the rescaling is elementwise.
+    `Int8Linear`'s one activation scale per call would round a tree's tokens by the largest
+    value among them.
+    """
+
+    __slots__ = ("bias", "scales", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach().float().cpu()
+        self.scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+        self.weight = (w / self.scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.bias = None if bias is None else bias.detach().float().cpu()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x [n, in] -> [n, out], returned in x's dtype
+        x32 = x.float()
+        row_scales = (x32.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)  # [n, 1]
+        xq = (x32 / row_scales).round_().to(torch.int8)
+        y = torch._int_mm(xq, self.weight.t()).float().mul_(row_scales).mul_(self.scales)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype)
+
+
 def quantized_linear(module: nn.Linear, num_outliers: int = 0) -> Int8Linear:
     return Int8Linear(module.weight, module.bias, num_outliers)
+
+
+def int8_token_available() -> bool:
+    """True where PyTorch multiplies int8 matrices on the CPU (`torch._int_mm`)."""
+    try:
+        a = torch.ones(1, 8, dtype=torch.int8)
+        return bool(torch._int_mm(a, a.t()).item() == 8)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 HEAD_OUTLIER_CHANNELS = 8

@@ -115,7 +115,7 @@ def mask_words(masks: Sequence[int], num_words: int) -> np.ndarray:
 def select_attention(device: torch.device, *, exact: bool = False) -> tuple[AttentionFn, object]:
     """Chosen once per runner: the Triton kernels on CUDA, the planned CPU implementation
     elsewhere (`kernels.cpu_tree_attention`; the PyTorch reference is what both are tested
-    against). `exact`: on a CPU, bf16 trees attend row by row (bitwise as plain decoding)."""
+    against). `exact`: on a CPU, trees attend row by row (bitwise as plain decoding)."""
     if device.type == "cuda":
         try:
             from kernels.triton_tree_attention import commit_kv_triton, tree_attention_triton
@@ -155,8 +155,8 @@ class ModelRunner:
         device with the Triton attention (interpreted on a CPU): the graphs' inputs can then be
         checked where no GPU is. `prefix_caching`: full blocks of committed tokens are shared
         between requests and kept after them, up to `max_kept_fraction` of the cache
-        (`docs/prefix-caching.md`). `exact_attention`: on a CPU, bf16 trees attend row by row,
-        so a tree's tokens round as plain decoding's (`kernels.cpu_tree_attention`)."""
+        (`docs/prefix-caching.md`). `exact_attention`: on a CPU, trees attend row by row, so a
+        tree's tokens round as plain decoding's (`kernels.cpu_tree_attention`)."""
         self.model = model
         self.cfg = model.cfg
         param = next(model.parameters())
