@@ -31,7 +31,7 @@ from shared.engine.presets import DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.grammar.matcher import GrammarBook
-from shared.model import load_model
+from shared.model import load_model, load_target
 from shared.model.cost_profiles import load_or_measure
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
 from shared.model.precision import TARGET_DTYPES, check_target_precision
@@ -83,9 +83,7 @@ class Models:
         precision = check_target_precision(target_dtype, "cpu", setting="--target-dtype")
         self.dtype = precision.dtype
         self.kv_bytes = kv_bytes
-        self.target = load_model(
-            self.target_dir, dtype=precision.dtype, int8=precision.int8, per_token=True
-        )
+        self.target = load_target(self.target_dir, precision)
         eos = self.target.cfg.eos_token_ids
         # one grammar book for every engine: they share the verifier and the model drafts
         self.grammar = None if tokenizer is None else GrammarBook.from_hf(tokenizer, eos)

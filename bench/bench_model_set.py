@@ -10,9 +10,10 @@ speculation configurations (named as in `bench.bench_model_free`: a draft of the
 `suffix`, `A+B` merged trees, `choose:A,B,...` the counterfactual chooser; all sized every step
 by the goodput planner on this machine's cost profile, as `augury generate` runs) and
 `hf-assisted` (transformers' assisted generation with the set's model draft, the target at the
-same precision, the draft in fp32). Per kind and configuration it prints tokens/s, the ratio to
-plain (total tokens over total time, and the worst single prompt's), tokens per target forward
-and how many outputs equal plain decoding token for token.
+same precision, the draft in fp32; not with an int8 target, which transformers cannot run).
+Per kind and configuration it prints tokens/s, the ratio to plain (total tokens over total
+time, and the worst single prompt's), tokens per target forward and how many outputs equal
+plain decoding token for token.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shared.engine.drafting import Drafter
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
-    from shared.model import load_model
+    from shared.model import load_model, load_target
     from shared.model.model_set import MODEL_SETS, model_set_drafts, model_set_target
     from shared.model.precision import check_target_precision
     from shared.model.quantized import uses_int8
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     precision = check_target_precision(args.target_dtype, "cpu", setting="--target-dtype")
-    target = load_model(target_dir, dtype=precision.dtype, int8=precision.int8, per_token=True)
+    target = load_target(target_dir, precision)
     draft = load_model(draft_dir, target_path=target_dir, int8=uses_int8("auto", "cpu"))
     params = SamplingParams(max_tokens=args.max_tokens)
     methods: dict[str, DraftMethod | None] = {

@@ -19,7 +19,7 @@ import torch
 from bench.bench_model_free import DATASET_KINDS, prompts
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
-from shared.model import load_model
+from shared.model import load_model, load_target
 from shared.model.model_set import MODEL_SETS, model_set_target
 from shared.model.precision import check_target_precision
 from shared.model.runner import ModelRunner
@@ -54,7 +54,7 @@ def main() -> None:
     path = model_set_target(args.model_set)
     batch = prompts(args.kinds, args.per_kind, args.model_set)
     precision = check_target_precision(args.dtype, "cpu", setting="--dtype")
-    low_model = load_model(path, dtype=precision.dtype, int8=precision.int8, per_token=True)
+    low_model = load_target(path, precision)
     low = greedy(low_model, batch, args.max_tokens)
     full = greedy(load_model(path), batch, args.max_tokens)
     rows = []

@@ -89,27 +89,22 @@ def load_runner(path: Path, settings: EngineSettings, *, target: Path | None = N
     embedding; its linear layers run int8 weights where `settings.draft_weights` says so)."""
     import torch
 
-    from shared.model import load_model
-    from shared.model.precision import check_target_precision
+    from shared.model import load_model, load_target
+    from shared.model.precision import TargetPrecision, check_target_precision
     from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
 
-    dtype, int8 = getattr(torch, settings.dtype), False
+    dtype = getattr(torch, settings.dtype)
     if target is not None:  # a draft
         int8 = uses_int8(settings.draft_weights, settings.device)
-    elif settings.target_dtype is not None:
-        precision = check_target_precision(
-            settings.target_dtype, settings.device, setting="AUGURY_ENGINE__TARGET_DTYPE"
-        )
-        dtype, int8 = precision.dtype, precision.int8
-    model = load_model(
-        path,
-        dtype=dtype,
-        device=settings.device,
-        target_path=target,
-        int8=int8,
-        per_token=target is None,
-    )
+        model = load_model(path, dtype=dtype, device=settings.device, target_path=target, int8=int8)
+    else:
+        precision = TargetPrecision(dtype)
+        if settings.target_dtype is not None:
+            precision = check_target_precision(
+                settings.target_dtype, settings.device, setting="AUGURY_ENGINE__TARGET_DTYPE"
+            )
+        model = load_target(path, precision, settings.device)
     runner = ModelRunner(
         model,
         block_size=settings.block_size,

@@ -23,7 +23,7 @@ from shared.engine.presets import DEFAULT_GENERATE_DRAFT, DEFAULT_METHOD
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.errors import AuguryError
-from shared.model import load_model
+from shared.model import load_model, load_target
 from shared.model.cost_profiles import load_or_measure
 from shared.model.loader import checkpoint_dir
 from shared.model.model_set import MODEL_SETS, SMOLLM2
@@ -246,7 +246,7 @@ def generate(args: argparse.Namespace) -> int:
         group = start_local_group(target_path, args.tp, threads=args.threads)
         verifier = Verifier(group.runner)  # type: ignore[arg-type]
     else:
-        target = load_model(target_path, dtype=precision.dtype, int8=precision.int8, per_token=True)
+        target = load_target(target_path, precision)
         verifier = Verifier(ModelRunner(target, exact_attention=args.exact_attention))
     try:
         return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)

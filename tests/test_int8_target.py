@@ -1,29 +1,20 @@
 """An int8 target (`--dtype int8`, `AUGURY_ENGINE__TARGET_DTYPE=int8`): each token's product is
-independent of the other tokens of its forward, so with exact attention speculation gives plain
-int8 decoding's greedy output; the setting reaches the target only and keys its own cost
+independent of the other tokens of its forward (speculation's equality with plain int8 decoding
+is in `tests/test_precision.py`); the setting reaches the target only and keys its own cost
 profile."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig
 
 from services.runtime import load_runner
-from shared.engine.drafting import Drafter
-from shared.engine.spec_engine import SpecEngine
-from shared.engine.verifier import Verifier
-from shared.model import load_model, precision
+from shared.model import precision
 from shared.model.profiling import profile_key
 from shared.model.quantized import Int8TokenLinear, int8_token_available
-from shared.model.runner import ModelRunner
-from shared.scheduling.config import SchedulerConfig
 from shared.settings import EngineSettings
-from shared.values.methods import DraftMethod
-from shared.values.sampling import SamplingParams
-from tests.test_architectures import PROMPTS, save_checkpoint
+from tests.test_architectures import save_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not int8_token_available(), reason="this PyTorch has no CPU int8 matrix product"
@@ -42,33 +33,6 @@ def test_a_tokens_product_does_not_depend_on_the_other_tokens():
     exact = torch.nn.functional.linear(x, weight, bias)
     error = (batched - exact).norm(dim=1) / exact.norm(dim=1)
     assert error.max() < 0.03
-
-
-def engine(target: Path, draft: Path | None, method: DraftMethod | None) -> SpecEngine:
-    model = load_model(target, int8=True, per_token=True)
-    runner = ModelRunner(model, block_size=4, kv_memory_bytes=2 << 20, exact_attention=True)
-    verifier = Verifier(runner)
-    drafter = None
-    if draft is not None:  # the draft in fp32: its numbers only decide what is proposed
-        drafter = Drafter(ModelRunner(load_model(draft), block_size=4, kv_memory_bytes=2 << 20))
-    return SpecEngine(verifier, drafter, method, SchedulerConfig(planner="fixed"))
-
-
-@pytest.mark.parametrize(
-    ("config_cls", "options"),
-    [(LlamaConfig, {"attention_bias": True}), (Qwen3Config, {"tie_word_embeddings": True})],
-)
-def test_int8_target_speculation_equals_int8_plain_decoding(tmp_path, config_cls, options):
-    path = save_checkpoint(tmp_path / "m", config_cls, options)
-    params = SamplingParams(max_tokens=24)
-    plain = [r.output for r in engine(path, None, None).generate(PROMPTS, params)]
-    for method in (
-        DraftMethod("chain", k=3),
-        DraftMethod("dynamic", budget=12, max_size=8, max_depth=4, max_width=3),
-    ):
-        spec = engine(path, path, method)
-        assert [r.output for r in spec.generate(PROMPTS, params)] == plain, method.kind
-        assert spec.stats.mean_accepted_length > 1.5, method.kind  # the fp32 copy agrees often
 
 
 def test_int8_target_dtype_reaches_the_target_only_and_keys_its_profile(tmp_path):

@@ -2,6 +2,6 @@
 
 from shared.model.config import ModelConfig
 from shared.model.llama import LlamaModel
-from shared.model.loader import load_model
+from shared.model.loader import load_model, load_target
 
-__all__ = ["LlamaModel", "ModelConfig", "load_model"]
+__all__ = ["LlamaModel", "ModelConfig", "load_model", "load_target"]

@@ -8,6 +8,7 @@ goes through each layer together; only attention looks at request boundaries, th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ class LlamaModel(nn.Module):
         self._layer_linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] | None = None
         self._head_linear: Callable[[torch.Tensor], torch.Tensor] | None = None
         # `quantize_int8` was applied: "tensor" (a draft's) or "token" (a target's) scales
-        self.int8_scales: str | None = None
+        self.int8_scales: Literal["tensor", "token"] | None = None
         self.requires_grad_(False)
 
     def init_rope(self, device: torch.device) -> None:
@@ -224,7 +225,7 @@ class LlamaModel(nn.Module):
             raise RuntimeError("an int8 target needs PyTorch's int8 matrix product on a CPU")
         if not per_token and not (on_cpu and int8_available()):
             raise RuntimeError("int8 weights need PyTorch's FBGEMM kernels on an x86 CPU")
-        scales = "token" if per_token else "tensor"
+        scales: Literal["tensor", "token"] = "token" if per_token else "tensor"
         if self.int8_scales is not None:
             if self.int8_scales != scales:
                 raise RuntimeError(f"already int8 with one scale per {self.int8_scales}")

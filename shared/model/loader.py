@@ -18,6 +18,7 @@ from safetensors import safe_open
 from shared.errors import UnsupportedModelError
 from shared.model.config import ModelConfig
 from shared.model.llama import DecoderLayer, LlamaModel
+from shared.model.precision import TargetPrecision
 
 OUTPUT_TOKEN_IDS_KEY = "augury.output_token_ids"
 EMBED_PROJ_KEY = "augury.embed_proj.weight"
@@ -129,15 +130,14 @@ def load_model(
     *,
     target_path: str | Path | None = None,
     int8: bool = False,
-    per_token: bool = False,
 ) -> LlamaModel:
     """Build our `LlamaModel` from a checkpoint directory, fusing qkv and gate/up projections.
 
     `target_path` is the target checkpoint, needed only by a draft that shares its input embedding
     or output head (`augury_shares_target_embedding`, `augury_shares_target_head`); other
     checkpoints ignore it. `int8`: run the linear layers with int8 weights
-    (`LlamaModel.quantize_int8`; drafts on a CPU as `quantized.uses_int8` decides, a target as
-    its `int8` dtype asks, with `per_token` activation scales).
+    (`LlamaModel.quantize_int8`; drafts on a CPU only, as `quantized.uses_int8` decides; a
+    target's int8 is `load_target`'s).
     """
     path = checkpoint_dir(path)
     target_path = None if target_path is None else checkpoint_dir(target_path)
@@ -170,8 +170,19 @@ def load_model(
     model.output_token_ids = model.output_token_ids.long()
     model.init_rope(torch.device(device))
     if int8:
-        model.quantize_int8(per_token=per_token)
+        model.quantize_int8()
     return model.eval()
+
+
+def load_target(
+    path: str | Path, precision: TargetPrecision, device: str | torch.device = "cpu"
+) -> LlamaModel:
+    """A target at `precision` (`precision.check_target_precision`): its dtype, and int8 linear
+    layers with one activation scale per token where it says int8."""
+    model = load_model(path, dtype=precision.dtype, device=device)
+    if precision.int8:
+        model.quantize_int8(per_token=True)
+    return model
 
 
 def _load_layer(layer: DecoderLayer, cfg: ModelConfig, w: _Tensors, p: str) -> None:
