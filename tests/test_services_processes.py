@@ -162,6 +162,8 @@ async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_sto
     params = [SamplingParams(max_tokens=150 + 10 * i) for i in range(4)]
     prompts = [[3 + i, 9, 27, 4 + i] for i in range(4)]
     expected = plain_greedy(tiny_target_dir, prompts, params)
+    no_profiles = tmp_path / "profiles"
+    no_profiles.mkdir()
     with EmbeddedRedis(db) as server:
         # the target drafts for itself: nearly every draft token is accepted (a floor below)
         env = service_env(
@@ -170,6 +172,12 @@ async def test_a_standby_scheduler_resumes_a_killed_ones_requests_where_they_sto
             cell,
             AUGURY_REDIS__EMBEDDED_DB_PATH=str(db),
             AUGURY_SCHEDULER__LEASE_TTL_MS="3000",
+            # no cost profile: a quick one measured on a busy machine can price every draft token
+            # above its worth, and the goodput selection then drafts for nobody; without one each
+            # step takes the whole tree within the token budget
+            AUGURY_ENGINE__MEASURE_PROFILE="false",
+            AUGURY_ENGINE__PROFILE_DIR=str(no_profiles),
+            AUGURY_ENGINE__PROFILE_CACHE_DIR=str(no_profiles),
             AUGURY_SCHEDULER__SPECULATION__PLANNER="fixed",  # draft even where it does not pay
             AUGURY_SCHEDULER__SPECULATION__MIN_PATH_PROB="0",
         )
