@@ -16,6 +16,7 @@ from shared.model.profile_files import (
     fingerprint_of_checkpoint,
     load_matching,
 )
+from shared.model.profiling import token_grid
 from shared.scheduling.cost_model import (
     CostModel,
     CostProfile,
@@ -201,7 +202,7 @@ def test_quick_measurement_on_a_tiny_model(tiny_runner, tiny_draft_dir: Path, tm
     assert tiny_runner.num_cached("keep") == 3 and tiny_runner.tree_size("keep") == 0
     assert tiny_runner.cache.allocator.num_free == free_blocks  # the profiling requests are gone
     c = prof.target.curve
-    assert c.tokens == [1, 4, 16, 32] and c.contexts == [0, 64]
+    assert c.tokens == [1, 2, 4, 16, 32] and c.contexts == [0, 64]
     assert all(v > 0 for row in c.ms_grid for v in row)
     # monotone-ish: the largest forward is not cheaper than a fraction of the smallest
     for j in range(len(c.contexts)):
@@ -246,3 +247,11 @@ def test_model_profile_plans_kernels_and_a_stored_profile_brings_its_plan(
     nowhere = tmp_path / "none"
     assert model_profile(plain, "t", directory=nowhere, measure=False, cache_dir=nowhere) is None
     assert plain.model.linear_plan is None
+
+
+def test_every_grid_measures_one_draft_tokens_step() -> None:
+    """1 and 2 always: a lone draft token's price, which int8's one-row kernel makes steep."""
+    assert token_grid(64, quick=True) == [1, 2, 4, 16, 64]
+    assert token_grid(64, quick=False)[:4] == [1, 2, 4, 8]
+    assert token_grid(2, quick=True) == [1, 2]
+    assert token_grid(1, quick=True) == [1]

@@ -35,9 +35,9 @@ from tests.conftest import make_tiny_checkpoint
 from tests.test_services_support import make_settings
 
 pytestmark = pytest.mark.anyio
-TOKENS = [1, 4, 16, 64]
+TOKENS = [1, 2, 4, 16, 64]
 CONTEXTS = [0, 512]
-TARGET_MS = [[42.0, 44.0], [43.0, 45.0], [46.0, 49.0], [58.0, 63.0]]
+TARGET_MS = [[42.0, 44.0], [42.5, 44.5], [43.0, 45.0], [46.0, 49.0], [58.0, 63.0]]
 
 
 def curve(ms: list[list[float]], spread: float = 0.05) -> ForwardCurve:
@@ -74,10 +74,10 @@ def test_the_issues_draft_at_twice_its_targets_cost_is_refused() -> None:
 def test_spread_and_monotonicity_are_checked() -> None:
     assert not check_profile(profile(KEY, TARGET_MS, spread=1.2)).trusted
     dip = [row[:] for row in TARGET_MS]
-    dip[2][0] = 15.0  # 16 tokens at a third of the cost of 4: a burst of load hit the 4
+    dip[3][0] = 15.0  # 16 tokens at a third of the cost of 4: a burst of load hit the 4
     verdict = check_profile(profile(KEY, dip))
     assert not verdict.trusted and "16 tokens cost 15.00 ms" in str(verdict)
-    flat = [[42.0, 44.0], [40.0, 43.5], [41.0, 44.0], [43.0, 45.0]]  # a GPU's flat start
+    flat = [[42.0, 44.0], [41.0, 44.0], [40.0, 43.5], [41.0, 44.0], [43.0, 45.0]]  # flat start
     assert check_profile(profile(KEY, flat)).trusted
 
 
@@ -94,7 +94,7 @@ def test_combining_keeps_the_fastest_of_each_point() -> None:
     quiet.curve.ms_grid[0][0] = 100.0  # one point spoiled in the second measurement
     both = combine([spoiled, quiet])
     assert both.curve.ms_grid[0][0] == pytest.approx(84.0)
-    assert both.curve.ms_grid[1][1] == pytest.approx(9.0) and both.curve.repeats == 6
+    assert both.curve.ms_grid[2][1] == pytest.approx(9.0) and both.curve.repeats == 6
 
 
 def test_a_committed_target_is_found_for_the_same_machine_kind() -> None:
@@ -157,6 +157,37 @@ def test_a_suspect_draft_is_measured_again_and_kept_once_quiet(
         draft_runner, "draft-m", directory=tmp_path / "none", cache_dir=tmp_path / "cache"
     )
     assert again.source == STORED  # the next start loads the kept one
+
+
+def test_a_cached_profile_that_never_measured_two_tokens_is_measured_again(
+    draft_runner: Any, tmp_path: Path
+) -> None:
+    """Quick profiles cached before 2 joined the grid went from 1 token to 4: a lone draft
+    token's price was a guess there, so they are not loaded."""
+
+    def old_grid(runner: Any, name: str, max_tokens: int, layouts: list) -> tuple:
+        rows = [row for n, row in zip(TOKENS, scaled(0.2), strict=True) if n != 2]
+        old = ForwardCurve(
+            tokens=[n for n in TOKENS if n != 2],
+            contexts=CONTEXTS,
+            ms_grid=rows,
+            rel_spread=[[0.05] * len(CONTEXTS) for _ in rows],
+            repeats=3,
+        )
+        return ModelProfile(key=profile_key(runner, name), curve=old, single=old), layouts[0]
+
+    where = {"directory": tmp_path / "none", "cache_dir": tmp_path / "cache"}
+    first = choose_profile(
+        draft_runner, "draft-m", **where, plan_kernels=False, measure_quick=old_grid
+    )
+    assert first.source == MEASURED and len(list((tmp_path / "cache").glob("*.json"))) == 1
+    assert choose_profile(draft_runner, "draft-m", **where, measure=False).source == NONE
+    quiet = Interference(scaled(0.2))
+    again = choose_profile(
+        draft_runner, "draft-m", **where, plan_kernels=False, measure_quick=quiet
+    )
+    assert again.source == MEASURED and again.profile is not None
+    assert again.profile.curve.tokens == TOKENS
 
 
 def test_a_draft_that_stays_suspect_is_neither_cached_nor_published(

@@ -42,9 +42,16 @@ def _stored(directories: list[Path], key: ProfileKey) -> ModelProfile | None:
             except (OSError, ValueError):
                 continue
             for model in (profile.target, *profile.drafts.values()):
-                if model.key.mismatch(key) is None:
+                if model.key.mismatch(key) is None and _prices_one_draft_token(model):
                     found.append((profile.created, model))
     return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def _prices_one_draft_token(model: ModelProfile) -> bool:
+    """Whether the curve measured a 2-token forward (`token_grid` always does now; quick
+    profiles cached by earlier versions went from 1 to 4, and are measured again)."""
+    tokens = model.curve.tokens
+    return 2 in tokens or max(tokens) < 2
 
 
 @dataclass(frozen=True)

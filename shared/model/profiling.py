@@ -98,11 +98,15 @@ def profile_key(runner: ModelRunner, model: str) -> ProfileKey:
 
 
 def token_grid(max_tokens: int, quick: bool) -> list[int]:
-    """Token counts to measure, 1..max_tokens: powers of two (and their 1.5x midpoints in full
-    mode), always including max_tokens."""
+    """Token counts to measure, 1..max_tokens: 1, 2, then powers of two (of four in quick mode;
+    with their 1.5x midpoints in full mode), always including max_tokens.
+
+    2 is always measured: a single draft token's price is the step from 1 to 2, and some
+    kernels multiply one row on a path of their own (int8's `torch._int_mm` takes about half
+    the time for one row as for two), which no interpolation from 1 and 4 would show."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
-    grid = {1, max_tokens}
+    grid = {1, min(2, max_tokens), max_tokens}
     p = 2 if not quick else 4
     while p < max_tokens:
         grid.add(p)
@@ -268,7 +272,7 @@ def measure_profile(
     - `max_tokens`: the largest forward measured (the step's token budget); `tokens` overrides
       the grid (`token_grid(max_tokens, quick)`).
     - `quick=True` (services at start; a few seconds on a 2-core CPU for SmolLM2-135M and the
-      three drafts at max_tokens=64): token counts 1, 4, 16, ..., max_tokens, contexts (0, 512),
+      three drafts at max_tokens=64): token counts 1, 2, 4, 16, ..., max_tokens, contexts (0, 512),
       3 repeats. `quick=False` (`python -m tools.profile`): 1, 2, 4, 8, 12, 16, 24, ...,
       contexts (0, 256, 1024), 7 repeats. `contexts` and `repeats` override either.
     - `progress`: a tqdm bar on stderr.
