@@ -1,14 +1,17 @@
 """Whole target forward of n tokens, plain F.linear vs the measured per-shape kernel plan.
 
     .venv/bin/python bench/bench_linear.py [--rounds 15] [--threads 2] [--plan-json plan.json]
+    .venv/bin/python bench/bench_linear.py --model-set qwen2.5-coder --dtype bfloat16
 
-Loads the target (SmolLM2-135M-Instruct, fp32), commits a 256-token prefix, then for each round
-and each n in (1, 2, 3, 5, 9, 17) forwards a chain of n tokens with logits for every row and
-discards it, once without a plan (`set_linear_plan(None)`, plain F.linear), once with the plan
-`model.plan_kernels()` measured at start, and once with the same timings chosen without weight
-copies (`copy_gain=inf`), rotating which goes first. Prints medians (and the
-interquartile range) of the forward latency, cost(n) / cost(1) for both, and how far the planned
-logits are from the plain ones (max |difference| and argmax flips, planned vs plain).
+Loads the target (SmolLM2-135M-Instruct, fp32, by default), commits a 256-token prefix, then for
+each round and each n in (1, 2, 3, 5, 9, 17) forwards a chain of n tokens with logits for every
+row and discards it, once without a plan (`set_linear_plan(None)`, plain F.linear), once with
+the plan `model.plan_kernels()` measured at start, once with the same timings chosen without
+weight copies (`copy_gain=inf`), and once chosen without the kernel that pads up to three rows
+to four (`onednn_packed_four_rows`, the plan before it existed), rotating which goes first.
+Prints medians (and the interquartile range) of the forward latency, cost(n) / cost(1) for
+each, and how far the planned logits are from the plain ones (max |difference| and argmax
+flips, planned vs plain).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from shared.model import LlamaModel, load_model  # noqa: E402
 from shared.model.linear import available_kernels, choose  # noqa: E402
 from shared.model.loader import read_config  # noqa: E402
-from shared.model.model_set import target_dir  # noqa: E402
+from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_target  # noqa: E402
 from shared.model.runner import ForwardItem, ModelRunner  # noqa: E402
 
 COUNTS = (1, 2, 3, 5, 9, 17)
+FOUR_ROWS = "onednn_packed_four_rows"
 PREFIX = 256
 
 
@@ -55,6 +59,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plan-rounds", type=int, default=5)
     ap.add_argument("--plan-json", type=Path, help="write the measured plan here")
+    ap.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument(
         "--random-weights",
         type=Path,
@@ -69,8 +75,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = LlamaModel(read_config(args.random_weights)).eval()
         model.init_rope(torch.device("cpu"))
+        model.to(getattr(torch, args.dtype))
     else:
-        model = load_model(target_dir())
+        model = load_model(model_set_target(args.model_set), dtype=getattr(torch, args.dtype))
     t0 = time.perf_counter()
     plan = model.plan_kernels(COUNTS, rounds=args.plan_rounds)
     plan_s = time.perf_counter() - t0
@@ -103,14 +110,18 @@ def main() -> None:
         plan.timings, plan.buckets, kernels, copy_gain=math.inf, invariant=plan.invariant
     )
     print("without weight copies:\n" + "\n".join(in_place.describe().splitlines()[1:6]))
-    modes = {"plain": None, "planned": plan, "no-copy": in_place}
+    timings = plan.timings.items()
+    before = {r: {k: t for k, t in ts.items() if k != FOUR_ROWS} for r, ts in timings}
+    no_four = choose(before, plan.buckets, kernels, invariant=plan.invariant)
+    print(f"without {FOUR_ROWS}:\n" + "\n".join(no_four.describe().splitlines()[1:6]))
+    modes = {"plain": None, "planned": plan, "no-copy": in_place, "no-four": no_four}
     times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in COUNTS}
     max_diff = {n: 0.0 for n in COUNTS}
     argmax_flips = {n: 0 for n in COUNTS}
     for r in range(args.rounds + 1):  # round 0 warms up
         for n in COUNTS:
             tokens = [rng.randrange(1000, 20000) for _ in range(n)]
-            order = list(modes)[r % 3 :] + list(modes)[: r % 3]
+            order = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
             out = {}
             for m in order:
                 model.set_linear_plan(modes[m])
@@ -130,30 +141,33 @@ def main() -> None:
     print(f"\nwhole forward after a {PREFIX}-token prefix, median of {args.rounds} (IQR), ms")
     print(
         f"{'n':>3} {'plain':>7} {'IQR':>11} {'planned':>8} {'IQR':>11} {'no-copy':>8} "
-        f"{'plain/1':>8} {'planned/1':>10} {'no-copy/1':>10} {'speedup':>8} "
-        f"{'max|dlogit|':>12} {'flips':>6}"
+        f"{'no-four':>8} {'plain/1':>8} {'planned/1':>10} {'no-copy/1':>10} {'no-four/1':>10} "
+        f"{'speedup':>8} {'no-four/planned':>16} {'max|dlogit|':>12} {'flips':>6}"
     )
     for n in COUNTS:
-        p, q, c = med("plain", n), med("planned", n), med("no-copy", n)
+        p, q, c, f = (med(m, n) for m in modes)
         print(
             f"{n:>3} {p * 1e3:>7.1f} {iqr('plain', n):>11} {q * 1e3:>8.1f} "
-            f"{iqr('planned', n):>11} {c * 1e3:>8.1f} {p / med('plain', 1):>8.2f} "
-            f"{q / med('planned', 1):>10.2f} {c / med('no-copy', 1):>10.2f} {p / q:>8.2f} "
+            f"{iqr('planned', n):>11} {c * 1e3:>8.1f} {f * 1e3:>8.1f} {p / med('plain', 1):>8.2f} "
+            f"{q / med('planned', 1):>10.2f} {c / med('no-copy', 1):>10.2f} "
+            f"{f / med('no-four', 1):>10.2f} {p / q:>8.2f} {f / q:>16.2f} "
             f"{max_diff[n]:>12.2e} {argmax_flips[n]:>6}"
         )
     # The fastest of the rounds: on a shared machine other processes only ever add time.
     print(f"\nbest of {args.rounds} rounds, ms (less sensitive to other processes' load)")
     print(
-        f"{'n':>3} {'plain':>7} {'planned':>8} {'no-copy':>8} {'plain/1':>8} {'planned/1':>10} "
-        f"{'no-copy/1':>10} {'speedup':>8}"
+        f"{'n':>3} {'plain':>7} {'planned':>8} {'no-copy':>8} {'no-four':>8} {'plain/1':>8} "
+        f"{'planned/1':>10} {'no-copy/1':>10} {'no-four/1':>10} {'speedup':>8} "
+        f"{'no-four/planned':>16}"
     )
     best = {k: min(v) for k, v in times.items()}
     for n in COUNTS:
-        p, q, c = best[("plain", n)], best[("planned", n)], best[("no-copy", n)]
+        p, q, c, f = (best[(m, n)] for m in modes)
         print(
-            f"{n:>3} {p * 1e3:>7.1f} {q * 1e3:>8.1f} {c * 1e3:>8.1f} "
+            f"{n:>3} {p * 1e3:>7.1f} {q * 1e3:>8.1f} {c * 1e3:>8.1f} {f * 1e3:>8.1f} "
             f"{p / best[('plain', 1)]:>8.2f} {q / best[('planned', 1)]:>10.2f} "
-            f"{c / best[('no-copy', 1)]:>10.2f} {p / q:>8.2f}"
+            f"{c / best[('no-copy', 1)]:>10.2f} {f / best[('no-four', 1)]:>10.2f} "
+            f"{p / q:>8.2f} {f / q:>16.2f}"
         )
 
 

@@ -17,6 +17,7 @@ from shared.model.linear import (
     available_kernels,
     bucket_index,
     choose,
+    four_rows,
     two_rows,
 )
 from shared.model.runner import ModelRunner
@@ -128,6 +129,22 @@ def test_a_single_row_is_multiplied_as_two() -> None:
     torch.testing.assert_close(y, F.linear(x, w))
     two_rows(fake)(torch.randn(3, 4), {"w": w}, None)
     assert seen == [2, 3]
+
+
+def test_up_to_three_rows_are_multiplied_as_four() -> None:
+    seen: list[int] = []
+
+    def fake(x: torch.Tensor, p: dict, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return F.linear(x, p["w"], bias)
+
+    w, b = torch.randn(8, 4), torch.randn(8)
+    for n in (1, 2, 3, 4, 6):
+        x = torch.randn(n, 4)
+        y = four_rows(fake)(x, {"w": w}, b)
+        assert y.shape == (n, 8)
+        torch.testing.assert_close(y, F.linear(x, w, b))
+    assert seen == [4, 4, 4, 4, 6]
 
 
 def test_choice_takes_an_invariant_kernel_by_its_total_time() -> None:
