@@ -85,6 +85,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--penalty", type=float, default=1.1)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--samples", type=int, default=200, help="Gumbel draws per position")
+    parser.add_argument(
+        "--draft-penalties",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also score the draft penalized by each of these instead of --penalty",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     target_model = load_model(target_dir())
@@ -120,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             penalized(d + shift, s, p),
         ),
     }
+    for q in args.draft_penalties:
+        treatments[f"the draft penalized by {q} instead"] = lambda t, d, s, q=q: (
+            penalized(t, s, p),
+            penalized(d, s, q),
+        )
     print(f"{'treatment':<52} {'overlap':>8} {'coupled':>8}")
     for label, treat in treatments.items():
         measured = [scores(*treat(t, d, s), args.temperature, args.samples) for t, d, s in rows]
