@@ -102,8 +102,9 @@ def token_grid(max_tokens: int, quick: bool) -> list[int]:
     with their 1.5x midpoints in full mode), always including max_tokens.
 
     2 is always measured: a single draft token's price is the step from 1 to 2, and some
-    kernels multiply one row on a path of their own (int8's `torch._int_mm` takes about half
-    the time for one row as for two), which no interpolation from 1 and 4 would show."""
+    kernels multiply one row on a path of their own (int8's `torch._int_mm` on an Intel Xeon
+    without AMX takes about half the time for one row as for two), which no interpolation from
+    1 and 4 would show."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     grid = {1, min(2, max_tokens), max_tokens}
