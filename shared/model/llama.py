@@ -27,8 +27,7 @@ from shared.model.linear import (
 from shared.model.quantized import (
     HEAD_OUTLIER_CHANNELS,
     Int8TokenLinear,
-    int8_available,
-    int8_token_available,
+    int8_supported,
     quantized_linear,
 )
 from shared.model.rope import RopeScaling, inverse_frequencies
@@ -220,11 +219,12 @@ class LlamaModel(nn.Module):
         target's) one per token, so no token's result depends on the others of its forward.
         Input projections, embeddings and norms stay as they are, and so do the full-precision
         weights (training and export read them). Irreversible."""
-        on_cpu = next(self.parameters()).device.type == "cpu"
-        if per_token and not (on_cpu and int8_token_available()):
-            raise RuntimeError("an int8 target needs PyTorch's int8 matrix product on a CPU")
-        if not per_token and not (on_cpu and int8_available()):
-            raise RuntimeError("int8 weights need PyTorch's FBGEMM kernels on an x86 CPU")
+        if not int8_supported(next(self.parameters()).device, per_token=per_token):
+            raise RuntimeError(
+                "an int8 target needs PyTorch's int8 matrix product on a CPU"
+                if per_token
+                else "int8 weights need PyTorch's FBGEMM kernels on an x86 CPU"
+            )
         scales: Literal["tensor", "token"] = "token" if per_token else "tensor"
         if self.int8_scales is not None:
             if self.int8_scales != scales:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shared.model.quantized import int8_token_available
+from shared.model.quantized import int8_supported
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -57,15 +57,14 @@ def check_target_precision(
     AVX-512 BF16) or int8 (on a CPU only, fp32 elsewhere); refused naming `setting`."""
     if name not in TARGET_DTYPES:
         raise ValueError(f"{setting} must be one of {', '.join(TARGET_DTYPES)}, not {name!r}")
-    on_cpu = torch.device(device).type == "cpu"
     if name == "int8":
-        if not (on_cpu and int8_token_available()):
+        if not int8_supported(device, per_token=True):
             raise ValueError(
                 f"{setting} int8 needs a CPU whose PyTorch multiplies int8 matrices "
                 f"(torch._int_mm), not {device}"
             )
         return TargetPrecision(torch.float32, int8=True)
-    if name == "bfloat16" and on_cpu and not cpu_bf16_flags():
+    if name == "bfloat16" and torch.device(device).type == "cpu" and not cpu_bf16_flags():
         raise ValueError(
             f"{setting} bfloat16 needs a CPU with AMX or AVX-512 BF16 (flag "
             f"{' or '.join(BF16_CPU_FLAGS)}); this one has neither: bf16 would run slower "

@@ -139,6 +139,14 @@ def int8_token_available() -> bool:
         return False
 
 
+def int8_supported(device: str | torch.device, *, per_token: bool) -> bool:
+    """Whether int8 weights run on `device`: a CPU with PyTorch's int8 matrix product (a
+    target's `Int8TokenLinear`, `per_token`) or with its FBGEMM kernels (a draft's)."""
+    if torch.device(device).type != "cpu":
+        return False
+    return int8_token_available() if per_token else int8_available()
+
+
 HEAD_OUTLIER_CHANNELS = 8
 DRAFT_WEIGHTS: tuple[str, ...] = get_args(DraftWeights)  # `engine.draft_weights`'s values
 
@@ -148,11 +156,9 @@ def uses_int8(setting: str, device: str | torch.device) -> bool:
     where the kernels are missing), `auto` on a CPU that has them."""
     if setting not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be one of {DRAFT_WEIGHTS}, not {setting!r}")
-    on_cpu = torch.device(device).type == "cpu"
-    if setting == "int8":
-        if not (on_cpu and int8_available()):
-            raise ValueError(
-                f"draft weights int8 need PyTorch's FBGEMM kernels on an x86 CPU, not {device}"
-            )
-        return True
-    return setting == "auto" and on_cpu and int8_available()
+    supported = int8_supported(device, per_token=False)
+    if setting == "int8" and not supported:
+        raise ValueError(
+            f"draft weights int8 need PyTorch's FBGEMM kernels on an x86 CPU, not {device}"
+        )
+    return setting != "native" and supported
