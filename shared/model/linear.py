@@ -43,33 +43,30 @@ def _linear(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Te
     return F.linear(x, p["w"], bias)
 
 
-def two_rows(fn: ApplyFn) -> ApplyFn:
-    """`fn` with a single row padded to two. BLAS may multiply one row by a matrix-vector
-    kernel that rounds differently from its n-row product (oneDNN's bf16 on an AVX-512 CPU does,
-    for wide weights); two rows take the n-row path, so a token's output does not depend on how
-    many tokens share its forward, and plain decoding rounds as verification does."""
-
-    def apply(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return fn(torch.cat([x, x]), p, bias)[:1]
-        return fn(x, p, bias)
-
-    return apply
-
-
-def four_rows(fn: ApplyFn) -> ApplyFn:
-    """`fn` with fewer than four rows padded with zero rows to four. Besides the one-row kernel
-    above, BLAS may block a product of two or three rows worse than one of four: oneDNN's packed
-    bf16 on an AMD EPYC with AVX-512 BF16 took a third longer for one row padded to two than
-    for four rows. Padded, one token costs what four do there."""
+def padded_rows(fn: ApplyFn, rows: int) -> ApplyFn:
+    """`fn` with fewer than `rows` rows padded to `rows` (with copies of the first row; only the
+    real rows are returned). BLAS may multiply one row by a matrix-vector kernel that rounds
+    differently from its n-row product (oneDNN's bf16 on an AVX-512 CPU does, for wide weights):
+    padded to two, a token's output does not depend on how many tokens share its forward, and
+    plain decoding rounds as verification does. And it may block two or three rows worse than
+    four: oneDNN's packed bf16 on an AMD EPYC with AVX-512 BF16 took a third longer for one row
+    padded to two than for four rows; padded to four, one token costs what four do there."""
 
     def apply(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]
-        if n >= 4:
+        if n >= rows:
             return fn(x, p, bias)
-        return fn(torch.cat([x, x.new_zeros(4 - n, x.shape[1])]), p, bias)[:n]
+        return fn(torch.cat([x, x[:1].expand(rows - n, -1)]), p, bias)[:n]
 
     return apply
+
+
+def two_rows(fn: ApplyFn) -> ApplyFn:
+    return padded_rows(fn, 2)
+
+
+def four_rows(fn: ApplyFn) -> ApplyFn:
+    return padded_rows(fn, 4)
 
 
 def _x_wt(x: torch.Tensor, p: Prepared, bias: torch.Tensor | None) -> torch.Tensor:
