@@ -161,6 +161,8 @@ def summary(name: str, concurrency: int, plain: list[Run], spec: list[Run]) -> d
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
+    from shared.model.precision import TARGET_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-set", default="smollm2", help="smollm2 or qwen2.5-coder")
     parser.add_argument(
@@ -174,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--planner", default="goodput", help="SchedulerConfig.planner (the services' default)"
     )
-    parser.add_argument(
-        "--target-dtype", choices=["float32", "bfloat16", "int8"], default="float32"
-    )
+    parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
