@@ -16,7 +16,7 @@ from bench.drafters.experiments import (
     goodput_tps,
     simulate,
 )
-from bench.drafters.mixed import DEFAULT, ORACLE, mixed, mixed_requests, mixed_table
+from bench.drafters.mixed import COUNTERFACTUAL, ORACLE, mixed, mixed_requests, mixed_table
 from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -26,6 +26,7 @@ from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
+from shared.values.tree import counterfactual_accepted, merge_trees
 from tests.test_model_free_engine import COPY_PROMPTS
 from tests.test_simulator import made_up_cost
 from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session
@@ -129,16 +130,20 @@ def test_mixed_experiment_reports_ratios_and_histograms(engine_steps) -> None:
     setup = Setup(made_up_cost(), text_recording(outputs), batch_size=2, max_tokens=MAX_TOKENS)
     result = mixed(setup, requests(outputs), ("d", "ngram"), oracle_passes=1, say=lambda _: None)
     assert result.best_fixed == "fixed ngram"
+    assert result.default == "d + ngram merged"
+    assert set(result.goodput) == {
+        "fixed d", "fixed ngram", "d + ngram merged", "eps-greedy", "lbss", COUNTERFACTUAL, ORACLE
+    }  # fmt: skip
     assert set(result.ratios()) == {
-        f"{DEFAULT} / best fixed",
-        f"{DEFAULT} / oracle",
-        "oracle / best fixed",
-    }
+        f"{name} / {base}"
+        for name in ("d + ngram merged", COUNTERFACTUAL)
+        for base in ("best fixed", "oracle")
+    } | {"oracle / best fixed"}
     assert result.goodput[ORACLE] >= result.goodput["fixed ngram"]
     for kind in ("copy0", "copy1", "copy2"):
-        assert result.histogram[DEFAULT][kind] == {"ngram": 1}
+        assert result.histogram[COUNTERFACTUAL][kind] == {"ngram": 1}
     table = mixed_table(result, ("d", "ngram"))
-    assert "counterfactual / oracle" in table
+    assert "counterfactual / oracle" in table and "| d + ngram merged |" in table
 
 
 def test_mixed_requests_replay_their_own_recorded_text() -> None:
@@ -180,3 +185,54 @@ def test_a_model_draft_replays_its_recorded_run_step_for_step() -> None:
             at += expected[-1]
         got = [n for _, n in record.chunks[1:]]
         assert got[:-1] == expected[:-1] and got[-1] <= expected[-1]  # the last one at the end
+
+
+# ---- merged trees: a model draft's and a model-free draft's, as the default configuration ------
+
+
+class _MergeWatcher(Simulator):
+    """Records, for every verified merged tree, what the model's own tree, the model-free
+    partner's and the merged tree as selected accept of the recorded text, and whether the
+    selector kept the whole union."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.accepted: list[tuple[int, int, int, bool]] = []
+
+    def verify(self, batch, entries):
+        for entry in entries:
+            rid = entry.request_id
+            if entry.tree is None or rid not in batch.own_trees:
+                continue
+            text = self._texts[rid][1][len(self.core.requests[rid].output) :]
+            own, partner = batch.own_trees[rid], batch.model_free_trees[rid]
+            whole = merge_trees([own, partner]).num_nodes == entry.tree.num_nodes
+            own_n, partner_n, merged_n = (
+                counterfactual_accepted(t, text)[0] for t in (own, partner, entry.tree)
+            )
+            self.accepted.append((own_n, partner_n, merged_n, whole))
+        return super().verify(batch, entries)
+
+
+def test_a_merged_tree_accepts_the_longer_of_its_model_and_model_free_parts() -> None:
+    """The simulator merges a model-free draft's tree into the model draft's (`merge_drafts`
+    auto): a merged step accepts the longer of what each part accepts of the recorded text
+    where the selector kept the whole union (never more where it cut some), both parts carry
+    steps the other would not, and every request still commits its recorded answer."""
+    recording = AcceptanceModel.load(MIXED_RECORDING)
+    reqs = mixed_requests(recording, max_tokens=64, per_kind=2)
+    sim = _MergeWatcher(
+        SimConfig(SCHEDULER.model_copy(update={"max_running_requests": 8}),
+                  drafts=("draft-s", "ngram")),
+        CostModel(CostProfile.load(MIXED_PROFILE)),
+        recording,
+    )  # fmt: skip
+    records = sim.run(reqs)
+    assert sim.core.num_merged_trees == len(sim.accepted)
+    assert sum(whole for *_, whole in sim.accepted) > 100
+    for own, partner, merged, whole in sim.accepted:
+        assert merged == max(own, partner) if whole else merged <= max(own, partner)
+    assert any(own > partner for own, partner, *_ in sim.accepted)
+    assert any(partner > own for own, partner, *_ in sim.accepted)
+    for request, record in zip(reqs, records, strict=True):
+        assert record.num_output_tokens == request.num_output_tokens

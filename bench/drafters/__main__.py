@@ -365,7 +365,7 @@ def main_mixed(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "goodput_tps": result.goodput,
         "ratios": result.ratios(),
         "histogram": result.histogram,
-        "default_steps": result.default_steps,
+        "counterfactual_steps": result.counterfactual_steps,
         "tokens_per_forward": result.per_forward,
     }
     stem = f"mixed-{args.profile.stem}"

@@ -1,12 +1,15 @@
 """Issue 38's mixed trace in the simulator: copy-heavy requests (code editing, revision, passage
-questions, agent loops) and open chat served together, every draft chooser beside each fixed
-draft and an oracle.
+questions, agent loops) and open chat served together: each draft alone, each model draft with a
+model-free draft's tree merged into its own (the first such pair is Augury's default
+configuration), every draft chooser, and an oracle.
 
 The requests are the recording's prompts that kept their text (`python -m tools.sim.acceptance
 --tokens`), interleaved by kind, all queued at t = 0, `batch_size` running at once, each
 replaying its recorded greedy output (so model-free drafts propose from the real tokens) and
 naming its kind as its application (`augury.app`: the suffix draft's shared cache). Goodput is
-the output tokens of all requests over the time the last one took.
+the output tokens of all requests over the time the last one took. The choosers and the oracle
+see every draft and, as the default configuration does, merge the first model-free draft's
+tree beside whichever model draft a request drafts with.
 
 The oracle (`best_static_assignment`) is an oracle of one family, not a bound: each request gets
 one draft for its whole life, and the whole batch is simulated under that assignment, so the
@@ -36,13 +39,14 @@ from bench.drafters.experiments import (
     per_request_best,
     simulate,
 )
+from shared.engine.model_free import MODEL_FREE_KINDS
 from tools.load.records import RequestRecord
 from tools.sim.acceptance import AcceptanceModel
 from tools.sim.simulator import SimRequest
 from tools.workloads import COPY_KINDS
 
 MIXED_KINDS = ("chat", *COPY_KINDS)
-DEFAULT = "counterfactual"
+COUNTERFACTUAL = "counterfactual"
 ORACLE = "oracle (best static assignment found)"
 
 
@@ -95,10 +99,30 @@ def mixed_requests(
     return requests
 
 
+def merged_label(model: str, model_free: str) -> str:
+    return f"{model} + {model_free} merged"
+
+
+def default_label(drafts: Sequence[str]) -> str | None:
+    """The run of Augury's default configuration: the first model draft, fixed, with the first
+    model-free draft's tree merged into its own every step (`merge_drafts` auto)."""
+    models = [d for d in drafts if d not in MODEL_FREE_KINDS]
+    free = [d for d in drafts if d in MODEL_FREE_KINDS]
+    return merged_label(models[0], free[0]) if models and free else None
+
+
 def runs(drafts: Sequence[str]) -> list[ChooserRun]:
+    """Each draft alone; each model draft merged with each model-free one (the chooser
+    `fixed` drafts with the model; the first merged run is the default configuration); the
+    choosers over every draft, which merge the first model-free draft beside a model draft as
+    the default does."""
     every = tuple(drafts)
     fixed = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
-    return fixed + [ChooserRun(name, name, every) for name in ("eps-greedy", "lbss", DEFAULT)]
+    models = [d for d in drafts if d not in MODEL_FREE_KINDS]
+    free = [d for d in drafts if d in MODEL_FREE_KINDS]
+    merged = [ChooserRun(merged_label(m, f), "fixed", (m, f)) for m in models for f in free]
+    choosers = [ChooserRun(name, name, every) for name in ("eps-greedy", "lbss", COUNTERFACTUAL)]
+    return fixed + merged + choosers
 
 
 @dataclass
@@ -106,23 +130,24 @@ class MixedResult:
     goodput: dict[str, float]  # run label -> tokens/s
     # run label -> workload -> draft -> requests that drafted most with it
     histogram: dict[str, dict[str, dict[str, int]]]
-    # workload -> draft -> steps drafted with it under the default chooser
-    default_steps: dict[str, dict[str, int]]
-    # fixed runs: draft -> workload -> output tokens per decode step (per target forward)
+    # workload -> draft -> steps drafted with it under the counterfactual chooser
+    counterfactual_steps: dict[str, dict[str, int]]
+    # fixed and merged runs: label -> workload -> output tokens per decode step (per forward)
     per_forward: dict[str, dict[str, float]]
+    default: str | None = None  # the default configuration's run label
 
     @property
     def best_fixed(self) -> str:
+        """The fastest run of one draft alone."""
         fixed = {k: v for k, v in self.goodput.items() if k.startswith("fixed ")}
         return max(fixed, key=lambda k: fixed[k])
 
     def ratios(self) -> dict[str, float]:
         g = self.goodput
-        return {
-            f"{DEFAULT} / best fixed": g[DEFAULT] / g[self.best_fixed],
-            f"{DEFAULT} / oracle": g[DEFAULT] / g[ORACLE],
-            "oracle / best fixed": g[ORACLE] / g[self.best_fixed],
-        }
+        compared = [k for k in (self.default, COUNTERFACTUAL) if k is not None]
+        out = {f"{k} / best fixed": g[k] / g[self.best_fixed] for k in compared}
+        out |= {f"{k} / oracle": g[k] / g[ORACLE] for k in compared}
+        return out | {"oracle / best fixed": g[ORACLE] / g[self.best_fixed]}
 
 
 def by_workload(
@@ -166,10 +191,11 @@ def mixed(
         goodput[run.label] = goodput_tps(records)
         histogram[run.label] = by_workload(requests, records)
         if run.chooser == "fixed":
+            per_forward[run.label] = tokens_per_forward(requests, records)
+        if run.chooser == "fixed" and len(run.drafts) == 1:
             fixed[run.drafts[0]] = records
-            per_forward[run.drafts[0]] = tokens_per_forward(requests, records)
             starts.append({f"sim-{i}": run.drafts[0] for i in range(len(requests))})
-        if run.label == DEFAULT:
+        if run.label == COUNTERFACTUAL:
             starts.append({f"sim-{i}": most_used(r) or drafts[0] for i, r in enumerate(records)})
             for request, record in zip(requests, records, strict=True):
                 steps.setdefault(request.kind or "", Counter()).update(record.steps_by_draft)
@@ -185,8 +211,8 @@ def mixed(
         kind = histogram[ORACLE].setdefault(request.kind or "", {})
         kind[draft] = kind.get(draft, 0) + 1
     say(f"{ORACLE}: {goodput[ORACLE]:.1f} tok/s")
-    default_steps = {kind: dict(sorted(c.items())) for kind, c in steps.items()}
-    return MixedResult(goodput, histogram, default_steps, per_forward)
+    counterfactual_steps = {kind: dict(sorted(c.items())) for kind, c in steps.items()}
+    return MixedResult(goodput, histogram, counterfactual_steps, per_forward, default_label(drafts))
 
 
 def _header(title: str, first: str, kinds: Sequence[str], align: str) -> list[str]:
@@ -203,18 +229,17 @@ def mixed_table(result: MixedResult, drafts: Sequence[str]) -> str:
     kinds = sorted({k for h in result.histogram.values() for k in h})
     lines += _header("Requests by the draft they drafted most steps with, per workload:",
                      "run", kinds, "---|")  # fmt: skip
-    for label in (DEFAULT, "lbss", "eps-greedy", ORACLE):
+    for label in (COUNTERFACTUAL, "lbss", "eps-greedy", ORACLE):
         cells = [
             ", ".join(f"{d} {n}" for d, n in result.histogram[label].get(k, {}).items())
             for k in kinds
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    cells = [
-        ", ".join(f"{d} {n}" for d, n in result.default_steps.get(k, {}).items()) for k in kinds
-    ]
-    lines.append(f"| {DEFAULT}: steps per draft | " + " | ".join(cells) + " |")
-    lines += _header("Output tokens per target forward (decode steps) of each fixed draft, "
-                     "per workload:", "draft", kinds, "---:|")  # fmt: skip
+    steps = result.counterfactual_steps
+    cells = [", ".join(f"{d} {n}" for d, n in steps.get(k, {}).items()) for k in kinds]
+    lines.append(f"| {COUNTERFACTUAL}: steps per draft | " + " | ".join(cells) + " |")
+    lines += _header("Output tokens per target forward (decode steps) of each fixed draft and "
+                     "merged pair, per workload:", "draft", kinds, "---:|")  # fmt: skip
     for draft, row in result.per_forward.items():
         cells = [f"{row[k]:.2f}" if k in row else "-" for k in kinds]
         lines.append(f"| {draft} | " + " | ".join(cells) + " |")

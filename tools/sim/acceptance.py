@@ -16,6 +16,8 @@ drawn from real steps of that kind and draft, with the step-to-step correlation 
     python -m tools.sim.acceptance --out profiles/acceptance-SmolLM2-135M-Instruct-3drafts.json.gz \
         --drafts draft-s draft-m draft-l --per-kind 8 --max-tokens 128
 
+`--model-set qwen2.5-coder --target-dtype ...` records the other set (its drafts by name).
+
 Sessions of one prompt under different drafts follow the same text (greedy decoding with the
 same target; each session keeps its output's CRC to show it), so the simulator has a request
 follow one prompt under every draft (`prompt_for`), and a request whose draft model changes
@@ -420,11 +422,14 @@ def record(
     max_tokens: int,
     method: DraftMethod | None = None,
     keep_tokens: bool = False,
+    model_set: str | None = None,  # None: SmolLM2's
+    target_dtype: str = "float32",
 ) -> AcceptanceModel:
     """Decode `per_kind` evaluation prompts of each kind (the copy-heavy kinds of
-    `tools.workloads` included) with each draft, greedily, every drafted tree verified whole,
-    and keep every step; the drafts grow trees by `method` (None: the default method);
-    `keep_tokens`: each session keeps its prompt's and output's token ids."""
+    `tools.workloads` included) with each draft of `model_set`, greedily, the target at
+    `target_dtype`, every drafted tree verified whole, and keep every step; the drafts grow
+    trees by `method` (None: the default method); `keep_tokens`: each session keeps its
+    prompt's and output's token ids."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -433,16 +438,25 @@ def record(
     from shared.engine.spec_engine import SpecEngine
     from shared.engine.verifier import Verifier
     from shared.model import load_model
-    from shared.model.model_set import all_draft_dirs, target_dir
+    from shared.model.loader import load_target
+    from shared.model.model_set import SMOLLM2, model_set_drafts, model_set_target
+    from shared.model.precision import check_target_precision
+    from shared.model.quantized import uses_int8
     from shared.model.runner import ModelRunner
     from shared.scheduling.config import SchedulerConfig
     from shared.values.sampling import SamplingParams
     from tools.prompts import kind_prompt_ids
 
     method = method or DEFAULT_METHOD
-    tdir = target_dir()
+    model_set = model_set or SMOLLM2
+    tdir = model_set_target(model_set)
+    draft_dirs = model_set_drafts(model_set)
+    unknown = [d for d in drafts if d not in draft_dirs]
+    if unknown:
+        raise ValueError(f"model set {model_set} has no draft(s) {unknown} ({list(draft_dirs)})")
+    precision = check_target_precision(target_dtype, "cpu", setting="--target-dtype")
     tokenizer = AutoTokenizer.from_pretrained(tdir)
-    target = ModelRunner(load_model(tdir), kv_memory_bytes=64 << 20)
+    target = ModelRunner(load_target(tdir, precision), kv_memory_bytes=64 << 20)
     verifier = Verifier(target)
     config = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
     sessions: list[Session] = []
@@ -462,8 +476,8 @@ def record(
 
     for kind, draft, i in tqdm(jobs, desc="recording acceptance", unit="prompt"):
         if draft not in engines:
-            ddir = all_draft_dirs()[draft]
-            runner = ModelRunner(load_model(ddir, target_path=tdir), kv_memory_bytes=64 << 20)
+            model = load_model(draft_dirs[draft], target_path=tdir, int8=uses_int8("auto", "cpu"))
+            runner = ModelRunner(model, kv_memory_bytes=64 << 20)
             engines[draft] = SpecEngine(
                 verifier,
                 Drafter(runner, name=draft),
@@ -484,7 +498,8 @@ def record(
         )
     notes = (
         f"recorded {time.strftime('%Y-%m-%d')}: {per_kind} evaluation prompts per kind, greedy, "
-        f"max {max_tokens} tokens, every drafted tree verified whole, {method.kind} trees"
+        f"max {max_tokens} tokens, every drafted tree verified whole, {method.kind} trees, "
+        f"{target_dtype} target"
     )
     return AcceptanceModel(tdir.name, method, sessions, notes)
 
@@ -498,7 +513,9 @@ def beam_method(depth: int, width: int) -> DraftMethod:
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.datasets import KINDS
     from shared.engine.presets import DEFAULT_DRAFT
-    from shared.model.model_set import ALL_DRAFT_NAMES
+    from shared.model.model_set import ALL_DRAFT_NAMES, MODEL_SETS, SMOLLM2
+    from shared.model.precision import TARGET_DTYPES
+    from shared.model.qwen_coder import CUT_DRAFT_NAME, DRAFT_NAME
     from tools.workloads import COPY_KINDS
 
     parser = argparse.ArgumentParser(
@@ -508,8 +525,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="file to write (.json or .json.gz)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=(*KINDS, *COPY_KINDS))
     parser.add_argument(
-        "--drafts", nargs="+", default=[DEFAULT_DRAFT], choices=ALL_DRAFT_NAMES, help="draft models"
+        "--drafts",
+        nargs="+",
+        choices=(*ALL_DRAFT_NAMES, DRAFT_NAME, CUT_DRAFT_NAME),
+        help="draft models (default: the model set's first)",
     )
+    parser.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
     parser.add_argument("--per-kind", type=int, default=8, help="prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
@@ -526,7 +548,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_kind < 1 or args.max_tokens < 2:
         parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
     method = None if args.beam is None else beam_method(*args.beam)
-    model = record(args.kinds, args.drafts, args.per_kind, args.max_tokens, method, args.tokens)
+    drafts = args.drafts or [DEFAULT_DRAFT if args.model_set == SMOLLM2 else CUT_DRAFT_NAME]
+    model = record(
+        args.kinds, drafts, args.per_kind, args.max_tokens, method, args.tokens,
+        args.model_set, args.target_dtype,
+    )  # fmt: skip
     model.save(args.out)
     for (kind, draft), length in model.mean_accepted_length().items():
         print(f"{kind:6s} {draft:8s} mean accepted length {length:.2f} (whole trees)")

@@ -29,9 +29,12 @@ is relabelled onto the text: its recorded accepted path carries the output's nex
 other nodes tokens that no text has; where the recorded run drafted nothing (no node reached
 `min_path_prob`), it drafts nothing either, so a run that follows the recorded steps replays
 them exactly. A model-free draft costs `model_free_draft_ms` per request
-and step on a device of its own (its CPU time; no forward). The simulator does not merge trees:
-a model-free tree the core asks for beside a model draft (the counterfactual chooser's) is
-scored, never verified.
+and step on a device of its own (its CPU time; no forward). A model-free tree the core asks for
+beside a model draft is merged into the model's tree (`merge_drafts`: auto merges where both
+kinds are configured, as the services do) and the union verified like any tree, or, with
+merging off, only scored for a chooser that reads counterfactuals. A recorded model tree
+follows the text from where the request has got to, also where the copy took it past the
+recorded step's start (the step recorded at or after that point).
 
 Up to M micro-batches are in flight (the core's `micro_batches`). Devices are FIFO servers: the
 verifier, and each draft model's drafter, unless `shared_device` (one host whose processes take
@@ -162,10 +165,6 @@ class Simulator:
         if missing:
             raise ValueError(f"the cost profile has no draft(s) {missing} ({cost.draft_models})")
         scheduler = config.scheduler
-        if self.model_free:
-            if scheduler.merge_drafts not in ("auto", "off"):
-                raise ValueError("the simulator does not merge trees (merge_drafts must be off)")
-            scheduler = scheduler.model_copy(update={"merge_drafts": "off"})
         self.config = config
         self.cost = cost
         self.acceptance = acceptance
