@@ -16,7 +16,7 @@ from bench.drafters.experiments import (
     goodput_tps,
     simulate,
 )
-from bench.drafters.mixed import COUNTERFACTUAL, ORACLE, mixed, mixed_requests, mixed_table
+from bench.drafters.mixed import COUNTERFACTUAL, ORACLE, PLAIN, mixed, mixed_requests, mixed_table
 from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
@@ -132,13 +132,16 @@ def test_mixed_experiment_reports_ratios_and_histograms(engine_steps) -> None:
     assert result.best_fixed == "fixed ngram"
     assert result.default == "d + ngram merged"
     assert set(result.goodput) == {
-        "fixed d", "fixed ngram", "d + ngram merged", "eps-greedy", "lbss", COUNTERFACTUAL, ORACLE
+        PLAIN, "fixed d", "fixed ngram", "d + ngram merged", "eps-greedy", "lbss", COUNTERFACTUAL,
+        ORACLE,
     }  # fmt: skip
-    assert set(result.ratios()) == {
-        f"{name} / {base}"
-        for name in ("d + ngram merged", COUNTERFACTUAL)
-        for base in ("best fixed", "oracle")
-    } | {"oracle / best fixed"}
+    compared = ("d + ngram merged", COUNTERFACTUAL)
+    assert set(result.ratios()) == (
+        {f"{name} / {base}" for name in compared for base in ("best fixed", "oracle")}
+        | {f"{name} / plain" for name in ("fixed ngram", *compared)}
+        | {"oracle / best fixed"}
+    )
+    assert result.ratios()["fixed ngram / plain"] > 1.5  # the tiny target's answers repeat
     assert result.goodput[ORACLE] >= result.goodput["fixed ngram"]
     for kind in ("copy0", "copy1", "copy2"):
         assert result.histogram[COUNTERFACTUAL][kind] == {"ngram": 1}

@@ -47,6 +47,7 @@ from tools.workloads import COPY_KINDS
 
 MIXED_KINDS = ("chat", *COPY_KINDS)
 COUNTERFACTUAL = "counterfactual"
+PLAIN = "plain decoding"
 ORACLE = "oracle (best static assignment found)"
 
 
@@ -112,17 +113,17 @@ def default_label(drafts: Sequence[str]) -> str | None:
 
 
 def runs(drafts: Sequence[str]) -> list[ChooserRun]:
-    """Each draft alone; each model draft merged with each model-free one (the chooser
-    `fixed` drafts with the model; the first merged run is the default configuration); the
-    choosers over every draft, which merge the first model-free draft beside a model draft as
-    the default does."""
+    """Plain decoding; each draft alone; each model draft merged with each model-free one (the
+    chooser `fixed` drafts with the model; the first merged run is the default configuration);
+    the choosers over every draft, which merge the first model-free draft beside a model draft
+    as the default does."""
     every = tuple(drafts)
     fixed = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
     models = [d for d in drafts if d not in MODEL_FREE_KINDS]
     free = [d for d in drafts if d in MODEL_FREE_KINDS]
     merged = [ChooserRun(merged_label(m, f), "fixed", (m, f)) for m in models for f in free]
     choosers = [ChooserRun(name, name, every) for name in ("eps-greedy", "lbss", COUNTERFACTUAL)]
-    return fixed + merged + choosers
+    return [ChooserRun(PLAIN, "fixed", ()), *fixed, *merged, *choosers]
 
 
 @dataclass
@@ -147,7 +148,8 @@ class MixedResult:
         compared = [k for k in (self.default, COUNTERFACTUAL) if k is not None]
         out = {f"{k} / best fixed": g[k] / g[self.best_fixed] for k in compared}
         out |= {f"{k} / oracle": g[k] / g[ORACLE] for k in compared}
-        return out | {"oracle / best fixed": g[ORACLE] / g[self.best_fixed]}
+        out["oracle / best fixed"] = g[ORACLE] / g[self.best_fixed]
+        return out | {f"{k} / plain": g[k] / g[PLAIN] for k in (self.best_fixed, *compared)}
 
 
 def by_workload(
@@ -190,7 +192,7 @@ def mixed(
         records = simulate(setup, requests, run)
         goodput[run.label] = goodput_tps(records)
         histogram[run.label] = by_workload(requests, records)
-        if run.chooser == "fixed":
+        if run.chooser == "fixed" and run.drafts:
             per_forward[run.label] = tokens_per_forward(requests, records)
         if run.chooser == "fixed" and len(run.drafts) == 1:
             fixed[run.drafts[0]] = records

@@ -175,6 +175,12 @@ class AcceptanceModel:
         return any(s.output_tokens is not None for s in self.sessions)
 
     @property
+    def max_token_id(self) -> int:
+        """The largest token id of the kept texts (-1 without any)."""
+        texts = [t for s in self.sessions for t in (s.prompt_tokens, s.output_tokens) if t]
+        return max((max(t) for t in texts), default=-1)
+
+    @property
     def drafts(self) -> list[str]:
         return sorted({d for _, d in self._by_key})
 

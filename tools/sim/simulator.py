@@ -165,6 +165,12 @@ class Simulator:
         if missing:
             raise ValueError(f"the cost profile has no draft(s) {missing} ({cost.draft_models})")
         scheduler = config.scheduler
+        if scheduler.merge_drafts in ("standby", "at-risk"):
+            raise ValueError(
+                "the simulator merges a model-free draft's tree into a model draft's, never two "
+                "model drafts' (their recorded trees share no tokens): merge_drafts must be "
+                "auto, off or model-free"
+            )
         self.config = config
         self.cost = cost
         self.acceptance = acceptance
@@ -179,7 +185,8 @@ class Simulator:
         self.core = make_core(
             scheduler,
             TargetInfo(
-                config.vocab_size,
+                # the recorded target's texts may use ids past the default vocabulary
+                max(config.vocab_size, acceptance.max_token_id + 1),
                 config.max_context,
                 (self.eos,),
                 model_free_drafts=self.model_free,
