@@ -21,6 +21,7 @@ from shared.engine.model_free import ModelFreeDrafter
 from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.model import load_model
+from shared.model.model_set import REPO_ROOT
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.cost_model import CostModel, CostProfile
@@ -33,6 +34,9 @@ from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session
 from tools.sim.simulator import SimConfig, SimRequest, Simulator
 
 MAX_TOKENS = 60
+PROFILES = REPO_ROOT / "profiles"
+QWEN_MIXED_RECORDING = PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-mixed.json.gz"
+QWEN_PROFILE = next(PROFILES.glob("Qwen2.5-Coder-1.5B-Instruct-*-cpu-intel-*-bfloat16-t2.json"))
 CHAIN = DraftMethod("chain", k=2)
 SCHEDULER = SchedulerConfig(planner="fixed", tree_selection="global-greedy")
 
@@ -149,15 +153,24 @@ def test_mixed_experiment_reports_ratios_and_histograms(engine_steps) -> None:
     assert "counterfactual / oracle" in table and "| d + ngram merged |" in table
 
 
-def test_mixed_requests_replay_their_own_recorded_text() -> None:
-    """Each request of the committed mixed recording follows the prompt whose text it carries:
+# the committed mixed recordings: (recording, a cost profile that prices its draft, the draft)
+MIXED = {
+    "smollm2": (MIXED_RECORDING, MIXED_PROFILE, "draft-s"),
+    "qwen2.5-coder": (QWEN_MIXED_RECORDING, QWEN_PROFILE, "qwen2.5-coder-0.5b"),
+}
+
+
+@pytest.mark.parametrize("model_set", list(MIXED))
+def test_mixed_requests_replay_their_own_recorded_text(model_set: str) -> None:
+    """Each request of a committed mixed recording follows the prompt whose text it carries:
     the simulator replays that prompt and answer, and the request ends at the answer's end."""
-    recording = AcceptanceModel.load(MIXED_RECORDING)
+    path, profile, draft = MIXED[model_set]
+    recording = AcceptanceModel.load(path)
     reqs = mixed_requests(recording, max_tokens=64, per_kind=1)
     assert {r.kind for r in reqs} == {"chat", "code-edit", "revision", "passage-qa", "agent"}
     sim = Simulator(
-        SimConfig(SchedulerConfig(max_running_requests=8), drafts=("draft-s", "ngram")),
-        CostModel(CostProfile.load(MIXED_PROFILE)),
+        SimConfig(SchedulerConfig(max_running_requests=8), drafts=(draft, "ngram")),
+        CostModel(CostProfile.load(profile)),
         recording,
     )
     records = sim.run(reqs)
@@ -167,19 +180,21 @@ def test_mixed_requests_replay_their_own_recorded_text() -> None:
         assert len(output) >= request.num_output_tokens == record.num_output_tokens
 
 
-def test_a_model_draft_replays_its_recorded_run_step_for_step() -> None:
+@pytest.mark.parametrize("model_set", list(MIXED))
+def test_a_model_draft_replays_its_recorded_run_step_for_step(model_set: str) -> None:
     """With its whole tree verified every step, a request on the draft that made the recording
     commits what the recorded run committed at every step: the recorded step's accepted path
     and bonus where the run drafted, one token where it drafted nothing."""
-    recording = AcceptanceModel.load(MIXED_RECORDING)
-    for request in mixed_requests(recording, max_tokens=64, per_kind=2):
+    path, profile, draft = MIXED[model_set]
+    recording = AcceptanceModel.load(path)
+    for request in mixed_requests(recording, max_tokens=96, per_kind=2):
         sim = Simulator(
-            SimConfig(SCHEDULER, drafts=("draft-s",)),
-            CostModel(CostProfile.load(MIXED_PROFILE)),
+            SimConfig(SCHEDULER, drafts=(draft,)),
+            CostModel(CostProfile.load(profile)),
             recording,
         )
         [record] = sim.run([request])
-        session = sim._sessions[("sim-0", "draft-s")]
+        session = sim._sessions[("sim-0", draft)]
         at, expected = 1, []
         while at < request.num_output_tokens:
             index = session.step_at(at)
