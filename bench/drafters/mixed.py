@@ -104,11 +104,17 @@ def merged_label(model: str, model_free: str) -> str:
     return f"{model} + {model_free} merged"
 
 
+def split_drafts(drafts: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(model drafts, model-free drafts), each in the order given."""
+    return [d for d in drafts if d not in MODEL_FREE_KINDS], [
+        d for d in drafts if d in MODEL_FREE_KINDS
+    ]
+
+
 def default_label(drafts: Sequence[str]) -> str | None:
     """The run of Augury's default configuration: the first model draft, fixed, with the first
     model-free draft's tree merged into its own every step (`merge_drafts` auto)."""
-    models = [d for d in drafts if d not in MODEL_FREE_KINDS]
-    free = [d for d in drafts if d in MODEL_FREE_KINDS]
+    models, free = split_drafts(drafts)
     return merged_label(models[0], free[0]) if models and free else None
 
 
@@ -119,8 +125,7 @@ def runs(drafts: Sequence[str]) -> list[ChooserRun]:
     as the default does."""
     every = tuple(drafts)
     fixed = [ChooserRun(f"fixed {d}", "fixed", (d,)) for d in drafts]
-    models = [d for d in drafts if d not in MODEL_FREE_KINDS]
-    free = [d for d in drafts if d in MODEL_FREE_KINDS]
+    models, free = split_drafts(drafts)
     merged = [ChooserRun(merged_label(m, f), "fixed", (m, f)) for m in models for f in free]
     choosers = [ChooserRun(name, name, every) for name in ("eps-greedy", "lbss", COUNTERFACTUAL)]
     return [ChooserRun(PLAIN, "fixed", ()), *fixed, *merged, *choosers]

@@ -174,7 +174,7 @@ class AcceptanceModel:
         """Whether sessions keep their prompt's and output's token ids (`--tokens`)."""
         return any(s.output_tokens is not None for s in self.sessions)
 
-    @property
+    @cached_property
     def max_token_id(self) -> int:
         """The largest token id of the kept texts (-1 without any)."""
         texts = [t for s in self.sessions for t in (s.prompt_tokens, s.output_tokens) if t]
@@ -518,8 +518,7 @@ def beam_method(depth: int, width: int) -> DraftMethod:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.datasets import KINDS
-    from shared.engine.presets import DEFAULT_DRAFT
-    from shared.model.model_set import ALL_DRAFT_NAMES, MODEL_SETS, SMOLLM2
+    from shared.model.model_set import ALL_DRAFT_NAMES, MODEL_SETS, SMOLLM2, model_set_drafts
     from shared.model.precision import TARGET_DTYPES
     from shared.model.qwen_coder import CUT_DRAFT_NAME, DRAFT_NAME
     from tools.workloads import COPY_KINDS
@@ -534,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drafts",
         nargs="+",
         choices=(*ALL_DRAFT_NAMES, DRAFT_NAME, CUT_DRAFT_NAME),
-        help="draft models (default: the model set's first)",
+        help="draft models (default: the draft the model set serves first)",
     )
     parser.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
     parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
@@ -554,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_kind < 1 or args.max_tokens < 2:
         parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
     method = None if args.beam is None else beam_method(*args.beam)
-    drafts = args.drafts or [DEFAULT_DRAFT if args.model_set == SMOLLM2 else CUT_DRAFT_NAME]
+    drafts = args.drafts or [next(iter(model_set_drafts(args.model_set, served=True)))]
     model = record(
         args.kinds, drafts, args.per_kind, args.max_tokens, method, args.tokens,
         args.model_set, args.target_dtype,
