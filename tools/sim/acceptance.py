@@ -518,6 +518,7 @@ def beam_method(depth: int, width: int) -> DraftMethod:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from shared.datasets import KINDS
+    from shared.engine.presets import DEFAULT_DRAFT
     from shared.model.model_set import ALL_DRAFT_NAMES, MODEL_SETS, SMOLLM2, model_set_drafts
     from shared.model.precision import TARGET_DTYPES
     from shared.model.qwen_coder import CUT_DRAFT_NAME, DRAFT_NAME
@@ -533,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drafts",
         nargs="+",
         choices=(*ALL_DRAFT_NAMES, DRAFT_NAME, CUT_DRAFT_NAME),
-        help="draft models (default: the draft the model set serves first)",
+        help="draft models (default: draft-s for SmolLM2, else the draft the set serves first)",
     )
     parser.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
     parser.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
@@ -553,7 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_kind < 1 or args.max_tokens < 2:
         parser.error("--per-kind must be >= 1 and --max-tokens >= 2")
     method = None if args.beam is None else beam_method(*args.beam)
-    drafts = args.drafts or [next(iter(model_set_drafts(args.model_set, served=True)))]
+    # SmolLM2's recordings replay the simulator's default draft; another set's, the one it serves
+    served = next(iter(model_set_drafts(args.model_set, served=True)))
+    drafts = args.drafts or [DEFAULT_DRAFT if args.model_set == SMOLLM2 else served]
     model = record(
         args.kinds, drafts, args.per_kind, args.max_tokens, method, args.tokens,
         args.model_set, args.target_dtype,
