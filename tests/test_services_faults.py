@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,10 @@ async def test_requests_whose_gateway_stopped_beating_are_cancelled(
             await doomed.heartbeat.stop()  # the gateway dies: its heartbeat goes
             await until(lambda: "orphan" not in stack.scheduler.core.requests, what="cancelled")
             await until(lambda: not stack.verifier.runner.has_request("orphan"), what="freed")
+            # ... and is told why, should it have only stalled
+            await doomed.wait(["orphan"], timeout_s=10)
+            error = doomed.outcomes["orphan"].error
+            assert error is not None and error.code == "gateway_lost", doomed.outcomes["orphan"]
         finally:
             await doomed.close()
         # the live gateway's requests are untouched
@@ -152,6 +158,37 @@ async def test_requests_whose_gateway_stopped_beating_are_cancelled(
         await client.submit("kept", PROMPT, SamplingParams(max_tokens=6))
         await client.wait(["kept"])
         assert client.outcomes["kept"].tokens == want
+
+
+async def test_a_gateway_whose_heartbeat_lapses_briefly_keeps_its_requests(
+    server: EmbeddedRedis, tiny_target_dir: Path, tiny_draft_dir: Path
+) -> None:
+    """A gateway stalled past one heartbeat TTL (its event loop starved on a loaded machine)
+    beats again before a second TTL: its request is not cancelled and answers in full."""
+    models = ModelPaths(tiny_target_dir, {"d": tiny_draft_dir})
+    async with running(server.url, "lapse", models) as (stack, client):
+        assert stack.scheduler is not None and stack.verifier is not None
+        scheduler = stack.scheduler
+        ttl_s = client.bus.settings.heartbeat_ttl_ms / 1000
+        params = SamplingParams(max_tokens=40)
+        hold = threading.Event()  # the verifier's model thread waits: the request stays running
+        held = asyncio.ensure_future(stack.verifier.model_thread.run(hold.wait, 30.0))
+        try:
+            await client.submit("stalled", PROMPT, params)
+            await until(lambda: "stalled" in scheduler.core.requests, what="admitted")
+            await client.heartbeat.stop()  # its key is gone at once (an expiry takes one TTL)
+            await until(lambda: client.reply_to not in scheduler.gateways.live, what="a lapse")
+            await asyncio.sleep(ttl_s / 3)
+            await client.heartbeat.start()
+            await until(lambda: client.reply_to in scheduler.gateways.live, what="beats again")
+            assert not scheduler.core.requests["stalled"].cancelled
+        finally:
+            hold.set()
+            await held
+        await client.wait(["stalled"])
+        [want] = plain_greedy(tiny_target_dir, [PROMPT], [params])
+        assert client.outcomes["stalled"].error is None
+        assert client.outcomes["stalled"].tokens == want
 
 
 async def until_async_len(redis: object, stream: str, n: int, timeout_s: float = 10.0) -> None:

@@ -5,6 +5,10 @@ constrained speculation equals plain constrained decoding with a floor on accept
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -121,3 +125,44 @@ def test_sampled_json_schema_output_validates(target, tokenizer, prompts):
         else:  # cut by max_tokens: a prefix of a valid document
             assert r.finish_reason == "length"
             assert tokenizer.decode(r.output).startswith('{"name": "')
+
+
+FIRST_STRUCTURED_REQUEST = """
+import sys, threading
+from pathlib import Path
+from shared.grammar.matcher import CheckpointGrammar
+from shared.values.sampling import StructuredOutput
+
+grammars = [CheckpointGrammar(Path(sys.argv[1]), [2]) for _ in range(2)]
+outcomes = []
+
+def first_request(grammar):
+    try:
+        book = grammar.book()
+        outcomes.append((book.tokenizer, book.dead_end("r", StructuredOutput("regex", "a+"), [])))
+    except BaseException as error:
+        outcomes.append((None, repr(error)))
+
+threads = [threading.Thread(target=first_request, args=(g,)) for g in grammars]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert [why for _, why in outcomes] == [None, None], outcomes
+assert outcomes[0][0] is outcomes[1][0], "each service built its own tokenizer"
+"""
+
+
+def test_two_services_first_structured_requests_at_once_share_one_tokenizer():
+    """The verifier's and a drafter's model threads meet their first structured request at the
+    same moment, in a fresh process (transformers' lazy imports once failed in one of them)."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_STRUCTURED_REQUEST, str(target_dir())],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -21,6 +21,7 @@ ERROR_STATUS = {
     "context_length_exceeded": 400,
     "model_not_found": 404,
     "overloaded": 503,
+    "gateway_lost": 503,  # the scheduler missed this gateway's heartbeat and cancelled
 }
 
 

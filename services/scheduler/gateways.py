@@ -3,13 +3,16 @@
 The scheduler writes a request's Tokens only to a live gateway's stream: a Submit naming any
 other stream is dropped (nobody could read its answer, and the scheduler must not write where a
 message says at will), and a request whose gateway stopped beating is cancelled, since its
-client's connection died with that gateway.
+client's connection died with that gateway. "Stopped" means missing for a whole heartbeat TTL
+more after its key expired: a gateway whose event loop stalled past one TTL (a loaded machine)
+beats again and keeps its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 from shared.bus import Bus, live_replicas
@@ -24,12 +27,15 @@ class GatewayDirectory:
         self.bus = bus
         self.cell = cell
         self.live: frozenset[str] = frozenset()  # output streams of live gateway replicas
+        self._missing_since: dict[str, float] = {}  # monotonic time each stream was first missed
         self._on_refresh = on_refresh
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> None:
         beats = await live_replicas(self.bus, self.cell, GATEWAY)
         self.live = frozenset(output_stream(self.cell, beat.replica) for beat in beats)
+        for stream in self.live:
+            self._missing_since.pop(stream, None)
         if self._on_refresh is not None:
             await self._on_refresh()
 
@@ -46,7 +52,17 @@ class GatewayDirectory:
         if not await self.bus.redis.exists(heartbeat_key(self.cell, GATEWAY, replica)):
             return False
         self.live = self.live | {stream}
+        self._missing_since.pop(stream, None)
         return True
+
+    def gone(self, stream: str) -> bool:
+        """Whether the gateway reading `stream` has been missing for a heartbeat TTL since the
+        first refresh that missed it (its key had already outlived one TTL by then)."""
+        if stream in self.live:
+            return False
+        now = time.monotonic()
+        missing_since = self._missing_since.setdefault(stream, now)
+        return now - missing_since >= self.bus.settings.heartbeat_ttl_ms / 1000
 
     async def start(self) -> None:
         await self.refresh()

@@ -401,16 +401,26 @@ class SchedulerService:
         )
 
     async def _cancel_orphans(self) -> None:
-        """Cancel the requests whose gateway stopped beating: their clients are gone."""
-        live = self.gateways.live
-        orphans = [rid for rid, stream in self.reply_to.items() if stream not in live]
+        """Cancel the requests whose gateway stopped beating: their clients are gone. Each is
+        told why on its stream all the same, so a gateway that was only stalled answers its
+        client at once instead of waiting out its idle timeout."""
+        orphans = [
+            (rid, stream)
+            for rid, stream in self.reply_to.items()
+            if self.gateways.gone(stream) and not self._cancelled(rid)
+        ]
         if not orphans:
             return
-        log.info("cancelling %d requests whose gateway is gone", len(orphans))
+        log.warning("cancelling %d requests whose gateway stopped beating", len(orphans))
         messages: list[tuple[str, WireMessage]] = []
-        for rid in orphans:
-            messages += self.cancel(rid)
+        for rid, stream in orphans:
+            why = "the scheduler cancelled this request: its gateway stopped beating"
+            messages += [(stream, RequestError(rid, "gateway_lost", why)), *self.cancel(rid)]
         await self._publish(messages)
+
+    def _cancelled(self, request_id: str) -> bool:
+        request = self.core.requests.get(request_id)
+        return request is None or request.cancelled
 
     def cancel(self, request_id: str) -> list[tuple[str, WireMessage]]:
         """Stop a request; free its state now, or when its micro-batch comes back."""

@@ -16,6 +16,7 @@ never accepted, and its own row must not be all -inf.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,12 @@ PARSER_LIMITS = dict(
 )
 
 _TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, llguidance.LLTokenizer]] = {}
+# A process's services (the verifier and its drafters) share one llguidance tokenizer per
+# checkpoint, built under a lock: building one holds the GIL for most of a second (two at once
+# starved the event loop of an in-process stack), and transformers' lazy imports are not safe
+# from two threads at once (`from transformers import AutoTokenizer` fails in one of them).
+_CHECKPOINT_TOKENIZERS: dict[tuple[Path, tuple[int, ...]], llguidance.LLTokenizer] = {}
+_BUILDING = threading.Lock()
 
 
 def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
@@ -57,6 +64,20 @@ def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> llguidance.
         eos = list(eos_token_ids) or None
         _TOKENIZERS[key] = (hf_tokenizer, llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos))
     return _TOKENIZERS[key][1]
+
+
+def checkpoint_tokenizer(checkpoint: Path, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of `checkpoint`'s tokenizer, built once per process (~1-2 s)."""
+    key = (Path(checkpoint).resolve(), tuple(int(t) for t in eos_token_ids))
+    with _BUILDING:
+        if key not in _CHECKPOINT_TOKENIZERS:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+            eos = list(key[1]) or None
+            _CHECKPOINT_TOKENIZERS[key] = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
+        return _CHECKPOINT_TOKENIZERS[key]
 
 
 def unpack(bits: np.ndarray, width: int) -> np.ndarray:
@@ -301,11 +322,9 @@ class CheckpointGrammar:
 
     def book(self) -> GrammarBook | None:
         if self._book is None and self._problem is None:
-            from transformers import AutoTokenizer
-
             try:
-                tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-                self._book = GrammarBook.from_hf(tokenizer, self.eos_token_ids)
+                tokenizer = checkpoint_tokenizer(self.checkpoint, self.eos_token_ids)
+                self._book = GrammarBook(tokenizer, self.eos_token_ids)
             except (OSError, ValueError, TypeError) as error:
                 self._problem = f"no usable tokenizer in {self.checkpoint}: {error}"
                 log.warning("structured output is off: %s", self._problem)
