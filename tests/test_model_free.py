@@ -271,6 +271,27 @@ def test_counterfactual_chooser_does_not_retry_a_model_draft_far_behind():
     assert chooser.assign([request], live, None) == {"r": "ngram"}  # below half: not worth it
 
 
+def test_counterfactual_chooser_does_not_write_a_model_off_after_one_unlucky_step():
+    """A model draft's estimate for a request leans on its mean over all requests until the
+    request has run it a few steps: one step that accepted nothing is no verdict."""
+    from shared.scheduling.draft_choice import DraftOutcome
+    from shared.scheduling.factory import make_chooser
+    from shared.scheduling.request import RequestState
+
+    chooser = make_chooser("counterfactual", ["m", "ngram"], model_free=["ngram"])
+    live = ["m", "ngram"]
+    for other in ("a", "b", "c"):  # elsewhere the model commits 5 tokens in 50 ms
+        chooser.observe(DraftOutcome(other, "m", 6, 4, 50.0, 50.0))
+    request = RequestState("r", [1, 2], Params(), 0)
+    chooser.observe(DraftOutcome("r", "m", 6, 0, 50.0, 50.0))  # here: nothing accepted
+    for _ in range(3):  # the copy commits 1.2 tokens in 15 ms, scored on every step
+        chooser.observe(DraftOutcome("r", "ngram", 4, 0, 10.0, 12.5, counterfactual=True))
+    assert chooser.assign([request], live, None) == {"r": "m"}
+    for _ in range(8):  # the model keeps missing here: its own steps outweigh the others'
+        chooser.observe(DraftOutcome("r", "m", 6, 0, 50.0, 50.0))
+    assert chooser.assign([request], live, None) == {"r": "ngram"}
+
+
 def test_a_counterfactual_step_is_priced_as_the_share_it_would_have_had():
     """Alone, a request pays the whole forward however few nodes it verifies; beside others,
     its nodes' share of the larger forward."""

@@ -20,6 +20,11 @@ RECENT_DECAY = 0.7  # the counterfactual chooser's per-request goodput: weight o
 MIN_MODEL_STEPS = 3
 RETRY_AFTER = 8
 EXPLORE_WITHIN = 0.5
+# A model draft's estimate for a request is its recent goodput there shrunk toward the draft's
+# mean over all requests, which counts as PRIOR_STEPS of the request's own steps: one unlucky
+# first step (nothing accepted) would otherwise write the model off for the request's whole
+# life. Model-free drafts are scored on every step, so their own recent goodput stands alone.
+PRIOR_STEPS = 2.0
 
 
 class Counterfactual:
@@ -51,9 +56,14 @@ class Counterfactual:
         self.since_model: dict[str, int] = {}  # request: steps since it last ran a model draft
 
     def estimate(self, request_id: str, model: str) -> float | None:
-        """The request's recent goodput on `model`, else the model's mean over all requests."""
+        """The request's recent goodput on `model` (a model draft's shrunk toward its mean over
+        all requests by `PRIOR_STEPS`), else that mean."""
         own = self.recent.get((request_id, model))
-        return own if own is not None else self.table.model_mean(model)
+        population = self.table.model_mean(model)
+        if own is None or population is None or model in self.model_free:
+            return own if own is not None else population
+        steps = self.model_steps.get((request_id, model), 0)
+        return (PRIOR_STEPS * population + steps * own) / (PRIOR_STEPS + steps)
 
     def assign(
         self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
