@@ -137,16 +137,55 @@ def test_the_command_writes_results_tables_and_plots(tmp_path: Path) -> None:
         assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
+def test_another_model_set_simulates_on_its_own_profiles_and_is_not_replayed() -> None:
+    from bench.slo.__main__ import MODELS, machines, parse_args
+
+    args = parse_args(["rates", "--model-set", "qwen2.5-coder"])
+    labels = [m.label for m in machines(args)]
+    assert labels and all(not label.startswith("SmolLM2") for label in labels)
+    assert any("cpu" in label for label in labels) and any("cuda" in label for label in labels)
+    from tools.sim.acceptance import beam_method
+
+    beams = AcceptanceModel.load(MODELS["qwen2.5-coder"].beams)
+    recorded = AcceptanceModel.load(MODELS["qwen2.5-coder"].recording)
+    assert beams.method == beam_method(8, 4) and set(beams.drafts) <= set(recorded.drafts)
+    with pytest.raises(SystemExit):  # the services would serve SmolLM2
+        parse_args(["real", "--model-set", "qwen2.5-coder"])
+
+
+def test_requests_longer_than_a_recorded_text_keep_its_acceptance() -> None:
+    """The SLO workload's answers outrun the qwen recording's 96 tokens: replayed with its text,
+    a request drafts nothing accepted past the text's end and decodes plainly from there;
+    replayed without it (as bench.slo does), the recorded steps wrap round."""
+    from bench.slo.__main__ import MODELS
+    from bench.slo.workloads import SloRequest
+
+    path = PROFILES / (
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M-cc324af070c2ecbf-cpu-intel-r-xeon-r-processor-"
+        "bfloat16-t2.json"
+    )
+    machine = Machine("intel", CostModel(CostProfile.load(path)), 20.0)
+    recorded = AcceptanceModel.load(MODELS["qwen2.5-coder"].recording)
+    requests = [SloRequest(0.0, "relaxed", 1e6, "chat", "", 40, 384, key) for key in range(3)]
+    drafted = {}
+    for label, model in (("text", recorded), ("steps", recorded.without_text())):
+        assert model.has_text == (label == "text")
+        setup = ex.Setup(machine, model, batch_size=4, draft=recorded.drafts[0], requests=3)
+        records = ex.simulate_selector(requests, setup, "goodput")
+        drafted[label] = sum(r.drafts for r in records) / sum(len(r.chunks) - 1 for r in records)
+    assert drafted["text"] < 0.5 and drafted["steps"] > 0.9, drafted
+
+
 def test_adaserve_replays_unpruned_beams(gpu: Machine, acceptance: AcceptanceModel) -> None:
     """The beam recording holds w = 4 nodes at each of d = 8 layers (nothing cut by path
     probability), so a shallower beam of width 4 shaped from it has 4 nodes at each of its
     layers (and one of depth 1, w nodes); the default recording, pruned at path probability
     0.2, cannot give AdaServe that."""
-    from bench.slo.__main__ import BEAM_RECORDING
+    from bench.slo.__main__ import MODELS
     from shared.values.methods import DraftMethod
     from tools.sim.acceptance import beam_method
 
-    beams = AcceptanceModel.load(BEAM_RECORDING)
+    beams = AcceptanceModel.load(MODELS["smollm2"].beams)
     assert beams.method == beam_method(8, 4) and beams.method.min_path_prob == 0.0
     [session, *_] = [s for s in beams.sessions if s.kind == "chat" and s.draft == "draft-s"]
     shallow = DraftMethod("beam", depth=3, width=4, min_path_prob=0.0)

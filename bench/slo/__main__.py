@@ -4,12 +4,14 @@ simulated (rate sweep and urgent-share sweep) and as real replays through the se
     python -m bench.slo rates  [--rates 0.25 0.5 1 2 4] [--requests 120] [--draws 3]
     python -m bench.slo urgent [--rate 1] [--shares 0.2 0.4 0.6 0.8]
     python -m bench.slo real   [--rates 0.2 0.4 0.8] [--requests 24] [--selectors ...]
+    python -m bench.slo rates --model-set qwen2.5-coder [--rates ...]   (simulated only)
 
 Results go to `--out` (default `docs/results/slo/`): one JSON per experiment and machine with the
 command that made it, and a markdown table. Simulations use every committed cost profile of the
-default target (`--profile` to choose) and the committed acceptance recording; the classes'
-objectives are 1.0x, 2.4x and 8x each profile's baseline latency (one plain-decoding step at
-batch 8).
+model set's target (`--profile` to choose) and its committed acceptance recordings (the
+qwen2.5-coder set: the chat sessions of its mixed recording, with the held-out prompts'
+SmolLM2 answer lengths as the requests' lengths); the classes' objectives are 1.0x, 2.4x and
+8x each profile's baseline latency (one plain-decoding step at batch 8).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +29,43 @@ from shared.model.model_set import REPO_ROOT
 
 OUT = REPO_ROOT / "docs" / "results" / "slo"
 PROFILES = REPO_ROOT / "profiles"
-TARGET = "SmolLM2-135M-Instruct"
-BEAM_RECORDING = PROFILES / f"acceptance-{TARGET}-beam.json.gz"
+
+
+@dataclass(frozen=True)
+class SloModels:
+    """A model set's committed files: its cost profiles (`profiles/<prefix>-*.json`), the
+    recording the baselines replay and AdaServe's recording of unpruned beams."""
+
+    prefix: str
+    recording: Path
+    beams: Path
+
+
+MODELS = {
+    "smollm2": SloModels(
+        "SmolLM2-135M-Instruct",
+        PROFILES / "acceptance-SmolLM2-135M-Instruct.json.gz",
+        PROFILES / "acceptance-SmolLM2-135M-Instruct-beam.json.gz",
+    ),
+    # the 1.5B's chat sessions of the mixed recording (3 prompts, 96 tokens) and its beams
+    "qwen2.5-coder": SloModels(
+        "Qwen2.5-Coder-1.5B",
+        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-mixed.json.gz",
+        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-beam.json.gz",
+    ),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from bench.slo.experiments import SELECTORS
-    from shared.engine.presets import DEFAULT_DRAFT
 
     parser = argparse.ArgumentParser(prog="python -m bench.slo", description=__doc__)
     sub = parser.add_subparsers(dest="experiment", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", type=Path, default=OUT)
-        p.add_argument("--draft", default=DEFAULT_DRAFT)
+        p.add_argument("--model-set", choices=tuple(MODELS), default="smollm2")
+        p.add_argument("--draft", help="default: draft-s for SmolLM2, else the recording's")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--batch-size", type=int, default=16, help="running-set limit")
         p.add_argument("--selectors", nargs="+", default=list(SELECTORS), choices=SELECTORS)
@@ -64,9 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument("--requests", type=int, default=120, help="requests per trace")
         p.add_argument("--draws", type=int, default=3, help="random draws of the trace")
         p.add_argument(
-            "--beam-recording", type=Path, default=BEAM_RECORDING,
+            "--beam-recording", type=Path,
             help="adaserve's candidates: a recording of unpruned beams (tools.sim.acceptance "
-            "--beam 8 4)",
+            "--beam 8 4; default: the model set's committed one)",
         )  # fmt: skip
 
     p = sub.add_parser("rates", help="AdaServe Fig. 4-5: attainment and goodput per rate")
@@ -84,7 +110,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.set_defaults(batch_size=8)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.experiment == "real" and args.model_set != "smollm2":
+        parser.error("real replays serve SmolLM2 only; simulate another set (rates, urgent)")
+    return args
 
 
 # Rates that run from light load to overload on each kind of machine (requests per second).
@@ -96,13 +125,14 @@ def machines(args: argparse.Namespace) -> list[Any]:
     from bench.scheduling.experiments import Machine
     from shared.scheduling.cost_model import CostModel, CostProfile
 
-    paths = args.profile or sorted(PROFILES.glob(f"{TARGET}-*.json"))
+    prefix = MODELS[args.model_set].prefix
+    paths = args.profile or sorted(PROFILES.glob(f"{prefix}-*.json"))
     out = []
     for path in paths:
         cost = CostModel(CostProfile.load(path))
         is_cpu = cost.profile.target.key.device.startswith("cpu")
         overhead = args.step_overhead_ms if is_cpu else 0.0
-        out.append(Machine(Path(path).stem.removeprefix(f"{TARGET}-"), cost, overhead))
+        out.append(Machine(Path(path).stem.removeprefix(f"{prefix}-"), cost, overhead))
     return out
 
 
@@ -126,15 +156,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.scheduling.workloads import load_heldout
     from bench.slo import experiments, reports
     from bench.slo.workloads import Workload
-    from shared.model.model_set import target_dir
+    from shared.engine.presets import DEFAULT_DRAFT
+    from shared.model.model_set import SMOLLM2, model_set_target
     from shared.settings import SloSettings
     from tools.sim.acceptance import AcceptanceModel
 
     args = parse_args(argv)
+    models = MODELS[args.model_set]
     started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir())
+    # the held-out chat prompts in the set's chat template; their answer lengths are SmolLM2's
+    # (the only target labelled): another set's requests run as long as SmolLM2's answers
+    tokenizer = AutoTokenizer.from_pretrained(model_set_target(args.model_set))
     workload = Workload(tokenizer, load_heldout(tokenizer), seed=args.seed)
-    acceptance = AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
+    # a recording with text follows it, and drafts nothing accepted past its end: the SLO
+    # workload's requests run longer than the recorded answers, so the steps replay round
+    acceptance = AcceptanceModel.load(models.recording).without_text()
+    if args.draft is None:  # SmolLM2's default draft; another set's, the one it was recorded with
+        args.draft = DEFAULT_DRAFT if args.model_set == SMOLLM2 else acceptance.drafts[0]
     slo = SloSettings()
     if args.experiment != "real":  # the services take their defaults
         slo = SloSettings(admission=args.admission, throughput_phase=args.throughput_phase)
@@ -149,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(args, "real", result)
         reports.write_markdown(args.out / "real.md", reports.real_markdown(result))
         return 0
-    beams = AcceptanceModel.load(args.beam_recording)
+    beams = AcceptanceModel.load(args.beam_recording or models.beams).without_text()
     for machine in machines(args):
         setup = experiments.Setup(
             machine, acceptance, batch_size=args.batch_size, draft=args.draft, slo=slo,

@@ -40,7 +40,7 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,14 @@ class AcceptanceModel:
     @property
     def kinds(self) -> list[str]:
         return sorted({k for k, _ in self._by_key})
+
+    def without_text(self) -> AcceptanceModel:
+        """The same steps without the prompts' and outputs' token ids: replayed step by step,
+        wrapping round past the last, so a request longer than its recorded text keeps the
+        recorded acceptance (with the text it follows the text, and past its end drafts
+        nothing that is accepted)."""
+        sessions = [replace(s, prompt_tokens=None, output_tokens=None) for s in self.sessions]
+        return AcceptanceModel(self.target, self.method, sessions, self.notes)
 
     @property
     def has_text(self) -> bool:
