@@ -131,3 +131,18 @@ def test_predictors_cannot_read_the_answers_length(
     learned = [seen["learned"][f"sim-{i}"] for i in range(3)]
     assert learned[0] == learned[1] == learned[2] > 2
     assert [seen["oracle"][f"sim-{i}"] for i in range(3)] == [2, 40, 300]
+
+
+def test_the_qwen_set_simulates_the_same_trace_on_its_own_profiles_and_recording() -> None:
+    from bench.scheduling.__main__ import MODELS, acceptance_model, machines, parse_args
+
+    args = parse_args(["paper", "--model-set", "qwen2.5-coder"])
+    prefix, recording = MODELS["qwen2.5-coder"]
+    assert recording.is_file()
+    costs = [m.cost for m in machines(args)]
+    assert costs and all(c.profile.target.key.model.startswith("Qwen2.5-Coder") for c in costs)
+    acceptance = acceptance_model(args)
+    assert args.draft == acceptance.drafts[0] and all(c.has_draft(args.draft) for c in costs)
+    assert {"chat", "code", "math"} <= set(acceptance.kinds)  # every workload's kinds
+    with pytest.raises(SystemExit):  # the engine and the services run SmolLM2
+        parse_args(["real", "--model-set", "qwen2.5-coder"])

@@ -9,7 +9,10 @@ the real engine (Eq. 6's error) and as real replays through the services.
 
 Results go to `--out` (default `docs/results/scheduling/`): one JSON per experiment with the
 command that made it, a markdown table, and a plot. Simulations use every committed cost profile
-of the default target (`--profile` to choose) and the committed acceptance recording.
+of the default target (`--profile` to choose) and the committed acceptance recording; with
+`--model-set qwen2.5-coder` (simulations only) the 1.5B target's profiles and its recording
+with the 0.5B serve the same trace: SmolLM2's held-out prompts and answer lengths, which the
+length predictor was trained on.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from tools.simulate import add_laps_arguments, laps_settings
 OUT = REPO_ROOT / "docs" / "results" / "scheduling"
 PROFILES = REPO_ROOT / "profiles"
 TARGET = "SmolLM2-135M-Instruct"
+# per model set: its cost profiles' name prefix and the acceptance recording the steps replay
+MODELS = {
+    "smollm2": (TARGET, PROFILES / f"acceptance-{TARGET}.json.gz"),
+    "qwen2.5-coder": (
+        "Qwen2.5-Coder-1.5B",
+        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct.json.gz",
+    ),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -41,7 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", type=Path, default=OUT)
-        p.add_argument("--draft", default=DEFAULT_DRAFT)
+        p.add_argument("--model-set", choices=tuple(MODELS), default="smollm2")
+        p.add_argument(
+            "--draft", help=f"default: {DEFAULT_DRAFT} for SmolLM2, else the recording's"
+        )
         p.add_argument("--seed", type=int, default=0)
         add_laps_arguments(p)
 
@@ -89,7 +103,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=["fcfs", "las", "lp-sjf", "laps-sd"])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=1800)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.experiment in ("estimate", "real") and args.model_set != "smollm2":
+        parser.error(f"{args.experiment} runs SmolLM2 only; simulate another set")
+    if args.draft is None:
+        args.draft = (
+            DEFAULT_DRAFT if args.model_set == "smollm2" else acceptance_model(args).drafts[0]
+        )
+    return args
 
 
 def tokenizer() -> Any:
@@ -104,7 +125,7 @@ def machines(args: argparse.Namespace) -> list[Any]:
     from bench.scheduling.experiments import Machine
     from shared.scheduling.cost_model import CostModel, CostProfile
 
-    paths = args.profile or sorted(PROFILES.glob(f"{TARGET}-*.json"))
+    paths = args.profile or sorted(PROFILES.glob(f"{MODELS[args.model_set][0]}-*.json"))
     out = []
     for path in paths:
         cost = CostModel(CostProfile.load(path))
@@ -121,10 +142,10 @@ def machines(args: argparse.Namespace) -> list[Any]:
     return out
 
 
-def acceptance_model() -> Any:
+def acceptance_model(args: argparse.Namespace) -> Any:
     from tools.sim.acceptance import AcceptanceModel
 
-    return AcceptanceModel.load(PROFILES / f"acceptance-{TARGET}.json.gz")
+    return AcceptanceModel.load(MODELS[args.model_set][1])
 
 
 def write(out: Path, name: str, result: dict[str, Any], argv: Sequence[str]) -> Path:
@@ -145,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     laps = laps_settings(args)
     items = load_heldout(tokenizer())
     if args.experiment in SIMULATED:
-        result = SIMULATED[args.experiment](args, machines(args), acceptance_model(), items, laps)
+        result = SIMULATED[args.experiment](
+            args, machines(args), acceptance_model(args), items, laps
+        )
     elif args.experiment == "estimate":
         from bench.scheduling.estimate import estimate
 
@@ -153,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from bench.scheduling.real import real
 
-        result = real(args, items, laps, acceptance_model())
+        result = real(args, items, laps, acceptance_model(args))
     result["wall_s"] = round(time.perf_counter() - started, 1)
     path = write(args.out, args.experiment, result, argv)
     table = markdown(args.experiment, result)
