@@ -19,6 +19,8 @@ from shared.bus import Bus, live_replicas
 from shared.bus.heartbeat import refresh_forever
 from shared.wire.streams import GATEWAY, heartbeat_key, output_stream, output_stream_replica
 
+FORGET_MISSING_TTLS = 10  # a stream missing this many heartbeat TTLs is no longer tracked
+
 
 class GatewayDirectory:
     def __init__(
@@ -34,8 +36,14 @@ class GatewayDirectory:
     async def refresh(self) -> None:
         beats = await live_replicas(self.bus, self.cell, GATEWAY)
         self.live = frozenset(output_stream(self.cell, beat.replica) for beat in beats)
-        for stream in self.live:
-            self._missing_since.pop(stream, None)
+        # forget streams back alive, and those missing long past the point of cancelling
+        forget_after = FORGET_MISSING_TTLS * self.bus.settings.heartbeat_ttl_ms / 1000
+        now = time.monotonic()
+        self._missing_since = {
+            stream: since
+            for stream, since in self._missing_since.items()
+            if stream not in self.live and now - since < forget_after
+        }
         if self._on_refresh is not None:
             await self._on_refresh()
 
