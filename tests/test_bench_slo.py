@@ -154,10 +154,9 @@ def test_another_model_set_simulates_on_its_own_profiles_and_is_not_replayed() -
 
 
 def test_requests_longer_than_a_recorded_text_keep_its_acceptance() -> None:
-    """The SLO workload's answers outrun the qwen recording's 96 tokens: replayed with its text,
-    a request drafts nothing accepted past the text's end and decodes plainly from there;
-    replayed without it (as bench.slo does), the recorded steps wrap round."""
-    from bench.slo.__main__ import MODELS
+    """The SLO workload's answers outrun the qwen mixed recording's 96 tokens: replayed with
+    its text, a request drafts nothing accepted past the text's end and decodes plainly from
+    there; replayed without it (as bench.slo does), the recorded steps wrap round."""
     from bench.slo.workloads import SloRequest
 
     path = PROFILES / (
@@ -165,7 +164,9 @@ def test_requests_longer_than_a_recorded_text_keep_its_acceptance() -> None:
         "bfloat16-t2.json"
     )
     machine = Machine("intel", CostModel(CostProfile.load(path)), 20.0)
-    recorded = AcceptanceModel.load(MODELS["qwen2.5-coder"].recording)
+    recorded = AcceptanceModel.load(
+        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-mixed.json.gz"
+    )
     requests = [SloRequest(0.0, "relaxed", 1e6, "chat", "", 40, 384, key) for key in range(3)]
     drafted = {}
     for label, model in (("text", recorded), ("steps", recorded.without_text())):

@@ -9,8 +9,8 @@ simulated (rate sweep and urgent-share sweep) and as real replays through the se
 Results go to `--out` (default `docs/results/slo/`): one JSON per experiment and machine with the
 command that made it, and a markdown table. Simulations use every committed cost profile of the
 model set's target (`--profile` to choose) and its committed acceptance recordings (the
-qwen2.5-coder set: the chat sessions of its mixed recording, with the held-out prompts'
-SmolLM2 answer lengths as the requests' lengths); the classes' objectives are 1.0x, 2.4x and
+qwen2.5-coder set's with the held-out prompts' SmolLM2 answer lengths as the requests'
+lengths); the classes' objectives are 1.0x, 2.4x and
 8x each profile's baseline latency (one plain-decoding step at batch 8).
 """
 
@@ -47,10 +47,10 @@ MODELS = {
         PROFILES / "acceptance-SmolLM2-135M-Instruct.json.gz",
         PROFILES / "acceptance-SmolLM2-135M-Instruct-beam.json.gz",
     ),
-    # the 1.5B's chat sessions of the mixed recording (3 prompts, 96 tokens) and its beams
+    # the 0.5B's trees and unpruned beams over the 1.5B (3 chat prompts, 96 tokens)
     "qwen2.5-coder": SloModels(
         "Qwen2.5-Coder-1.5B",
-        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-mixed.json.gz",
+        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct.json.gz",
         PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-beam.json.gz",
     ),
 }
