@@ -71,12 +71,10 @@ def checkpoint_tokenizer(checkpoint: Path, eos_token_ids: Sequence[int]) -> llgu
     key = (Path(checkpoint).resolve(), tuple(int(t) for t in eos_token_ids))
     with _BUILDING:
         if key not in _CHECKPOINT_TOKENIZERS:
-            import llguidance.hf
             from transformers import AutoTokenizer
 
             hf_tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-            eos = list(key[1]) or None
-            _CHECKPOINT_TOKENIZERS[key] = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
+            _CHECKPOINT_TOKENIZERS[key] = ll_tokenizer(hf_tokenizer, key[1])
         return _CHECKPOINT_TOKENIZERS[key]
 
 
