@@ -134,11 +134,11 @@ def test_predictors_cannot_read_the_answers_length(
 
 
 def test_the_qwen_set_simulates_the_same_trace_on_its_own_profiles_and_recording() -> None:
-    from bench.scheduling.__main__ import MODELS, acceptance_model, machines, parse_args
+    from bench.model_set_files import SET_FILES
+    from bench.scheduling.__main__ import acceptance_model, machines, parse_args
 
     args = parse_args(["paper", "--model-set", "qwen2.5-coder"])
-    prefix, recording = MODELS["qwen2.5-coder"]
-    assert recording.is_file()
+    assert SET_FILES["qwen2.5-coder"].recording.is_file()
     costs = [m.cost for m in machines(args)]
     assert costs and all(c.profile.target.key.model.startswith("Qwen2.5-Coder") for c in costs)
     acceptance = acceptance_model(args)

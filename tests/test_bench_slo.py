@@ -138,16 +138,16 @@ def test_the_command_writes_results_tables_and_plots(tmp_path: Path) -> None:
 
 
 def test_another_model_set_simulates_on_its_own_profiles_and_is_not_replayed() -> None:
-    from bench.slo.__main__ import MODELS, machines, parse_args
+    from bench.model_set_files import SET_FILES
+    from bench.slo.__main__ import machines, parse_args
+    from tools.sim.acceptance import beam_method
 
     args = parse_args(["rates", "--model-set", "qwen2.5-coder"])
     labels = [m.label for m in machines(args)]
     assert labels and all(not label.startswith("SmolLM2") for label in labels)
     assert any("cpu" in label for label in labels) and any("cuda" in label for label in labels)
-    from tools.sim.acceptance import beam_method
-
-    beams = AcceptanceModel.load(MODELS["qwen2.5-coder"].beams)
-    recorded = AcceptanceModel.load(MODELS["qwen2.5-coder"].recording)
+    beams = AcceptanceModel.load(SET_FILES["qwen2.5-coder"].beams)
+    recorded = AcceptanceModel.load(SET_FILES["qwen2.5-coder"].recording)
     assert beams.method == beam_method(8, 4) and set(beams.drafts) <= set(recorded.drafts)
     with pytest.raises(SystemExit):  # the services would serve SmolLM2
         parse_args(["real", "--model-set", "qwen2.5-coder"])
@@ -182,11 +182,11 @@ def test_adaserve_replays_unpruned_beams(gpu: Machine, acceptance: AcceptanceMod
     probability), so a shallower beam of width 4 shaped from it has 4 nodes at each of its
     layers (and one of depth 1, w nodes); the default recording, pruned at path probability
     0.2, cannot give AdaServe that."""
-    from bench.slo.__main__ import MODELS
+    from bench.model_set_files import SET_FILES
     from shared.values.methods import DraftMethod
     from tools.sim.acceptance import beam_method
 
-    beams = AcceptanceModel.load(MODELS["smollm2"].beams)
+    beams = AcceptanceModel.load(SET_FILES["smollm2"].beams)
     assert beams.method == beam_method(8, 4) and beams.method.min_path_prob == 0.0
     [session, *_] = [s for s in beams.sessions if s.kind == "chat" and s.draft == "draft-s"]
     shallow = DraftMethod("beam", depth=3, width=4, min_path_prob=0.0)

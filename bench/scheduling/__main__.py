@@ -25,26 +25,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.model.model_set import REPO_ROOT
+from bench.model_set_files import SET_FILES, default_draft, load_recording
+from shared.model.model_set import REPO_ROOT, SMOLLM2
 from tools.simulate import add_laps_arguments, laps_settings
 
 OUT = REPO_ROOT / "docs" / "results" / "scheduling"
-PROFILES = REPO_ROOT / "profiles"
-TARGET = "SmolLM2-135M-Instruct"
-# per model set: its cost profiles' name prefix and the acceptance recording the steps replay
-MODELS = {
-    "smollm2": (TARGET, PROFILES / f"acceptance-{TARGET}.json.gz"),
-    "qwen2.5-coder": (
-        "Qwen2.5-Coder-1.5B",
-        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct.json.gz",
-    ),
-}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from bench.scheduling.experiments import POLICY_RUNS
     from bench.scheduling.workloads import WORKLOADS
-    from shared.engine.presets import DEFAULT_DRAFT
 
     parser = argparse.ArgumentParser(prog="python -m bench.scheduling", description=__doc__)
     sub = parser.add_subparsers(dest="experiment", required=True)
@@ -52,10 +42,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", type=Path, default=OUT)
-        p.add_argument("--model-set", choices=tuple(MODELS), default="smollm2")
-        p.add_argument(
-            "--draft", help=f"default: {DEFAULT_DRAFT} for SmolLM2, else the recording's"
-        )
+        p.add_argument("--model-set", choices=tuple(SET_FILES), default=SMOLLM2)
+        p.add_argument("--draft", help="default: draft-s for SmolLM2, else the recording's")
         p.add_argument("--seed", type=int, default=0)
         add_laps_arguments(p)
 
@@ -104,12 +92,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=1800)
     args = parser.parse_args(argv)
-    if args.experiment in ("estimate", "real") and args.model_set != "smollm2":
+    if args.experiment in ("estimate", "real") and args.model_set != SMOLLM2:
         parser.error(f"{args.experiment} runs SmolLM2 only; simulate another set")
-    if args.draft is None:
-        args.draft = (
-            DEFAULT_DRAFT if args.model_set == "smollm2" else acceptance_model(args).drafts[0]
-        )
+    args.draft = args.draft or default_draft(args.model_set)
     return args
 
 
@@ -125,7 +110,7 @@ def machines(args: argparse.Namespace) -> list[Any]:
     from bench.scheduling.experiments import Machine
     from shared.scheduling.cost_model import CostModel, CostProfile
 
-    paths = args.profile or sorted(PROFILES.glob(f"{MODELS[args.model_set][0]}-*.json"))
+    paths = args.profile or SET_FILES[args.model_set].profiles()
     out = []
     for path in paths:
         cost = CostModel(CostProfile.load(path))
@@ -143,9 +128,7 @@ def machines(args: argparse.Namespace) -> list[Any]:
 
 
 def acceptance_model(args: argparse.Namespace) -> Any:
-    from tools.sim.acceptance import AcceptanceModel
-
-    return AcceptanceModel.load(MODELS[args.model_set][1])
+    return load_recording(SET_FILES[args.model_set].recording)
 
 
 def write(out: Path, name: str, result: dict[str, Any], argv: Sequence[str]) -> Path:

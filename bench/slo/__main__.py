@@ -8,10 +8,10 @@ simulated (rate sweep and urgent-share sweep) and as real replays through the se
 
 Results go to `--out` (default `docs/results/slo/`): one JSON per experiment and machine with the
 command that made it, and a markdown table. Simulations use every committed cost profile of the
-model set's target (`--profile` to choose) and its committed acceptance recordings (the
-qwen2.5-coder set's with the held-out prompts' SmolLM2 answer lengths as the requests'
-lengths); the classes' objectives are 1.0x, 2.4x and
-8x each profile's baseline latency (one plain-decoding step at batch 8).
+model set's target (`--profile` to choose) and its committed acceptance recordings
+(`bench/model_set_files.py`; another set's serve the held-out prompts with SmolLM2's answer
+lengths); the classes' objectives are 1.0x, 2.4x and 8x each profile's baseline latency (one
+plain-decoding step at batch 8).
 """
 
 from __future__ import annotations
@@ -21,39 +21,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.model.model_set import REPO_ROOT
+from bench.model_set_files import SET_FILES, default_draft, load_recording
+from shared.model.model_set import REPO_ROOT, SMOLLM2
 
 OUT = REPO_ROOT / "docs" / "results" / "slo"
-PROFILES = REPO_ROOT / "profiles"
-
-
-@dataclass(frozen=True)
-class SloModels:
-    """A model set's committed files: its cost profiles (`profiles/<prefix>-*.json`), the
-    recording the baselines replay and AdaServe's recording of unpruned beams."""
-
-    prefix: str
-    recording: Path
-    beams: Path
-
-
-MODELS = {
-    "smollm2": SloModels(
-        "SmolLM2-135M-Instruct",
-        PROFILES / "acceptance-SmolLM2-135M-Instruct.json.gz",
-        PROFILES / "acceptance-SmolLM2-135M-Instruct-beam.json.gz",
-    ),
-    # the 0.5B's trees and unpruned beams over the 1.5B (3 chat prompts, 96 tokens)
-    "qwen2.5-coder": SloModels(
-        "Qwen2.5-Coder-1.5B",
-        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct.json.gz",
-        PROFILES / "acceptance-Qwen2.5-Coder-1.5B-Instruct-beam.json.gz",
-    ),
-}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -64,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", type=Path, default=OUT)
-        p.add_argument("--model-set", choices=tuple(MODELS), default="smollm2")
+        p.add_argument("--model-set", choices=tuple(SET_FILES), default=SMOLLM2)
         p.add_argument("--draft", help="default: draft-s for SmolLM2, else the recording's")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--batch-size", type=int, default=16, help="running-set limit")
@@ -111,7 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.set_defaults(batch_size=8)
     args = parser.parse_args(argv)
-    if args.experiment == "real" and args.model_set != "smollm2":
+    if args.experiment == "real" and args.model_set != SMOLLM2:
         parser.error("real replays serve SmolLM2 only; simulate another set (rates, urgent)")
     return args
 
@@ -125,8 +99,8 @@ def machines(args: argparse.Namespace) -> list[Any]:
     from bench.scheduling.experiments import Machine
     from shared.scheduling.cost_model import CostModel, CostProfile
 
-    prefix = MODELS[args.model_set].prefix
-    paths = args.profile or sorted(PROFILES.glob(f"{prefix}-*.json"))
+    prefix = SET_FILES[args.model_set].prefix
+    paths = args.profile or SET_FILES[args.model_set].profiles()
     out = []
     for path in paths:
         cost = CostModel(CostProfile.load(path))
@@ -156,13 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.scheduling.workloads import load_heldout
     from bench.slo import experiments, reports
     from bench.slo.workloads import Workload
-    from shared.engine.presets import DEFAULT_DRAFT
-    from shared.model.model_set import SMOLLM2, model_set_target
+    from shared.model.model_set import model_set_target
     from shared.settings import SloSettings
     from tools.sim.acceptance import AcceptanceModel
 
     args = parse_args(argv)
-    models = MODELS[args.model_set]
+    files = SET_FILES[args.model_set]
     started = time.monotonic()
     # the held-out chat prompts in the set's chat template; their answer lengths are SmolLM2's
     # (the only target labelled): another set's requests run as long as SmolLM2's answers
@@ -170,9 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = Workload(tokenizer, load_heldout(tokenizer), seed=args.seed)
     # a recording with text follows it, and drafts nothing accepted past its end: the SLO
     # workload's requests run longer than the recorded answers, so the steps replay round
-    acceptance = AcceptanceModel.load(models.recording).without_text()
-    if args.draft is None:  # SmolLM2's default draft; another set's, the one it was recorded with
-        args.draft = DEFAULT_DRAFT if args.model_set == SMOLLM2 else acceptance.drafts[0]
+    acceptance = load_recording(files.recording).without_text()
+    args.draft = args.draft or default_draft(args.model_set)
     slo = SloSettings()
     if args.experiment != "real":  # the services take their defaults
         slo = SloSettings(admission=args.admission, throughput_phase=args.throughput_phase)
@@ -187,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(args, "real", result)
         reports.write_markdown(args.out / "real.md", reports.real_markdown(result))
         return 0
-    beams = AcceptanceModel.load(args.beam_recording or models.beams).without_text()
+    beams = AcceptanceModel.load(args.beam_recording or files.beams).without_text()
     for machine in machines(args):
         setup = experiments.Setup(
             machine, acceptance, batch_size=args.batch_size, draft=args.draft, slo=slo,
