@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_model_free import DATASET_KINDS, Models, prompts
+from shared.model.hf_checkpoint import load_transformers_model
 from shared.model.loader import read_config
 from shared.model.model_set import MODEL_SETS, model_set_drafts
 from shared.model.precision import TARGET_DTYPES
@@ -67,28 +68,12 @@ def engine_run(models: Models, config: str, max_tokens: int) -> Run:
     return run
 
 
-def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """A transformers model from one of our checkpoint directories (their shards carry no index
-    file, so the state dict is loaded here, strictly)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dtype)
-    state = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        state |= load_file(shard)
-    if "lm_head.weight" not in state and model.config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
-    return model.to(dtype).eval()
-
-
 def assisted_run(models: Models, target_dtype: torch.dtype, max_tokens: int) -> Run:
     """transformers' `generate` with `assistant_model`: the set's first model draft that
     transformers can load (a full output head), in fp32."""
     draft_dir = next(p for p in models.draft_dirs.values() if not read_config(p).num_output_tokens)
-    target = hf_model(models.target_dir, target_dtype)
-    draft = hf_model(draft_dir, torch.float32)
+    target = load_transformers_model(models.target_dir, target_dtype)
+    draft = load_transformers_model(draft_dir, torch.float32)
     eos = list(models.target.cfg.eos_token_ids)
 
     def run(prompt: list[int]) -> tuple[list[int], int | None, dict[str, int]]:

@@ -24,13 +24,24 @@ import torch
 
 from distill import data
 from distill.evaluate import METHOD_KEYS
-from distill.model import DRAFT_SPECS, DraftSpec, TrainableDraft, export_draft, load_trainable
+from distill.model import (
+    DRAFT_SPECS,
+    MODEL_SET_DRAFTS,
+    DraftSpec,
+    TrainableDraft,
+    export_draft,
+    load_trainable,
+)
 from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, train_draft
 from shared.model.model_set import (
     ALL_DRAFT_NAMES,
     DRAFT_NAMES,
     DRAFTS_DIR,
+    MODEL_SETS,
+    QWEN_DRAFTS_DIR,
     REPO_ROOT,
+    SMOLLM2,
+    model_set_target,
     target_dir,
 )
 
@@ -64,25 +75,31 @@ def build(args: argparse.Namespace) -> None:
     started = time.time()
     torch.set_num_threads(args.threads)
     seed_everything(SEED)
-    tdir = target_dir()
-    cache_dir: Path = args.cache
+    model_set: str = args.model_set
+    recipe = data.RECIPES[model_set]
+    tdir = model_set_target(model_set)
+    cache_dir: Path = args.cache or default_cache(model_set)
+    out_dir: Path = args.out or default_out(model_set)
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    cache = data.build_topk_cache(cache_dir, tdir)
+    cache = data.build_topk_cache(cache_dir, tdir, recipe)
     data_seconds = time.time() - t0
-    gen_starts = data.load_gen_starts(cache_dir)
+    gen_starts = data.load_gen_starts(cache_dir, recipe)
     fingerprint = tokenizer_fingerprint(tdir)
-    eos, bos = int(fingerprint["eos_token_id"]), int(fingerprint["bos_token_id"])
-    from safetensors.torch import load_file
-
-    target_tensors = load_file(str(tdir / "model.safetensors"))
+    eos = int(fingerprint["eos_token_id"])
+    bos = int(fingerprint["bos_token_id"] if fingerprint["bos_token_id"] is not None else eos)
+    target_tensors = target_init_tensors(tdir, model_set)
     target_embedding = target_tensors["model.embed_tokens.weight"]
     target_cfg = json.loads((tdir / "config.json").read_text())
     rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
-    names = args.drafts.split(",") if args.drafts else list(ALL_DRAFT_NAMES)
+    set_names = MODEL_SET_DRAFTS[model_set]
+    names = args.drafts.split(",") if args.drafts else list(set_names)
+    unknown = [n for n in names if n not in set_names]
+    if unknown:
+        raise SystemExit(f"{unknown} are not drafts of {model_set}: {list(set_names)}")
     features = None
     if any(DRAFT_SPECS[n].is_feature_level for n in names):
-        features = data.load_features(cache_dir)
+        features = data.load_features(cache_dir, recipe)
     summary = {
         "sequences": cache.num_sequences,
         "tokens": len(cache.tokens),
@@ -92,7 +109,7 @@ def build(args: argparse.Namespace) -> None:
     }
     print(json.dumps({"distillation_data": summary}))
     for name in names:
-        i = ALL_DRAFT_NAMES.index(name)  # the seed depends on the draft, not on the subset built
+        i = set_names.index(name)  # the seed depends on the draft, not on the subset built
         seed_everything(SEED + i)
         earlier = None
         if args.continue_from is not None:
@@ -103,9 +120,7 @@ def build(args: argparse.Namespace) -> None:
             earlier = json.loads((args.continue_from / name / "metadata.json").read_text())
         else:
             spec = DRAFT_SPECS[name]
-            vocab = data.output_vocabulary(
-                cache, spec.num_output_tokens, must_include=[bos, eos, 0]
-            )
+            vocab = output_vocabulary(model_set, cache, spec, must_include=[bos, eos, 0])
             draft = TrainableDraft(
                 spec,
                 target_embedding.shape[0],
@@ -138,7 +153,7 @@ def build(args: argparse.Namespace) -> None:
             stats["lr"] = spec.lr
         meta = {
             "name": name,
-            "target": "SmolLM2-135M-Instruct",
+            "target": tdir.name,
             "tokenizer": "the target's (load it from the target checkpoint)",
             "reads": "the target's features (last layer, after the final norm) and tokens"
             if spec.is_feature_level
@@ -149,27 +164,78 @@ def build(args: argparse.Namespace) -> None:
             "distillation_data": summary,
             "training": stats,
             "rebuild": rebuild_command(args, name, spec, earlier),
+            "model_set": model_set,
         }
-        out = export_draft(
-            draft, args.out / name, bos_token_id=bos, eos_token_id=eos, metadata=meta
-        )
+        out = export_draft(draft, out_dir / name, bos_token_id=bos, eos_token_id=eos, metadata=meta)
         print(json.dumps({"exported": str(out), **stats}))
     print(json.dumps({"build_seconds": round(time.time() - started, 1)}))
+
+
+def default_cache(model_set: str) -> Path:
+    """SmolLM2's distillation files in .cache/distill, another set's in a folder of its name."""
+    return DEFAULT_CACHE if model_set == SMOLLM2 else DEFAULT_CACHE / model_set
+
+
+def default_out(model_set: str) -> Path:
+    """Where a set's drafts are written (and committed): models/drafts, models/<set>."""
+    return DRAFTS_DIR if model_set == SMOLLM2 else QWEN_DRAFTS_DIR
+
+
+def target_init_tensors(tdir: Path, model_set: str) -> dict[str, torch.Tensor]:
+    """The target's tensors the drafts are initialized from: all of SmolLM2's (its drafts copy
+    layers); of a bigger target only the embedding, head and final norm a feature draft reads."""
+    from safetensors import safe_open
+
+    wanted = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(tdir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if model_set == SMOLLM2 or key in wanted:
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+def output_vocabulary(
+    model_set: str, cache: data.TopKCache, spec: DraftSpec, must_include: list[int]
+) -> np.ndarray:
+    """SmolLM2's drafts: the tokens the target ranks first most often in the cache. qwen2.5-coder:
+    the 32k-token head's vocabulary (counted over 4 M tokens of documents, more than the cache)."""
+    if model_set == SMOLLM2:
+        return data.output_vocabulary(cache, spec.num_output_tokens, must_include)
+    from safetensors import safe_open
+
+    from shared.model import qwen_coder
+    from shared.model.loader import OUTPUT_TOKEN_IDS_KEY
+
+    cut = qwen_coder.cut_draft_dir() / "model.safetensors"
+    if not cut.is_file():
+        raise SystemExit(f"{cut} missing: run `bash scripts/install-qwen-coder.sh` first")
+    with safe_open(str(cut), framework="pt") as f:
+        ids = f.get_tensor(OUTPUT_TOKEN_IDS_KEY).long().numpy()
+    if len(ids) != spec.num_output_tokens:
+        raise SystemExit(
+            f"{cut} has {len(ids)} output tokens, {spec.name} wants {spec.num_output_tokens}"
+        )
+    return np.sort(ids)
 
 
 def rebuild_command(
     args: argparse.Namespace, name: str, spec: DraftSpec, earlier: dict | None
 ) -> str:
     """How to make this draft again: the earlier draft's commands, then this build's."""
+    first = "python -m distill build --out models/drafts"
+    if args.model_set != SMOLLM2:
+        first = f"python -m distill build --model-set {args.model_set} --steps {spec.train_steps}"
     if earlier is None:
-        return "python -m distill build --out models/drafts"
+        return first
     command = (
         f"python -m distill build --drafts {name} --continue-from models/drafts "
         f"--steps {spec.train_steps} --lr {spec.lr}"
     )
     if spec.is_feature_level:
         command += f" --feature-passes {args.feature_passes} --level-context {args.level_context}"
-    before = earlier.get("rebuild", "python -m distill build --out models/drafts")
+    before = earlier.get("rebuild", first)
     return f"{before}, then {command}"
 
 
@@ -351,8 +417,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="rebuild the drafts from scratch")
-    b.add_argument("--out", type=Path, default=DRAFTS_DIR)
-    b.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    b.add_argument(
+        "--model-set",
+        choices=MODEL_SETS,
+        default=SMOLLM2,
+        help="whose drafts: smollm2's four (committed in models/drafts) or qwen2.5-coder's "
+        "feature draft (written beside the installed checkpoints)",
+    )
+    b.add_argument("--out", type=Path, default=None, help="default: by model set (above)")
+    b.add_argument(
+        "--cache", type=Path, default=None, help=f"default: {DEFAULT_CACHE}[/<model set>]"
+    )
     b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(ALL_DRAFT_NAMES))
     b.add_argument("--threads", type=int, default=2)
     b.add_argument(

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from shared import datasets
+from shared.model.hf_checkpoint import load_transformers_model
 
 TOP_K = 32
 MAX_USER_CHARS = 1200
@@ -36,32 +37,67 @@ GEN_PROMPTS = {"chat": 5500, "code": 1200, "math": 819, "everyday": 273}
 DOCUMENTS = {"chat": 3000, "code": 150, "math": 150}
 
 
-def data_tag() -> str:
-    """Names the sequence and top-k cache files after what they were built from, so changing a
-    count above rebuilds them (answers are kept and extended)."""
-    recipe = [GEN_PROMPTS, DOCUMENTS, GEN_TOKENS, MAX_DOC_TOKENS, MAX_USER_CHARS, TOP_K]
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+@dataclass(frozen=True)
+class Recipe:
+    """What a model set's distillation data is built from; its files are named after it."""
+
+    gen_prompts: dict[str, int]
+    documents: dict[str, int]
+    gen_tokens: int = GEN_TOKENS
+    max_doc_tokens: int = MAX_DOC_TOKENS
+    max_user_chars: int = MAX_USER_CHARS
+    top_k: int = TOP_K
+    answer_batch: int = 50  # prompts the target answers at once
+
+    def tag(self) -> str:
+        """Changing a count rebuilds the sequence and top-k files (answers are kept, extended)."""
+        recipe = [
+            self.gen_prompts,
+            self.documents,
+            self.gen_tokens,
+            self.max_doc_tokens,
+            self.max_user_chars,
+            self.top_k,
+        ]
+        return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def sequences_path(cache_dir: Path) -> Path:
-    return cache_dir / f"sequences-{data_tag()}.json"
+# SmolLM2-135M's drafts. The 1.5B of `qwen2.5-coder` costs about 11x as much a token, so its
+# feature draft learns from a smaller set (about 40 minutes of target time on a 2-core AMX CPU).
+RECIPES = {
+    "smollm2": Recipe(GEN_PROMPTS, DOCUMENTS),
+    "qwen2.5-coder": Recipe(
+        {"chat": 160, "code": 80, "math": 40, "everyday": 40},
+        {"chat": 200, "code": 60, "math": 60},
+        answer_batch=16,
+    ),
+}
+SMOLLM2_RECIPE = RECIPES["smollm2"]
 
 
-def features_path(cache_dir: Path) -> Path:
+def data_tag(recipe: Recipe = SMOLLM2_RECIPE) -> str:
+    return recipe.tag()
+
+
+def sequences_path(cache_dir: Path, recipe: Recipe = SMOLLM2_RECIPE) -> Path:
+    return cache_dir / f"sequences-{recipe.tag()}.json"
+
+
+def features_path(cache_dir: Path, recipe: Recipe = SMOLLM2_RECIPE) -> Path:
     """The target's features (last layer after the final norm, fp16 [N, hidden]) at every position
     of every sequence, aligned with the top-k cache: what the feature-level draft reads."""
-    return cache_dir / f"target_features-{data_tag()}.npy"
+    return cache_dir / f"target_features-{recipe.tag()}.npy"
 
 
-def load_gen_starts(cache_dir: Path) -> np.ndarray:
+def load_gen_starts(cache_dir: Path, recipe: Recipe = SMOLLM2_RECIPE) -> np.ndarray:
     """Where each cached sequence's target answer starts (0 for documents): [num_sequences]."""
-    seqs = json.loads(sequences_path(cache_dir).read_text())
+    seqs = json.loads(sequences_path(cache_dir, recipe).read_text())
     return np.array([s["gen_start"] for s in seqs], dtype=np.int64)
 
 
-def load_features(cache_dir: Path) -> np.ndarray:
-    """The feature cache, memory-mapped (about 3.2 GB for the default recipe)."""
-    return np.load(features_path(cache_dir), mmap_mode="r")
+def load_features(cache_dir: Path, recipe: Recipe = SMOLLM2_RECIPE) -> np.ndarray:
+    """The feature cache, memory-mapped (about 3.2 GB for SmolLM2's recipe)."""
+    return np.load(features_path(cache_dir, recipe), mmap_mode="r")
 
 
 @dataclass
@@ -155,19 +191,23 @@ def greedy_generate(
     return out
 
 
-def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
+def build_sequences(
+    cache_dir: Path, target_dir: Path, recipe: Recipe = SMOLLM2_RECIPE
+) -> list[dict]:
     """Token sequences (prompt + target answer, and documents); cached as sequences-*.json."""
-    path = sequences_path(cache_dir)
+    path = sequences_path(cache_dir, recipe)
     if path.is_file():
         return json.loads(path.read_text())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     eos = int(tok.eos_token_id)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    model = load_transformers_model(target_dir, torch.bfloat16)
     seqs: list[dict] = []
-    for kind, n in GEN_PROMPTS.items():
-        prompts = [prompt_ids(tok, m[:MAX_USER_CHARS]) for m in datasets.distill_prompts(kind, n)]
+    for kind, n in recipe.gen_prompts.items():
+        prompts = [
+            prompt_ids(tok, m[: recipe.max_user_chars]) for m in datasets.distill_prompts(kind, n)
+        ]
         # Per-kind checkpoint of the slow part. Prompts are a fixed prefix-stable list, so a
         # checkpoint made with fewer prompts is extended, not redone.
         part = cache_dir / f"answers_{kind}.json"
@@ -176,19 +216,19 @@ def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
             answers += greedy_generate(
                 model,
                 prompts[len(answers) :],
-                max_new_tokens=GEN_TOKENS,
+                max_new_tokens=recipe.gen_tokens,
                 eos_id=eos,
-                batch_size=50,
+                batch_size=recipe.answer_batch,
                 desc=f"target answers ({kind})",
             )
             cache_dir.mkdir(parents=True, exist_ok=True)
             part.write_text(json.dumps(answers))
         for p, a in zip(prompts, answers, strict=True):
             seqs.append({"kind": kind, "generated": True, "tokens": p + a, "gen_start": len(p)})
-    for kind, n in DOCUMENTS.items():
+    for kind, n in recipe.documents.items():
         for conv in datasets.distill_documents(kind, n):
             conv = [(r, c[:4000]) for r, c in conv]
-            ids = chat_ids(tok, conv, generation_prompt=False)[:MAX_DOC_TOKENS]
+            ids = chat_ids(tok, conv, generation_prompt=False)[: recipe.max_doc_tokens]
             seqs.append({"kind": kind, "generated": False, "tokens": ids, "gen_start": 0})
     cache_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(seqs))
@@ -196,23 +236,27 @@ def build_sequences(cache_dir: Path, target_dir: Path) -> list[dict]:
 
 
 @torch.inference_mode()
-def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6144) -> TopKCache:
+def build_topk_cache(
+    cache_dir: Path,
+    target_dir: Path,
+    recipe: Recipe = SMOLLM2_RECIPE,
+    *,
+    batch_tokens: int = 6144,
+) -> TopKCache:
     """Target top-k log-probs at every position of every sequence; cached as target_topk-*.npz.
 
     The same pass writes the target's features beside it (`features_path`)."""
-    path = cache_dir / f"target_topk-{data_tag()}.npz"
-    feats_path = features_path(cache_dir)
+    path = cache_dir / f"target_topk-{recipe.tag()}.npz"
+    feats_path = features_path(cache_dir, recipe)
     if path.is_file() and feats_path.is_file():
         return TopKCache.load(path)
-    from transformers import AutoModelForCausalLM
-
-    seqs = build_sequences(cache_dir, target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    seqs = build_sequences(cache_dir, target_dir, recipe)
+    model = load_transformers_model(target_dir, torch.bfloat16)
     lengths = np.array([len(s["tokens"]) for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     total = int(offsets[-1])
-    topk_ids = np.zeros((total, TOP_K), dtype=np.int32)
-    topk_logp = np.zeros((total, TOP_K), dtype=np.float16)
+    topk_ids = np.zeros((total, recipe.top_k), dtype=np.int32)
+    topk_logp = np.zeros((total, recipe.top_k), dtype=np.float16)
     hidden_size = int(model.config.hidden_size)
     partial = feats_path.with_suffix(".partial.npy")
     features = np.lib.format.open_memmap(
@@ -233,7 +277,7 @@ def build_topk_cache(cache_dir: Path, target_dir: Path, *, batch_tokens: int = 6
         for r, s in enumerate(idx):
             h = hidden[r, : lengths[s]]
             logp = torch.log_softmax(model.lm_head(h).float(), dim=-1)
-            val, ind = logp.topk(TOP_K, dim=-1)
+            val, ind = logp.topk(recipe.top_k, dim=-1)
             lo = int(offsets[s])
             topk_ids[lo : lo + len(h)] = ind.numpy().astype(np.int32)
             topk_logp[lo : lo + len(h)] = val.numpy().astype(np.float16)

@@ -87,7 +87,20 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
         intermediate_size=1536, embedding_rank=None, num_output_tokens=8192,
         train_steps=3000, lr=1e-3, shares_target_embedding=True, feature_size=576,
     ),
+    # The qwen2.5-coder 1.5B's feature draft: one layer at the target's width (12 / 2 heads of
+    # 128 as the target's), a narrower MLP than the target's 8960 to train in under an hour on
+    # two cores; its output vocabulary is the 32k-token head's of `qwen2.5-coder-0.5b-32k`.
+    "qwen2.5-coder-e": DraftSpec(
+        "qwen2.5-coder-e", hidden_size=1536, num_layers=1, num_heads=12, num_kv_heads=2,
+        intermediate_size=4096, embedding_rank=None, num_output_tokens=32768,
+        train_steps=1200, lr=1e-3, shares_target_embedding=True, feature_size=1536,
+    ),
 }  # fmt: skip
+# The drafts `python -m distill build --model-set NAME` trains, in seed order.
+MODEL_SET_DRAFTS: dict[str, tuple[str, ...]] = {
+    "smollm2": ("draft-s", "draft-m", "draft-l", "draft-e"),
+    "qwen2.5-coder": ("qwen2.5-coder-e",),
+}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -84,6 +84,10 @@ def default_model_set() -> ModelSet:
 # ---- model sets by name (`--model-set`, `AUGURY_MODELS__MODEL_SET`) ----------------------------
 SMOLLM2 = "smollm2"
 MODEL_SETS = (SMOLLM2, "qwen2.5-coder")
+# qwen2.5-coder's feature draft, trained here (`python -m distill build --model-set
+# qwen2.5-coder`) and committed like SmolLM2's drafts; it reads the installed 1.5B's embedding.
+QWEN_FEATURE_DRAFT_NAME = "qwen2.5-coder-e"
+QWEN_DRAFTS_DIR = REPO_ROOT / "models" / "qwen2.5-coder"
 
 
 def _check_set(name: str) -> None:
@@ -111,6 +115,9 @@ def model_set_drafts(name: str = SMOLLM2, *, served: bool = False) -> dict[str, 
     from shared.model import qwen_coder
 
     full = {qwen_coder.DRAFT_NAME: qwen_coder.checkpoint_dir(qwen_coder.DRAFT)}
+    feature = QWEN_DRAFTS_DIR / QWEN_FEATURE_DRAFT_NAME
+    if (feature / "config.json").is_file():
+        full[QWEN_FEATURE_DRAFT_NAME] = feature
     cut = qwen_coder.cut_draft_dir()
     if not (cut / "config.json").is_file():  # installed before the installer wrote it
         return full
