@@ -226,7 +226,10 @@ def rebuild_command(
     """How to make this draft again: the earlier draft's commands, then this build's."""
     first = "python -m distill build --out models/drafts"
     if args.model_set != SMOLLM2:
-        first = f"python -m distill build --model-set {args.model_set} --steps {spec.train_steps}"
+        first = (
+            f"python -m distill build --model-set {args.model_set} --steps {spec.train_steps} "
+            f"--feature-passes {args.feature_passes} --level-context {args.level_context}"
+        )
     if earlier is None:
         return first
     command = (
