@@ -425,7 +425,7 @@ def main() -> None:
         choices=MODEL_SETS,
         default=SMOLLM2,
         help="whose drafts: smollm2's four (committed in models/drafts) or qwen2.5-coder's "
-        "feature draft (written beside the installed checkpoints)",
+        "feature draft (committed in models/qwen2.5-coder)",
     )
     b.add_argument("--out", type=Path, default=None, help="default: by model set (above)")
     b.add_argument(

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shared.model.loader import read_target_embedding
+from shared.model.model_set import ALL_DRAFT_NAMES, QWEN_FEATURE_DRAFT_NAME, SMOLLM2
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ DRAFT_SPECS: dict[str, DraftSpec] = {
 }  # fmt: skip
 # The drafts `python -m distill build --model-set NAME` trains, in seed order.
 MODEL_SET_DRAFTS: dict[str, tuple[str, ...]] = {
-    "smollm2": ("draft-s", "draft-m", "draft-l", "draft-e"),
-    "qwen2.5-coder": ("qwen2.5-coder-e",),
+    SMOLLM2: ALL_DRAFT_NAMES,
+    "qwen2.5-coder": (QWEN_FEATURE_DRAFT_NAME,),
 }
 
 
