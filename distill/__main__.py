@@ -4,6 +4,7 @@
     python -m distill eval --drafts models/drafts    # acceptance, costs, winners -> eval.json
     python -m distill kinds --names draft-e          # through the real engine, per prompt kind
     python -m distill winners                        # fastest draft per request, all four drafts
+    python -m distill fusion --steps 600             # EAGLE-3's fused layers against the last
 
 Fixed seeds throughout; the target's top-k cache lives in --cache (ignored by git) and is reused
 when present (delete it to start over).
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distill import data
+from distill import data, fusion
 from distill.evaluate import METHOD_KEYS
 from distill.model import (
     DRAFT_SPECS,
@@ -38,7 +39,6 @@ from shared.model.model_set import (
     DRAFT_NAMES,
     DRAFTS_DIR,
     MODEL_SETS,
-    QWEN_DRAFTS_DIR,
     REPO_ROOT,
     SMOLLM2,
     model_set_target,
@@ -78,8 +78,8 @@ def build(args: argparse.Namespace) -> None:
     model_set: str = args.model_set
     recipe = data.RECIPES[model_set]
     tdir = model_set_target(model_set)
-    cache_dir: Path = args.cache or default_cache(model_set)
-    out_dir: Path = args.out or default_out(model_set)
+    cache_dir: Path = args.cache or DEFAULT_CACHE / recipe.cache_subdir
+    out_dir: Path = args.out or recipe.drafts_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     cache = data.build_topk_cache(cache_dir, tdir, recipe)
@@ -88,7 +88,7 @@ def build(args: argparse.Namespace) -> None:
     fingerprint = tokenizer_fingerprint(tdir)
     eos = int(fingerprint["eos_token_id"])
     bos = int(fingerprint["bos_token_id"] if fingerprint["bos_token_id"] is not None else eos)
-    target_tensors = target_init_tensors(tdir, model_set)
+    target_tensors = data.target_init_tensors(tdir, recipe)
     target_embedding = target_tensors["model.embed_tokens.weight"]
     target_cfg = json.loads((tdir / "config.json").read_text())
     rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
@@ -120,7 +120,7 @@ def build(args: argparse.Namespace) -> None:
             earlier = json.loads((args.continue_from / name / "metadata.json").read_text())
         else:
             spec = DRAFT_SPECS[name]
-            vocab = output_vocabulary(model_set, cache, spec, must_include=[bos, eos, 0])
+            vocab = data.draft_vocabulary(recipe, cache, spec.num_output_tokens, [bos, eos, 0])
             draft = TrainableDraft(
                 spec,
                 target_embedding.shape[0],
@@ -169,55 +169,6 @@ def build(args: argparse.Namespace) -> None:
         out = export_draft(draft, out_dir / name, bos_token_id=bos, eos_token_id=eos, metadata=meta)
         print(json.dumps({"exported": str(out), **stats}))
     print(json.dumps({"build_seconds": round(time.time() - started, 1)}))
-
-
-def default_cache(model_set: str) -> Path:
-    """SmolLM2's distillation files in .cache/distill, another set's in a folder of its name."""
-    return DEFAULT_CACHE if model_set == SMOLLM2 else DEFAULT_CACHE / model_set
-
-
-def default_out(model_set: str) -> Path:
-    """Where a set's drafts are written (and committed): models/drafts, models/<set>."""
-    return DRAFTS_DIR if model_set == SMOLLM2 else QWEN_DRAFTS_DIR
-
-
-def target_init_tensors(tdir: Path, model_set: str) -> dict[str, torch.Tensor]:
-    """The target's tensors the drafts are initialized from: all of SmolLM2's (its drafts copy
-    layers); of a bigger target only the embedding, head and final norm a feature draft reads."""
-    from safetensors import safe_open
-
-    wanted = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(tdir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if model_set == SMOLLM2 or key in wanted:
-                    out[key] = f.get_tensor(key)
-    return out
-
-
-def output_vocabulary(
-    model_set: str, cache: data.TopKCache, spec: DraftSpec, must_include: list[int]
-) -> np.ndarray:
-    """SmolLM2's drafts: the tokens the target ranks first most often in the cache. qwen2.5-coder:
-    the 32k-token head's vocabulary (counted over 4 M tokens of documents, more than the cache)."""
-    if model_set == SMOLLM2:
-        return data.output_vocabulary(cache, spec.num_output_tokens, must_include)
-    from safetensors import safe_open
-
-    from shared.model import qwen_coder
-    from shared.model.loader import OUTPUT_TOKEN_IDS_KEY
-
-    cut = qwen_coder.cut_draft_dir() / "model.safetensors"
-    if not cut.is_file():
-        raise SystemExit(f"{cut} missing: run `bash scripts/install-qwen-coder.sh` first")
-    with safe_open(str(cut), framework="pt") as f:
-        ids = f.get_tensor(OUTPUT_TOKEN_IDS_KEY).long().numpy()
-    if len(ids) != spec.num_output_tokens:
-        raise SystemExit(
-            f"{cut} has {len(ids)} output tokens, {spec.name} wants {spec.num_output_tokens}"
-        )
-    return np.sort(ids)
 
 
 def rebuild_command(
@@ -419,6 +370,7 @@ def draft_weights_option(p: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    fusion.add_parser(sub)
     b = sub.add_parser("build", help="rebuild the drafts from scratch")
     b.add_argument(
         "--model-set",
@@ -510,6 +462,8 @@ def main() -> None:
         winners_cmd(args)
     elif args.cmd == "levels":
         levels_cmd(args)
+    elif args.cmd == "fusion":
+        fusion.run(args)
     else:
         evaluate_cmd(args)
 

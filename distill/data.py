@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from shared import datasets
 from shared.model.hf_checkpoint import load_transformers_model
+from shared.model.model_set import DRAFTS_DIR, QWEN_DRAFTS_DIR
 
 TOP_K = 32
 MAX_USER_CHARS = 1200
@@ -48,6 +51,16 @@ class Recipe:
     max_user_chars: int = MAX_USER_CHARS
     top_k: int = TOP_K
     answer_batch: int = 50  # prompts the target answers at once
+    # where the set's files go: a folder under .cache/distill ("": SmolLM2's, there first) and
+    # the drafts' folder (committed)
+    cache_subdir: str = ""
+    drafts_dir: Path = DRAFTS_DIR
+    # SmolLM2's drafts copy its layers (every target tensor is read); a bigger target's feature
+    # draft reads only its embedding, head and final norm
+    copies_target_layers: bool = True
+    # the output vocabulary: the tokens the target ranks first most often in the top-k cache, or
+    # (qwen2.5-coder) the 32k-token head's, counted over 4 M tokens of documents
+    cut_vocabulary: bool = False
 
     def tag(self) -> str:
         """Changing a count rebuilds the sequence and top-k files (answers are kept, extended)."""
@@ -70,6 +83,10 @@ RECIPES = {
         {"chat": 160, "code": 80, "math": 40, "everyday": 40},
         {"chat": 200, "code": 60, "math": 60},
         answer_batch=16,
+        cache_subdir="qwen2.5-coder",
+        drafts_dir=QWEN_DRAFTS_DIR,
+        copies_target_layers=False,
+        cut_vocabulary=True,
     ),
 }
 SMOLLM2_RECIPE = RECIPES["smollm2"]
@@ -262,17 +279,8 @@ def build_topk_cache(
     features = np.lib.format.open_memmap(
         partial, mode="w+", dtype=np.float16, shape=(total, hidden_size)
     )
-    order = np.argsort(-lengths, kind="stable")
     bar = tqdm(total=total, desc="target top-k cache", unit="tok", unit_scale=True)
-    i = 0
-    while i < len(order):
-        width = int(lengths[order[i]])
-        rows = max(1, batch_tokens // width)
-        idx = order[i : i + rows]
-        ids = torch.full((len(idx), width), 0, dtype=torch.long)
-        for r, s in enumerate(idx):
-            ids[r, : lengths[s]] = torch.tensor(seqs[s]["tokens"])
-        # Right padding under a causal mask leaves every real position's output unchanged.
+    for idx, ids in padded_batches(seqs, lengths, batch_tokens):
         hidden = model.model(input_ids=ids).last_hidden_state
         for r, s in enumerate(idx):
             h = hidden[r, : lengths[s]]
@@ -283,7 +291,6 @@ def build_topk_cache(
             topk_logp[lo : lo + len(h)] = val.numpy().astype(np.float16)
             features[lo : lo + len(h)] = h.float().numpy().astype(np.float16)
         bar.update(int(lengths[idx].sum()))
-        i += len(idx)
     bar.close()
     features.flush()
     del features
@@ -298,6 +305,103 @@ def build_topk_cache(
     )
     cache.save(path)
     return cache
+
+
+def padded_batches(
+    seqs: list[dict], lengths: np.ndarray, batch_tokens: int
+) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    """(sequence indices, right-padded token ids [rows, width]) of up to `batch_tokens` tokens,
+    longest sequences first. Right padding under a causal mask leaves every real position's
+    output unchanged."""
+    order = np.argsort(-lengths, kind="stable")
+    i = 0
+    while i < len(order):
+        width = int(lengths[order[i]])
+        idx = order[i : i + max(1, batch_tokens // width)]
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, s in enumerate(idx):
+            ids[r, : lengths[s]] = torch.tensor(seqs[s]["tokens"])
+        yield idx, ids
+        i += len(idx)
+
+
+def fused_features_path(cache_dir: Path, recipe: Recipe, layers: tuple[int, ...]) -> Path:
+    names = "-".join(str(layer) for layer in layers)
+    return cache_dir / f"target_fused_features-{recipe.tag()}-layers{names}.npy"
+
+
+@torch.inference_mode()
+def build_fused_features(
+    cache_dir: Path,
+    target_dir: Path,
+    recipe: Recipe,
+    layers: tuple[int, ...],
+    *,
+    batch_tokens: int = 6144,
+) -> np.ndarray:
+    """The outputs of the target's `layers` (0-based, before the final norm) side by side at
+    every position of every cached sequence: [N, len(layers) * hidden] fp16, aligned with the
+    top-k cache (EAGLE-3's fused features; a second teacher-forced pass, cached)."""
+    path = fused_features_path(cache_dir, recipe, layers)
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+    seqs = build_sequences(cache_dir, target_dir, recipe)
+    model = load_transformers_model(target_dir, torch.bfloat16)
+    if max(layers) >= model.config.num_hidden_layers:
+        raise ValueError(f"layers {layers}: the target has {model.config.num_hidden_layers}")
+    lengths = np.array([len(s["tokens"]) for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    width = len(layers) * int(model.config.hidden_size)
+    partial = path.with_suffix(".partial.npy")
+    out = np.lib.format.open_memmap(
+        partial, mode="w+", dtype=np.float16, shape=(int(offsets[-1]), width)
+    )
+    bar = tqdm(total=int(offsets[-1]), desc="target fused features", unit="tok", unit_scale=True)
+    for idx, ids in padded_batches(seqs, lengths, batch_tokens):
+        states = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        fused = torch.cat([states[layer + 1] for layer in layers], dim=-1)  # [0]: embeddings
+        for r, s in enumerate(idx):
+            lo = int(offsets[s])
+            out[lo : lo + lengths[s]] = fused[r, : lengths[s]].float().numpy().astype(np.float16)
+        bar.update(int(lengths[idx].sum()))
+    bar.close()
+    out.flush()
+    del out
+    partial.replace(path)
+    return np.load(path, mmap_mode="r")
+
+
+def target_init_tensors(tdir: Path, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The target's tensors the drafts are initialized from: all of them where the drafts copy
+    its layers (SmolLM2's), else only the embedding, head and final norm a feature draft reads."""
+    wanted = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(tdir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if recipe.copies_target_layers or key in wanted:
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+def draft_vocabulary(
+    recipe: Recipe, cache: TopKCache, size: int, must_include: list[int]
+) -> np.ndarray:
+    """A new draft's output tokens: those the target ranks first most often in the cache
+    (`output_vocabulary`), or the 32k-token head's (`Recipe.cut_vocabulary`)."""
+    if not recipe.cut_vocabulary:
+        return output_vocabulary(cache, size, must_include)
+    from shared.model import qwen_coder
+    from shared.model.loader import OUTPUT_TOKEN_IDS_KEY
+
+    cut = qwen_coder.cut_draft_dir() / "model.safetensors"
+    if not cut.is_file():
+        raise SystemExit(f"{cut} missing: run `bash scripts/install-qwen-coder.sh` first")
+    with safe_open(str(cut), framework="pt") as f:
+        ids = f.get_tensor(OUTPUT_TOKEN_IDS_KEY).long().numpy()
+    if len(ids) != size:
+        raise SystemExit(f"{cut} has {len(ids)} output tokens, the draft wants {size}")
+    return np.sort(ids)
 
 
 def output_vocabulary(cache: TopKCache, size: int, must_include: list[int]) -> np.ndarray:

@@ -53,10 +53,20 @@ class DraftSpec:
     # beside its token, fused by `feature_fc`; the draft predicts the target's next feature and
     # reads the target's own output head (frozen, not exported) from it.
     feature_size: int = 0
+    # EAGLE-3's fusion (an experiment, `python -m distill fusion`): the target's features are the
+    # outputs of these target layers side by side (low, middle, high), projected to
+    # `feature_size` by `fuse`; deeper tree levels read the draft's own output instead, and no
+    # loss regresses it onto the target's features. Empty: the last layer's (after the final norm).
+    fused_layers: tuple[int, ...] = ()
 
     @property
     def is_feature_level(self) -> bool:
         return self.feature_size > 0
+
+    @property
+    def regresses_features(self) -> bool:
+        """Whether training pulls the draft's output toward the target's next feature."""
+        return self.is_feature_level and not self.fused_layers
 
     @property
     def head_dim(self) -> int:
@@ -174,6 +184,8 @@ class TrainableDraft(nn.Module):
             if spec.is_feature_level
             else None
         )
+        width = len(spec.fused_layers) * spec.feature_size
+        self.fuse = nn.Linear(width, spec.feature_size, bias=False) if width else None
         self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = nn.Linear(spec.hidden_size, len(output_token_ids), bias=False)
@@ -222,6 +234,9 @@ class TrainableDraft(nn.Module):
             if self.feature_fc is not None:  # start by passing the target's feature through
                 fc = self.feature_fc.weight.data  # [hidden, hidden + feature]
                 fc[:, spec.hidden_size :] = torch.eye(spec.hidden_size, spec.feature_size)
+            if self.fuse is not None:  # ... and of the fused ones, the highest layer's
+                fused = self.fuse.weight.data  # [feature, layers * feature]
+                fused[:, -spec.feature_size :] += torch.eye(spec.feature_size)
             return
         centered = emb - emb.mean(0, keepdim=True)
         _, _, vh = torch.linalg.svd(centered[:: max(1, len(emb) // 16384)], full_matrices=False)
@@ -238,13 +253,18 @@ class TrainableDraft(nn.Module):
         """input_ids [B, T] -> logits [B, T, N] over the reduced output vocabulary (fp32)."""
         return self.forward_features(input_ids)[0]
 
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the draft reads them: [B, T, F] (fused layers [B, T, L * F]
+        projected to F by `fuse`; the last layer's as they are)."""
+        return features if self.fuse is None else self.fuse(features.to(self.fuse.weight.dtype))
+
     def forward_features(
         self, input_ids: torch.Tensor, features: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] (and, feature-level, the target's features [B, T, F] at the position
-        before each token) -> logits [B, T, N] (fp32) and output features [B, T, hidden] (the
-        final norm's output, what the head reads: a feature-level draft's prediction of the
-        target's feature at the token's position)."""
+        before each token, as `target_features` returns them) -> logits [B, T, N] (fp32) and
+        output features [B, T, hidden] (the final norm's output, what the head reads: a
+        feature-level draft's prediction of the target's feature at the token's position)."""
         return self._forward(self._embed(input_ids), features, None)
 
     def forward_levels(
@@ -252,10 +272,11 @@ class TrainableDraft(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A feature-level draft's tree levels 1..num_levels at every pair, teacher-forced.
 
-        Level 1 is `forward_features` on the target's features. Level L at pair i is the node
-        L - 1 deep in a chain rooted at pair i - L + 1: it reads the feature level L - 1
-        predicted at pair i - 1 and attends, as when drafting, to the committed context (level
-        1's keys at pairs <= i - L + 1) and to its chain (level l's key at pair i - L + l).
+        Level 1 is `forward_features` on the target's features (`target_features`). Level L
+        at pair i is the node L - 1 deep in a chain rooted at pair i - L + 1: it reads the
+        feature level L - 1 predicted at pair i - 1 and attends, as when drafting, to the
+        committed context (level 1's keys at pairs <= i - L + 1) and to its chain (level l's
+        key at pair i - L + l).
         Returns (logits [B, T, N], predicted features [B, T, hidden]) per level."""
         x0 = self._embed(input_ids)
         keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
@@ -376,6 +397,11 @@ def export_draft(
     metadata: dict,
 ) -> Path:
     """Write config.json + fp16 model.safetensors (HF LLaMA tensor names) + metadata.json."""
+    if draft.fuse is not None:
+        raise ValueError(
+            f"{draft.spec.name} fuses several target layers: an experiment the serving runtime "
+            "cannot feed (its verifier returns the last layer's features)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     t: dict[str, torch.Tensor] = {"model.norm.weight": draft.norm}
     if not draft.spec.is_feature_level:  # a feature-level draft reads the target's head

@@ -168,7 +168,8 @@ def draft_losses(
     if not draft.spec.is_feature_level:
         ids, tgt, prob, weight = batch
         return distill_loss(draft(ids), tgt, prob, weight)
-    ids, tgt, prob, weight, feats, next_feats = batch
+    ids, tgt, prob, weight, target_feats, next_feats = batch
+    feats = draft.target_features(target_feats)
     if level_context == "chain":
         passes = draft.forward_levels(ids, feats, feature_passes)
     else:
@@ -180,7 +181,9 @@ def draft_losses(
     agreements = []
     for logits, predicted in passes:
         ce, agree = distill_loss(logits, tgt, prob, weight)
-        loss = loss + ce + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
+        loss = loss + ce
+        if draft.spec.regresses_features:
+            loss = loss + FEATURE_WEIGHT * feature_loss(predicted, next_feats, weight)
         agreements.append(agree)
     return loss, agreements[0]
 
@@ -198,7 +201,8 @@ def answer_agreement(
         ids, tgt, prob, weight, *feature_inputs = builder(seq_ids)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if feature_inputs:
-                logits = draft.forward_levels(ids, feature_inputs[0], level)[-1][0]
+                feats = draft.target_features(feature_inputs[0])
+                logits = draft.forward_levels(ids, feats, level)[-1][0]
             else:
                 logits = draft(ids)
         # answer positions carry ANSWER_WEIGHT; the top-1 must be inside the draft's vocabulary

@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from distill import data
-from distill.__main__ import target_init_tensors
 from distill.model import DRAFT_SPECS, MODEL_SET_DRAFTS, TrainableDraft, export_draft
 from shared.engine.drafting import Drafter
 from shared.engine.spec_engine import SpecEngine
@@ -55,7 +54,7 @@ def qwen_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def feature_draft(qwen_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tensors = target_init_tensors(qwen_target, "qwen2.5-coder")
+    tensors = data.target_init_tensors(qwen_target, data.RECIPES["qwen2.5-coder"])
     draft = TrainableDraft(SPEC, VOCAB, torch.arange(0, 96, 2), rope_theta=1e6, max_positions=256)
     draft.init_from_target(tensors, seed=0)
     with torch.no_grad():  # make the token half of the fusion matter too
@@ -72,12 +71,13 @@ def test_the_set_trains_its_feature_draft_from_its_own_recipe():
     smollm2, qwen = data.RECIPES["smollm2"], data.RECIPES["qwen2.5-coder"]
     assert qwen.tag() != smollm2.tag()  # its files never overwrite SmolLM2's
     assert data.features_path(Path("c"), qwen) != data.features_path(Path("c"))
+    assert qwen.cache_subdir and qwen.drafts_dir != smollm2.drafts_dir  # nor its drafts theirs
 
 
 def test_a_bigger_target_lends_only_what_a_feature_draft_reads(qwen_target: Path):
-    tensors = target_init_tensors(qwen_target, "qwen2.5-coder")
+    tensors = data.target_init_tensors(qwen_target, data.RECIPES["qwen2.5-coder"])
     assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight"}  # tied: no head
-    everything = target_init_tensors(qwen_target, "smollm2")
+    everything = data.target_init_tensors(qwen_target, data.RECIPES["smollm2"])
     assert "model.layers.0.self_attn.q_proj.bias" in everything
 
 
