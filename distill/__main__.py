@@ -370,7 +370,6 @@ def draft_weights_option(p: argparse.ArgumentParser) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m distill", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    fusion.add_parser(sub)
     b = sub.add_parser("build", help="rebuild the drafts from scratch")
     b.add_argument(
         "--model-set",
@@ -451,6 +450,7 @@ def main() -> None:
     lv.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     lv.add_argument("--levels", type=int, default=4)
     lv.add_argument("--threads", type=int, default=2)
+    fusion.add_parser(sub)
     args = parser.parse_args()
     if args.cmd == "build":
         build(args)
