@@ -100,18 +100,25 @@ def flag_pattern(node: ast.AST) -> str | None:
 
 @functools.cache
 def declared_flags(path: Path) -> frozenset[str]:
-    """Patterns of the '--x' flags a module and the repository modules it imports spell."""
-    tree = ast.parse(path.read_text())
-    flags = {pattern for node in ast.walk(tree) if (pattern := flag_pattern(node))}
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            if name.split(".")[0] in PACKAGES and (dep := module_file(name)) and dep != path:
-                flags |= declared_flags(dep)
+    """Patterns of the '--x' flags a module and the repository modules it imports spell
+    (imports that run in a circle, as a package's `__main__` and a module importing the
+    package do, are followed once)."""
+    flags: set[str] = set()
+    todo, seen = [path], {path}
+    while todo:
+        tree = ast.parse(todo.pop().read_text())
+        flags |= {pattern for node in ast.walk(tree) if (pattern := flag_pattern(node))}
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                dep = module_file(name) if name.split(".")[0] in PACKAGES else None
+                if dep is not None and dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
     return frozenset(flags)
 
 
