@@ -207,17 +207,23 @@ def running_sum_cache(num_sequences: int = 80, length: int = 24, seed: int = 0):
     return cache, features, vocab
 
 
-def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
-    monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
-    monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
-    cache, features, vocab = running_sum_cache()
-    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=600, lr=1e-2, feature_size=16)
+def random_draft(spec: DraftSpec, vocab: int) -> TrainableDraft:
+    """A tiny draft over the whole `vocab`, its matrices drawn at 0.1 (seeded)."""
     torch.manual_seed(0)
     draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
     gen = torch.Generator().manual_seed(0)
     for p in draft.parameters():
         if p.dim() == 2:
             p.data.normal_(0.0, 0.1, generator=gen)
+    return draft
+
+
+def test_training_learns_a_rule_only_the_features_reveal(monkeypatch):
+    monkeypatch.setattr(train, "VALIDATION_EVERY", 4)
+    monkeypatch.setattr(train, "EVAL_INTERVAL", 100)
+    cache, features, vocab = running_sum_cache()
+    spec = DraftSpec("t-e", 16, 1, 2, 1, 64, None, vocab, train_steps=600, lr=1e-2, feature_size=16)
+    draft = random_draft(spec, vocab)
     starts = np.zeros(cache.num_sequences, np.int64)
     stats = train.train_draft(draft, spec, cache, starts, seed=0, features=features)
     assert stats["held_out_answer_top1"] > 0.9  # the mean of the first and the second level

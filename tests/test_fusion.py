@@ -14,7 +14,7 @@ import torch
 
 from distill import data, fusion, train
 from distill.model import DraftSpec, TrainableDraft, export_draft
-from tests.test_feature_draft import running_sum_cache
+from tests.test_feature_draft import random_draft, running_sum_cache
 
 SEQUENCES = [[1, 5, 9], [8, 7, 3, 44, 12, 80, 6], [3, 2, 3, 4, 5]]  # no shared prefix
 
@@ -80,12 +80,7 @@ def test_a_fused_draft_learns_what_only_a_low_layer_carries(monkeypatch):
     cache, features, vocab = fused_cache(80)
     spec = DraftSpec("t-e3", 16, 1, 2, 1, 64, None, vocab, 200, 1e-2, feature_size=16)
     spec = replace(spec, fused_layers=(0, 1, 2))
-    torch.manual_seed(0)
-    draft = TrainableDraft(spec, vocab, torch.arange(vocab), max_positions=64)
-    gen = torch.Generator().manual_seed(0)
-    for p in draft.parameters():
-        if p.dim() == 2:
-            p.data.normal_(0.0, 0.1, generator=gen)
+    draft = random_draft(spec, vocab)
     starts = np.zeros(cache.num_sequences, np.int64)
     # one pass (level 1 alone): the deeper levels' own features are another matter
     stats = train.train_draft(
