@@ -4,7 +4,7 @@
     python -m distill eval --drafts models/drafts    # acceptance, costs, winners -> eval.json
     python -m distill kinds --names draft-e          # through the real engine, per prompt kind
     python -m distill winners                        # fastest draft per request, all four drafts
-    python -m distill fusion --steps 600             # EAGLE-3's fused layers against the last
+    python -m distill fusion --steps 500             # EAGLE-3's fused layers against the last
 
 Fixed seeds throughout; the target's top-k cache lives in --cache (ignored by git) and is reused
 when present (delete it to start over).

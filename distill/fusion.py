@@ -1,7 +1,7 @@
 """EAGLE-3's fusion of a low, a middle and a high target layer against the last layer's features,
 for one feature-level draft: both variants on the same data, seed, schedule and passes.
 
-    python -m distill fusion --steps 600 --out docs/results/draft-e/fusion.json
+    python -m distill fusion --steps 500 --out fusion.json   # SmolLM2: 21 + 2 x 13 min here
     python -m distill fusion --model-set qwen2.5-coder --steps 300
 
 The baseline is the set's committed spec (`draft-e`, `qwen2.5-coder-e`): it reads the target's
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fusion", help="EAGLE-3's fused layers against the last layer's features")
     f.add_argument("--model-set", choices=list(RECIPES), default=SMOLLM2)
-    f.add_argument("--steps", type=int, default=600, help="training steps of each variant")
+    f.add_argument("--steps", type=int, default=500, help="training steps of each variant")
     f.add_argument("--feature-passes", type=int, default=FEATURE_PASSES)
     f.add_argument("--threads", type=int, default=2)
     f.add_argument("--cache", type=Path, default=None, help=f"default: {CACHE}[/<model set>]")
