@@ -13,62 +13,36 @@ when present (delete it to start over).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import random
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from distill import data, fusion
+from distill.data import tokenizer_fingerprint
 from distill.evaluate import METHOD_KEYS
 from distill.model import (
     DRAFT_SPECS,
     MODEL_SET_DRAFTS,
     DraftSpec,
-    TrainableDraft,
     export_draft,
     load_trainable,
+    new_draft,
 )
-from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, train_draft
+from distill.train import FEATURE_PASSES, LEVEL_CONTEXT, seed_everything, train_draft
 from shared.model.model_set import (
     ALL_DRAFT_NAMES,
     DRAFT_NAMES,
     DRAFTS_DIR,
     MODEL_SETS,
-    REPO_ROOT,
     SMOLLM2,
     model_set_target,
     target_dir,
 )
 
 SEED = 1234
-DEFAULT_CACHE = REPO_ROOT / ".cache" / "distill"
-
-
-def tokenizer_fingerprint(tokenizer_dir: Path) -> dict:
-    """What a draft must share with the target's tokenizer: vocab, special tokens."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
-    return {
-        "vocab_size": len(tok),
-        "vocab_sha256": digest,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-    }
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def build(args: argparse.Namespace) -> None:
@@ -78,7 +52,7 @@ def build(args: argparse.Namespace) -> None:
     model_set: str = args.model_set
     recipe = data.RECIPES[model_set]
     tdir = model_set_target(model_set)
-    cache_dir: Path = args.cache or DEFAULT_CACHE / recipe.cache_subdir
+    cache_dir: Path = args.cache or recipe.cache_dir
     out_dir: Path = args.out or recipe.drafts_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -86,12 +60,8 @@ def build(args: argparse.Namespace) -> None:
     data_seconds = time.time() - t0
     gen_starts = data.load_gen_starts(cache_dir, recipe)
     fingerprint = tokenizer_fingerprint(tdir)
-    eos = int(fingerprint["eos_token_id"])
-    bos = int(fingerprint["bos_token_id"] if fingerprint["bos_token_id"] is not None else eos)
+    bos, eos = data.bos_eos(fingerprint)
     target_tensors = data.target_init_tensors(tdir, recipe)
-    target_embedding = target_tensors["model.embed_tokens.weight"]
-    target_cfg = json.loads((tdir / "config.json").read_text())
-    rope = target_cfg.get("rope_theta") or target_cfg["rope_parameters"]["rope_theta"]
     set_names = MODEL_SET_DRAFTS[model_set]
     names = args.drafts.split(",") if args.drafts else list(set_names)
     unknown = [n for n in names if n not in set_names]
@@ -121,15 +91,7 @@ def build(args: argparse.Namespace) -> None:
         else:
             spec = DRAFT_SPECS[name]
             vocab = data.draft_vocabulary(recipe, cache, spec.num_output_tokens, [bos, eos, 0])
-            draft = TrainableDraft(
-                spec,
-                target_embedding.shape[0],
-                torch.from_numpy(vocab),
-                rope_theta=float(rope),
-                max_positions=int(target_cfg["max_position_embeddings"]),
-                rms_norm_eps=float(target_cfg["rms_norm_eps"]),
-            )
-            draft.init_from_target(target_tensors, seed=SEED + i)
+            draft = new_draft(spec, tdir, target_tensors, torch.from_numpy(vocab), SEED + i)
         spec = replace(
             draft.spec,
             train_steps=args.steps or draft.spec.train_steps,
@@ -380,7 +342,7 @@ def main() -> None:
     )
     b.add_argument("--out", type=Path, default=None, help="default: by model set (above)")
     b.add_argument(
-        "--cache", type=Path, default=None, help=f"default: {DEFAULT_CACHE}[/<model set>]"
+        "--cache", type=Path, default=None, help=f"default: {data.CACHE_ROOT}[/<model set>]"
     )
     b.add_argument("--drafts", default="", help="subset, e.g. " + ",".join(ALL_DRAFT_NAMES))
     b.add_argument("--threads", type=int, default=2)
@@ -410,7 +372,7 @@ def main() -> None:
         "eval", help="evaluate the token-level drafts against the target (feature-level: levels)"
     )
     e.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
-    e.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    e.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
     e.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--out", type=Path, default=None)
@@ -418,7 +380,7 @@ def main() -> None:
     t = sub.add_parser("trees", help="tree drafting through the real engine, a few requests")
     t.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     t.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
-    t.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    t.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
     t.add_argument("--n", type=int, default=40)
     t.add_argument("--per-kind", type=int, default=4)
     t.add_argument("--max-new-tokens", type=int, default=128)
@@ -426,7 +388,7 @@ def main() -> None:
     k = sub.add_parser("kinds", help="drafts through the real engine, per prompt kind")
     k.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     k.add_argument("--names", default="draft-e")
-    k.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    k.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
     k.add_argument("--n", type=int, default=40, help="evaluation prompts per kind")
     k.add_argument("--max-new-tokens", type=int, default=128)
     k.add_argument("--threads", type=int, default=2)
@@ -439,7 +401,7 @@ def main() -> None:
     w = sub.add_parser("winners", help="fastest draft per request, through the real engine")
     w.add_argument("--drafts", type=Path, default=DRAFTS_DIR)
     w.add_argument("--names", default=",".join(ALL_DRAFT_NAMES))
-    w.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    w.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
     w.add_argument("--n", type=int, default=20, help="evaluation prompts per kind")
     w.add_argument("--max-new-tokens", type=int, default=128)
     w.add_argument("--chain", type=int, default=4)
@@ -447,7 +409,7 @@ def main() -> None:
     draft_weights_option(w)
     lv = sub.add_parser("levels", help="a feature-level draft's held-out top-1 per tree level")
     lv.add_argument("drafts", type=Path, nargs="+", help="draft directories")
-    lv.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    lv.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
     lv.add_argument("--levels", type=int, default=4)
     lv.add_argument("--threads", type=int, default=2)
     fusion.add_parser(sub)

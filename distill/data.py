@@ -29,8 +29,9 @@ from tqdm import tqdm
 
 from shared import datasets
 from shared.model.hf_checkpoint import load_transformers_model
-from shared.model.model_set import DRAFTS_DIR, QWEN_DRAFTS_DIR
+from shared.model.model_set import DRAFTS_DIR, QWEN_DRAFTS_DIR, REPO_ROOT
 
+CACHE_ROOT = REPO_ROOT / ".cache" / "distill"  # ignored by git
 TOP_K = 32
 MAX_USER_CHARS = 1200
 MAX_DOC_TOKENS = 384
@@ -61,6 +62,10 @@ class Recipe:
     # the output vocabulary: the tokens the target ranks first most often in the top-k cache, or
     # (qwen2.5-coder) the 32k-token head's, counted over 4 M tokens of documents
     cut_vocabulary: bool = False
+
+    @property
+    def cache_dir(self) -> Path:
+        return CACHE_ROOT / self.cache_subdir
 
     def tag(self) -> str:
         """Changing a count rebuilds the sequence and top-k files (answers are kept, extended)."""
@@ -369,6 +374,29 @@ def build_fused_features(
     del out
     partial.replace(path)
     return np.load(path, mmap_mode="r")
+
+
+def tokenizer_fingerprint(tokenizer_dir: Path) -> dict:
+    """What a draft must share with the target's tokenizer: vocab, special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
+    return {
+        "vocab_size": len(tok),
+        "vocab_sha256": digest,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
+def bos_eos(fingerprint: dict) -> tuple[int, int]:
+    """(bos, eos) of a `tokenizer_fingerprint`; a tokenizer without a bos token uses its eos."""
+    eos = int(fingerprint["eos_token_id"])
+    bos = fingerprint["bos_token_id"]
+    return (int(bos) if bos is not None else eos), eos
 
 
 def target_init_tensors(tdir: Path, recipe: Recipe) -> dict[str, torch.Tensor]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,12 +27,11 @@ import numpy as np
 import torch
 
 from distill import data
-from distill.model import DRAFT_SPECS, MODEL_SET_DRAFTS, DraftSpec, TrainableDraft
-from distill.train import FEATURE_PASSES, train_draft
-from shared.model.model_set import REPO_ROOT, SMOLLM2, model_set_target
+from distill.model import DRAFT_SPECS, MODEL_SET_DRAFTS, DraftSpec, new_draft
+from distill.train import FEATURE_PASSES, seed_everything, train_draft
+from shared.model.model_set import SMOLLM2, model_set_target
 
 SEED = 1234
-CACHE = REPO_ROOT / ".cache" / "distill"
 # A tenth of SmolLM2's committed recipe (700 answers, about 12 minutes on a 2-core AMD EPYC; the
 # same prompts' first answers, shared with a full build's cache)
 RECIPES = {
@@ -65,9 +63,9 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     recipe = RECIPES[args.model_set]
     tdir = model_set_target(args.model_set)
-    cache_dir = args.cache or CACHE / recipe.cache_subdir
-    cfg = json.loads((tdir / "config.json").read_text())
-    layers = fused_layers(int(cfg["num_hidden_layers"]))
+    cache_dir = args.cache or recipe.cache_dir
+    num_layers = json.loads((tdir / "config.json").read_text())["num_hidden_layers"]
+    layers = fused_layers(int(num_layers))
     started = time.time()
     cache = data.build_topk_cache(cache_dir, tdir, recipe)
     gen_starts = data.load_gen_starts(cache_dir, recipe)
@@ -82,24 +80,14 @@ def run(args: argparse.Namespace) -> dict:
         "fused": (replace(base, name=f"{base.name}-fused", fused_layers=layers), fused),
     }
     tensors = data.target_init_tensors(tdir, recipe)
-    eos = int(cfg["eos_token_id"]) if isinstance(cfg["eos_token_id"], int) else 0
-    bos = int(cfg.get("bos_token_id") or eos)
-    rope = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    bos, eos = data.bos_eos(data.tokenizer_fingerprint(tdir))
+    vocab = torch.from_numpy(
+        data.draft_vocabulary(recipe, cache, base.num_output_tokens, [bos, eos, 0])
+    )
     results: dict = {}
     for label, (spec, features) in variants.items():
-        random.seed(SEED)
-        np.random.seed(SEED)
-        torch.manual_seed(SEED)
-        vocab = data.draft_vocabulary(recipe, cache, spec.num_output_tokens, [bos, eos, 0])
-        draft = TrainableDraft(
-            spec,
-            tensors["model.embed_tokens.weight"].shape[0],
-            torch.from_numpy(vocab),
-            rope_theta=float(rope),
-            max_positions=int(cfg["max_position_embeddings"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-        )
-        draft.init_from_target(tensors, seed=SEED)
+        seed_everything(SEED)
+        draft = new_draft(spec, tdir, tensors, vocab, SEED)
         stats = train_draft(
             draft,
             spec,
@@ -144,5 +132,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--steps", type=int, default=500, help="training steps of each variant")
     f.add_argument("--feature-passes", type=int, default=FEATURE_PASSES)
     f.add_argument("--threads", type=int, default=2)
-    f.add_argument("--cache", type=Path, default=None, help=f"default: {CACHE}[/<model set>]")
+    f.add_argument(
+        "--cache", type=Path, default=None, help=f"default: {data.CACHE_ROOT}[/<model set>]"
+    )
     f.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

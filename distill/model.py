@@ -388,6 +388,29 @@ def hf_config(draft: TrainableDraft, *, bos_token_id: int, eos_token_id: int) ->
     )
 
 
+def new_draft(
+    spec: DraftSpec,
+    target_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    output_token_ids: torch.Tensor,
+    seed: int,
+) -> TrainableDraft:
+    """A draft to train for the target in `target_dir` (its RoPE, context and norm epsilon),
+    initialized from `tensors`, the target's own (`data.target_init_tensors`)."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    rope = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    draft = TrainableDraft(
+        spec,
+        tensors["model.embed_tokens.weight"].shape[0],
+        output_token_ids,
+        rope_theta=float(rope),
+        max_positions=int(cfg["max_position_embeddings"]),
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+    )
+    draft.init_from_target(tensors, seed=seed)
+    return draft
+
+
 def export_draft(
     draft: TrainableDraft,
     out_dir: Path,

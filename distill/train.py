@@ -18,6 +18,7 @@ Held-out agreement per level is always measured the drafting way.
 from __future__ import annotations
 
 import math
+import random
 import time
 from typing import Literal
 
@@ -39,6 +40,12 @@ HELD_OUT_LEVELS = 4  # tree levels whose held-out agreement a feature-level draf
 WARMUP_STEPS = 30
 VALIDATION_EVERY = 20  # every 20th generated sequence is held out of training
 EVAL_INTERVAL = 250  # steps between held-out checks; the best checkpoint is kept
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def split_validation(cache: TopKCache) -> tuple[np.ndarray, np.ndarray]:
