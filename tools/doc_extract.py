@@ -99,6 +99,24 @@ def flag_pattern(node: ast.AST) -> str | None:
 
 
 @functools.cache
+def _module_flags_and_imports(path: Path) -> tuple[frozenset[str], tuple[Path, ...]]:
+    """The '--x' flag patterns one module spells, and the repository modules it imports."""
+    tree = ast.parse(path.read_text())
+    flags = frozenset(pattern for node in ast.walk(tree) if (pattern := flag_pattern(node)))
+    deps = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.split(".")[0] in PACKAGES and (dep := module_file(name)) is not None:
+                deps.append(dep)
+    return flags, tuple(deps)
+
+
+@functools.cache
 def declared_flags(path: Path) -> frozenset[str]:
     """Patterns of the '--x' flags a module and the repository modules it imports spell
     (imports that run in a circle, as a package's `__main__` and a module importing the
@@ -106,19 +124,11 @@ def declared_flags(path: Path) -> frozenset[str]:
     flags: set[str] = set()
     todo, seen = [path], {path}
     while todo:
-        tree = ast.parse(todo.pop().read_text())
-        flags |= {pattern for node in ast.walk(tree) if (pattern := flag_pattern(node))}
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            for name in names:
-                dep = module_file(name) if name.split(".")[0] in PACKAGES else None
-                if dep is not None and dep not in seen:
-                    seen.add(dep)
-                    todo.append(dep)
+        own, deps = _module_flags_and_imports(todo.pop())
+        flags |= own
+        fresh = list(dict.fromkeys(dep for dep in deps if dep not in seen))
+        seen.update(fresh)
+        todo.extend(fresh)
     return frozenset(flags)
 
 
