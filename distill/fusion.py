@@ -32,7 +32,7 @@ from distill.train import FEATURE_PASSES, seed_everything, train_draft
 from shared.model.model_set import SMOLLM2, model_set_target
 
 SEED = 1234
-# A tenth of SmolLM2's committed recipe (700 answers, about 12 minutes on a 2-core AMD EPYC; the
+# A tenth of SmolLM2's committed recipe (700 answers, about 9 minutes on a 2-core AMD EPYC; the
 # same prompts' first answers, shared with a full build's cache)
 RECIPES = {
     SMOLLM2: data.Recipe(
