@@ -11,7 +11,9 @@ equals plain decoding token for token. A configuration is a draft of the model s
 `draft-l`, ...), a model-free draft (`ngram`, `suffix`), a model draft merged with a model-free
 one (`draft-e+ngram`: their trees merged, the model drafting only what the copy is not expected
 to deliver; `draft-e+ngram=always`: both draft every step), or `choose:` and drafts
-(`choose:draft-e,ngram,suffix`: the counterfactual chooser among them, merging on).
+(`choose:draft-e,ngram,suffix`: the counterfactual chooser among them, merging on), or `plan:`
+and drafts (`plan:draft-e,draft-l,ngram`: the planner's choice among the model drafts, the
+model-free one merged beside them).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ class Models:
         names = config.split("+")
         if config.startswith("choose:"):
             chooser, names = "counterfactual", config.removeprefix("choose:").split(",")
+        if config.startswith("plan:"):
+            chooser, names = "planned", config.removeprefix("plan:").split(",")
         drafters: dict = {}
         for name in names:
             drafters[name] = ModelFreeDrafter(name) if name in MODEL_FREE_KINDS else None

@@ -7,8 +7,10 @@
 Every prompt is decoded greedily by each configuration in turn, so drift in background load
 hits all alike: `plain` (this engine without a draft, the baseline at the same precision), the
 speculation configurations (named as in `bench.bench_model_free`: a draft of the set, `ngram`,
-`suffix`, `A+B` merged trees, `choose:A,B,...` the counterfactual chooser; all sized every step
-by the goodput planner on this machine's cost profile, as `augury generate` runs) and
+`suffix`, `A+B` merged trees, `choose:A,B,...` the counterfactual chooser, `plan:A,B,...` the
+planner's choice among them; all sized every step by the goodput planner on this machine's cost
+profile, as `augury generate` runs; one engine per configuration for the whole run, as a
+server lives, so what it learned of each draft on earlier prompts is its prior on the next) and
 `hf-assisted` (transformers' assisted generation with the set's model draft, the target at the
 same precision, the draft in fp32; not with an int8 target, which transformers cannot run).
 Per kind and configuration it prints tokens/s, the ratio to plain (total tokens over total
@@ -57,13 +59,17 @@ Run = Callable[[list[int]], tuple[list[int], int | None, dict[str, int]]]
 
 
 def engine_run(models: Models, config: str, max_tokens: int) -> Run:
+    """One engine per configuration for the whole run, as a server lives: what its planner
+    learned of each draft on earlier prompts is its prior on the next (each prompt still
+    computes its own prefill: the runners cache no prefixes)."""
     params = SamplingParams(max_tokens=max_tokens)
+    engine = models.engine(config) if config != PLAIN else models.plain_engine()
 
     def run(prompt: list[int]) -> tuple[list[int], int | None, dict[str, int]]:
-        engine = models.engine(config) if config != PLAIN else models.plain_engine()
+        before = engine.stats.num_target_forwards
         [request] = engine.generate([prompt], params)
         steps = {m: s.num_target_forwards for m, s in request.draft_stats.items()}
-        return request.output, engine.stats.num_target_forwards, steps
+        return request.output, engine.stats.num_target_forwards - before, steps
 
     return run
 

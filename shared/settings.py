@@ -302,10 +302,11 @@ class SchedulerSettings(_Group):
     length_predictor: Literal["learned", "oracle"] = "learned"
     laps: LapsSettings = LapsSettings()
     # draft model per request and step: fixed (the first configured live draft), lbss (Spin's
-    # bandit), greedy-length, eps-greedy; shared/scheduling/draft_choice.py
-    draft_chooser: Literal["fixed", "lbss", "greedy-length", "eps-greedy", "counterfactual"] = (
-        "fixed"
-    )
+    # bandit), greedy-length, eps-greedy, counterfactual, planned (the goodput planner's);
+    # shared/scheduling/draft_choice.py
+    draft_chooser: Literal[
+        "fixed", "lbss", "greedy-length", "eps-greedy", "counterfactual", "planned"
+    ] = "fixed"
     lbss: LbssSettings = LbssSettings()
     # Spin's fast switching: keep the KV of each drafting request in step on the draft model the
     # chooser expects it to move to next, so that a switch costs no prefill (lbss, eps-greedy)

@@ -316,3 +316,25 @@ def test_a_quick_profile_measured_on_a_busy_device_is_refused_and_not_cached(
         measure=False,
     )  # fmt: skip
     assert again.source == NONE  # the next start finds nothing cached and measures again
+
+
+def test_a_stored_profile_from_another_machine_is_scaled_to_this_one(
+    draft_runner: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stored profile matches by the machine's name; one measured where forwards took 42 ms
+    (a one-layer tiny model takes about a millisecond here) is scaled to what a few forwards
+    take on this machine, unless asked to stand as stored (a simulation of that machine)."""
+    stored = CostProfile(target=profile(profile_key(draft_runner, "draft-m"), TARGET_MS))
+    stored.save(tmp_path / "stored.json")
+    where = {"directory": tmp_path, "cache_dir": tmp_path / "cache", "measure": False}
+    caplog.set_level(logging.WARNING, "shared.model.cost_profiles")
+    choice = choose_profile(draft_runner, "draft-m", **where)
+    assert choice.source == STORED and choice.profile is not None
+    assert "scaled" in choice.detail and "scaled" in caplog.text
+    one_token = choice.profile.curve.ms_grid[0][0]
+    assert one_token < 10.0  # not the stored 42 ms
+    ratio = one_token / TARGET_MS[0][0]
+    for row, stored_row in zip(choice.profile.curve.ms_grid, TARGET_MS, strict=True):
+        assert row == pytest.approx([ratio * v for v in stored_row])  # every point alike
+    as_stored = choose_profile(draft_runner, "draft-m", **where, check_stored=False)
+    assert as_stored.profile is not None and as_stored.profile.curve.ms_grid == TARGET_MS

@@ -171,7 +171,9 @@ def load_cost(args: argparse.Namespace, target: Path) -> CostModel:
         drafts[name] = ModelRunner(
             load_model(dirs[name], target_path=target), kv_memory_bytes=64 << 20
         )
-    cost = load_or_measure(runner, drafts, target_name=target.name, directory=PROFILES_DIR)
+    cost = load_or_measure(
+        runner, drafts, target_name=target.name, directory=PROFILES_DIR, check_stored=False
+    )
     if cost is None:
         raise UsageError("no cost profile for this machine and none could be measured")
     return cost

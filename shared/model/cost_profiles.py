@@ -6,6 +6,13 @@ passes the checks is cached for later starts.
 A profile describes what runs: on a CPU the linear layers' kernel plan (`shared.model.linear`)
 travels with it. A stored profile's plan is applied to the model as it is loaded; without one,
 the kernels are planned (measured) first and the profile measured with the plan in place.
+
+A stored profile matches by the machine's name, and machines of one name differ: two 2-core
+"Intel Xeon Processor" VMs here ran the same bf16 1.5B forward in 152 and 225 ms. So a stored
+profile is spot-checked as it loads (`spot_ratio`: a few one-request forwards timed against it)
+and, off by more than `SPOT_TOLERANCE`, scaled to this machine. The planner weighs drafting
+against verification, so a target priced 1.5x too fast beside drafts measured here makes the
+expensive, accurate draft look worse than it is.
 """
 
 from __future__ import annotations
@@ -16,16 +23,27 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from shared.errors import OutOfKVMemoryError
 from shared.model.linear import LinearPlan
 from shared.model.profile_files import DEFAULT_PROFILES_DIR
 from shared.model.profile_trust import check_profile, combine
-from shared.model.profiling import QUICK_CONTEXTS, measure_profile, profile_key
+from shared.model.profiling import QUICK_CONTEXTS, measure_curve, measure_profile, profile_key
 from shared.model.runner import ModelRunner
-from shared.scheduling.cost_model import CostModel, CostProfile, ModelProfile, ProfileKey
+from shared.scheduling.cost_model import (
+    CostModel,
+    CostProfile,
+    ForwardCurve,
+    ModelProfile,
+    ProfileKey,
+)
 
 log = logging.getLogger(__name__)
 QUICK_MAX_TOKENS = 64
+SPOT_TOKENS = (1, 8)  # one request's forwards timed against a stored profile
+SPOT_REPEATS = 3
+SPOT_TOLERANCE = 1.25  # a stored profile within this factor of this machine stands as stored
 # Quick profiles measured at start are kept here, so that the next start loads them.
 CACHE_DIR = Path.home() / ".cache" / "augury" / "profiles"
 
@@ -122,6 +140,7 @@ def choose_profile(
     retries: int = QUICK_RETRIES,
     retry_wait_s: float = RETRY_WAIT_S,
     measure_quick: Measure = _measure_quick,
+    check_stored: bool = True,
 ) -> ProfileChoice:
     """One model's profile on this machine: stored (its kernel plan applied), else measured
     quickly (after planning the kernels if asked) and checked (`profile_trust.check_profile`,
@@ -130,15 +149,26 @@ def choose_profile(
     measurements combined point by point; what passes is cached in `cache_dir`, what never
     passes is returned as "suspect" and not cached (the caller decides what to do with it).
     A profile matches by its key (architecture, device, dtype, threads), whichever model of a
-    stored profile it belongs to."""
+    stored profile it belongs to; `check_stored`: spot-check a stored one on this machine and
+    scale it where it is off (`spot_ratio`)."""
     directory = directory or DEFAULT_PROFILES_DIR
     key = profile_key(runner, name)
     stored = _stored([directory, cache_dir], key)
     if stored is not None:
         if stored.kernels is not None and not runner.model.is_int8:
             runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
-        log.info("cost profile of %s: loaded (%s)", name, stored.key.file_stem)
-        return ProfileChoice(stored.model_copy(update={"key": key}), STORED, stored.key.file_stem)
+        detail = stored.key.file_stem
+        log.info("cost profile of %s: loaded (%s)", name, detail)
+        ratio = spot_ratio(runner, stored) if check_stored else None
+        if ratio is not None and not 1 / SPOT_TOLERANCE <= ratio <= SPOT_TOLERANCE:
+            log.warning(
+                "cost profile of %s: this machine runs its forwards at %.2fx the stored "
+                "profile's times (another machine of the same name measured it): scaled",
+                name, ratio,
+            )  # fmt: skip
+            stored = scaled(stored, ratio)
+            detail += f", scaled {ratio:.2f}x"
+        return ProfileChoice(stored.model_copy(update={"key": key}), STORED, detail)
     if not measure:
         log.warning("cost profile of %s: none in %s matches %s", name, directory, key)
         return ProfileChoice(None, NONE, f"none in {directory} matches")
@@ -189,6 +219,35 @@ def choose_profile(
     return ProfileChoice(combined, MEASURED, str(saved))
 
 
+def spot_ratio(runner: ModelRunner, profile: ModelProfile) -> float | None:
+    """This machine's time for a few one-request forwards (`SPOT_TOKENS`, at the profile's
+    first context, median of `SPOT_REPEATS`) over the profile's, their median ratio; None where
+    the free KV cannot hold the request."""
+    curve = profile.single or profile.curve
+    context = curve.contexts[0]
+    tokens = [n for n in SPOT_TOKENS if n <= curve.tokens[-1] and (profile.single or n == 1)]
+    try:
+        measured = measure_curve(runner, tokens, [context], repeats=SPOT_REPEATS, max_requests=1)
+    except (OutOfKVMemoryError, ValueError):
+        return None
+    rows = zip(tokens, measured.ms_grid, strict=True)
+    ratios = [row[0] / curve.ms(n, context) for n, row in rows]
+    return float(np.median(ratios))
+
+
+def scaled(profile: ModelProfile, factor: float) -> ModelProfile:
+    """`profile` with every time multiplied by `factor`."""
+
+    def times(curve: ForwardCurve | None) -> ForwardCurve | None:
+        if curve is None:
+            return None
+        grid = [[ms * factor for ms in row] for row in curve.ms_grid]
+        return curve.model_copy(update={"ms_grid": grid})
+
+    curves = {"curve": times(profile.curve), "single": times(profile.single)}
+    return profile.model_copy(update=curves)
+
+
 def model_profile(
     runner: ModelRunner,
     name: str,
@@ -219,10 +278,17 @@ def load_or_measure(
     directory: Path | None = None,
     measure: bool = True,
     plan_kernels: bool = True,
+    check_stored: bool = True,
 ) -> CostModel | None:
     """The cost model of `target` and `drafts` on this machine, or None when the target has no
-    profile and measuring is not allowed (a draft without one is dropped, with a warning)."""
-    kwargs = {"directory": directory, "measure": measure, "plan_kernels": plan_kernels}
+    profile and measuring is not allowed (a draft without one is dropped, with a warning).
+    `check_stored` False: stored profiles as stored (a simulation of the machine they name)."""
+    kwargs = {
+        "directory": directory,
+        "measure": measure,
+        "plan_kernels": plan_kernels,
+        "check_stored": check_stored,
+    }
     target_profile = choose_profile(target, target_name, **kwargs).profile
     if target_profile is None:
         return None

@@ -31,7 +31,7 @@ class SchedulerConfig(BaseModel):
     policy: str = "fcfs"
     length_predictor: str | None = None  # for lp-sjf and laps-sd; None: "learned"
     laps: LapsSettings = LapsSettings()
-    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy, counterfactual
+    draft_chooser: str = "fixed"  # fixed, lbss, greedy-length, eps-greedy, counterfactual, planned
     lbss: LbssSettings = LbssSettings()
     fast_switching: bool = False  # keep a standby draft's KV in step (Spin's fast switching)
     # the standby (or, "model-free", a model-free draft) also drafts a tree, merged (SpecInfer);

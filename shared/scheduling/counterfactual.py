@@ -38,6 +38,7 @@ class Counterfactual:
     name = "counterfactual"
     learns = True
     counterfactual = True  # the core scores model-free trees beside every model draft
+    parks_switched = True  # a request back from a model-free draft resumes its model's state
 
     def __init__(
         self,

@@ -16,6 +16,10 @@ the request's goodput on that model. Choosers:
   exploration and exploitation by max-weight matching under per-model capacities;
 - `oracle`: each request's model assigned in advance (experiments only: the simulator works it
   out from runs on the recorded acceptance);
+- `planned`: the goodput planner's choice (`shared/scheduling/planning.py`): each step, the
+  draft whose plan for the request promises the most committed tokens per millisecond, by the
+  request's acceptance estimate on each draft (a draft's mean over all requests where it has
+  none of its own, optimistic before any), its cost and what it would have to catch up;
 - `counterfactual`: for model-free drafts (`shared/engine/model_free.py`), what each would have
   achieved is scored after every step from the tokens the target committed, run or not (the core
   reports it as an outcome with `counterfactual` set); for model drafts, whose outcome is known
@@ -282,6 +286,35 @@ class EpsilonGreedy:
         self.table.forget(request_id)
 
 
+class PlannedChoice:
+    """The speculation planner chooses (`DraftPlanner`, which reads `planned`); this object only
+    answers for requests it leaves out: each keeps its model, a new one takes the first
+    preferred. A request switching away parks its drafter (`parks_switched`), so a switch back
+    appends only the tokens that drafter missed."""
+
+    name = "planned"
+    learns = False
+    planned = True
+    parks_switched = True
+
+    def __init__(self, preferred: Sequence[str] = ()) -> None:
+        self.fallback = FixedDraftModel(preferred)
+
+    def assign(
+        self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
+    ) -> dict[str, str]:
+        return self.fallback.assign(requests, live_models, cost)
+
+    def observe(self, outcome: DraftOutcome) -> None:
+        pass
+
+    def next_model(self, request: RequestState, live_models: Sequence[str]) -> None:
+        return None  # no standby: a switch resumes the parked drafter instead
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
 class Oracle:
     """Each request's model, assigned in advance by an experiment (`bench.drafters`: the
     per-request best of fixed-draft runs, which is no bound since a step waits for its slowest
@@ -312,4 +345,4 @@ class Oracle:
         pass
 
 
-CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle", "counterfactual")
+CHOOSERS = ("fixed", "lbss", "greedy-length", "eps-greedy", "oracle", "counterfactual", "planned")

@@ -18,6 +18,7 @@ from shared.scheduling.draft_choice import (
     FixedDraftModel,
     GreedyByLength,
     Oracle,
+    PlannedChoice,
 )
 from shared.scheduling.laps import LAPSSD, LAS, LPSJF, PREDICTORS, OracleLength
 from shared.scheduling.lbss import Lbss
@@ -172,6 +173,8 @@ def make_chooser(
         return Lbss(preferred, lbss)
     if name == "counterfactual":
         return Counterfactual(preferred, model_free, lbss)
+    if name == "planned":
+        return PlannedChoice(preferred)
     if name == "oracle":
         if best is None:
             raise ValueError("the oracle chooser needs each request's best draft model")

@@ -12,13 +12,14 @@ import numpy as np
 
 from shared.scheduling.core_types import DraftPlan, MicroBatch, Release, mean_context
 from shared.scheduling.pool import RequestPool
-from shared.scheduling.request import RequestState
+from shared.scheduling.request import RequestState, Standby
 from shared.scheduling.speculation import (
     FIRST_PROBE_INTERVAL,
     MAX_PROBE_INTERVAL,
     OPTIMISTIC_RATE,
     DepthQuery,
     plan_depths,
+    planned_goodput,
 )
 from shared.values.methods import DraftMethod
 from shared.values.tree import DETERMINISTIC, TokenTree
@@ -60,6 +61,11 @@ class DraftPlanner:
         live = sorted(pool.drafters)
         drafting = [r for r in batch.decode if r.request_id in methods]
         choice = pool.chooser.assign(drafting, live, pool.cost) if drafting else {}
+        if getattr(pool.chooser, "planned", False) and pool.cost is not None:
+            for request in drafting:
+                choice[request.request_id] = self._planned_model(
+                    batch, request, methods[request.request_id], live
+                )
         queries: list[DepthQuery] = []
         placed: Placements = {}
         for request in drafting:
@@ -73,26 +79,82 @@ class DraftPlanner:
             if model in pool.config.model_free_drafts:
                 method = pool.config.model_free_method
             self.place(request, model)
-            state = pool.state(request, model)
-            prior = pool.model_estimate(model).rate()
             placed[request.request_id] = (model, request.drafter or "", method)
-            query = DepthQuery(
-                request.request_id,
-                model,
-                method,
-                min(pool.max_depth(request), method.num_layers),
-                state.estimate.rate(prior),
-                self.drafter_backlog(request),
-                request.tokens_left,
-            )
-            queries.append(self._with_partner(query, request))
+            queries.append(self._query(request, model, method, self.drafter_backlog(request)))
         return queries, placed
 
-    def _with_partner(self, query: DepthQuery, request: RequestState) -> DepthQuery:
-        """The query with its model-free partner's recent acceptance, where one merges beside
-        the request's model draft (`merge_drafts` "model-free"; `StandbyPlanner`)."""
+    def _query(
+        self,
+        request: RequestState,
+        model: str,
+        method: DraftMethod,
+        backlog: int,
+        prior: float | None = None,
+    ) -> DepthQuery:
+        """What the depth planner asks of the request drafting with `model` (`prior`: the
+        model's acceptance before anything is observed, where not the planner's default)."""
         pool = self.pool
-        partner = pool.model_free_partner(request)
+        population = pool.model_estimate(model)
+        state = pool.state(request, model)
+        query = DepthQuery(
+            request.request_id,
+            model,
+            method,
+            min(pool.max_depth(request), method.num_layers),
+            state.estimate.rate(population.rate() if prior is None else population.rate(prior)),
+            backlog,
+            request.tokens_left,
+        )
+        return self._with_partner(query, request, model)
+
+    def _planned_model(
+        self, batch: MicroBatch, request: RequestState, method: DraftMethod, live: list[str]
+    ) -> str:
+        """The draft (`PlannedChoice`) whose plan for the request alone in this step's shape
+        promises the most committed tokens per millisecond, counting what it would have to
+        catch up. A model-free draft is a candidate only where none merges beside the models
+        (there, a model planned at depth 0 leaves the step to it). A draft never observed is
+        taken at `OPTIMISTIC_RATE`, so each is tried once; after that, by what it achieved."""
+        pool = self.pool
+        assert pool.cost is not None
+        free = pool.config.model_free_drafts
+        merges = pool.config.merge_drafts == "model-free" and pool.first_live_model_free()
+        candidates = [m for m in live if not (merges and m in free)] or live
+        step = {
+            "prefill_tokens": 0,
+            "budget": pool.config.token_budget,
+            "context": mean_context(batch.decode),
+            "num_requests": len(batch.decode),
+        }
+        scores = {}
+        for model in candidates:
+            own = pool.config.model_free_method if model in free else method
+            untried = pool.model_estimate(model).trials == 0
+            prior = OPTIMISTIC_RATE if untried else None
+            query = self._query(request, model, own, self._backlog_on(request, model), prior)
+            scores[model] = planned_goodput([query], pool.cost, **step)
+        current = request.draft_model
+        return max(candidates, key=lambda m: (scores[m], m == current, m))
+
+    def _backlog_on(self, request: RequestState, model: str) -> int:
+        """Committed tokens a drafter of `model` would have to append for the request: its
+        current one's, a standby's or parked one's, else all (less a cached prompt prefix)."""
+        if model == request.draft_model:
+            return self.drafter_backlog(request)
+        keeping = (request.standby, request.parked.get(model))
+        held = max((s.num_seen for s in keeping if s is not None and s.model == model), default=0)
+        if held > 0:
+            return request.num_tokens - held
+        return request.num_tokens - request.num_cached_prompt_tokens
+
+    def _with_partner(
+        self, query: DepthQuery, request: RequestState, model: str | None = None
+    ) -> DepthQuery:
+        """The query with its model-free partner's recent acceptance, where one merges beside
+        the request's model draft (`model`, where not its current one; `merge_drafts`
+        "model-free"; `StandbyPlanner`)."""
+        pool = self.pool
+        partner = pool.model_free_partner(request, model)
         if partner is None:
             return query
         prior = pool.model_estimate(partner).rate()
@@ -173,35 +235,48 @@ class DraftPlanner:
 
     def place(self, request: RequestState, model: str) -> None:
         """Draft the request on a replica of `model` (its current one while it lives; a warm
-        standby replica of `model` when it switches to it)."""
+        standby or a parked replica of `model` when it switches to it)."""
         pool = self.pool
         replicas = pool.drafters[model]
         if model != request.draft_model:
-            standby = request.standby
-            if standby is not None and not (
-                standby.model == model and standby.replica in replicas and standby.num_seen > 0
-            ):
-                standby = None  # not a standby of this model that holds anything
+            resumed = self._resumable(request, model)
             if request.draft_model is not None:  # a switch: what the new drafter must catch up
-                kind = "warm" if standby is not None else "cold"
+                kind = "warm" if resumed is not None else "cold"
                 self.switches[kind] += 1
                 self.switches[f"{kind}_tokens"] += request.num_tokens - (
-                    standby.num_seen if standby is not None else 0
+                    resumed.num_seen if resumed is not None else 0
                 )
-            if standby is not None:
-                pool.release_current(request)
-                request.standby = None
-                replica = pool.matcher.place(request.request_id, standby.replica, replicas)
+            pool.leave_current(request)
+            if resumed is not None:
+                replica = pool.matcher.place(request.request_id, resumed.replica, replicas)
                 request.draft_model, request.drafter = model, replica
-                request.num_seen_by_drafter = standby.num_seen
+                if replica == resumed.replica:
+                    request.num_seen_by_drafter = resumed.num_seen
+                else:  # placed elsewhere after all: that replica starts from the first token
+                    release = Release(request.request_id, False, (model, resumed.replica))
+                    pool.releases.append(release)
                 return
-            pool.release_draft(request)
+            pool.release_standby(request)
         replica = pool.matcher.place(request.request_id, request.drafter, replicas)
         if replica != request.drafter:
             if request.drafter is not None and request.draft_model == model:
                 pool.releases.append(Release(request.request_id, False, (model, request.drafter)))
             request.num_seen_by_drafter = 0  # a new replica starts from the first token
         request.draft_model, request.drafter = model, replica
+
+    def _resumable(self, request: RequestState, model: str) -> Standby | None:
+        """A replica of `model` that holds some of the request's committed tokens: its standby
+        (fast switching) or a drafter it switched away from (parked); taken from there."""
+        standby = request.standby
+        if (
+            standby is not None
+            and standby.model == model
+            and standby.replica in self.pool.drafters[model]
+            and standby.num_seen > 0
+        ):
+            request.standby = None
+            return standby
+        return self.pool.take_parked(request, model)
 
     def _probe_due(self, request_id: str, depth: int) -> bool:
         """Whether a request planned at `depth` is due a one-level probe: after planned depth 0

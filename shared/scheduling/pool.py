@@ -23,7 +23,7 @@ from shared.scheduling.micro_batches import StepShape
 from shared.scheduling.ordering import SchedulingPolicy
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.replicas import ReplicaMatcher
-from shared.scheduling.request import FinishReason, RequestState
+from shared.scheduling.request import FinishReason, RequestState, Standby
 from shared.scheduling.speculation import AcceptanceEstimate, SpeculationState
 from shared.scheduling.tree_selection import TreeSelector
 from shared.values.methods import DraftMethod
@@ -149,9 +149,39 @@ class RequestPool:
         self.releases.append(Release(request.request_id, True))
 
     def release_draft(self, request: RequestState) -> None:
-        """Leave the request's drafters, current and standby (their state is to be freed)."""
+        """Leave the request's drafters, current, standby and parked (their state is to be
+        freed)."""
         self.release_current(request)
         self.release_standby(request)
+        for parked in request.parked.values():
+            self.releases.append(Release(request.request_id, False, (parked.model, parked.replica)))
+        request.parked.clear()
+
+    def leave_current(self, request: RequestState) -> None:
+        """Switch away from the request's current drafter: parked there (it keeps the request's
+        committed tokens for a switch back) where the chooser parks, else released."""
+        model, replica = request.draft_model, request.drafter
+        if not getattr(self.chooser, "parks_switched", False) or model is None or replica is None:
+            self.release_current(request)
+            return
+        if request.num_seen_by_drafter > 0:
+            request.parked[model] = Standby(model, replica, request.num_seen_by_drafter)
+        else:  # it holds nothing worth keeping
+            self.releases.append(Release(request.request_id, False, (model, replica)))
+        self.matcher.release(request.request_id)
+        request.draft_model = request.drafter = None
+        request.num_seen_by_drafter = 0
+
+    def take_parked(self, request: RequestState, model: str) -> Standby | None:
+        """The request's parked drafter of `model` if it is on a live replica and holds
+        anything (a parked state elsewhere is released)."""
+        parked = request.parked.pop(model, None)
+        if parked is None:
+            return None
+        if parked.replica in self.drafters.get(model, ()) and parked.num_seen > 0:
+            return parked
+        self.releases.append(Release(request.request_id, False, (parked.model, parked.replica)))
+        return None
 
     def release_current(self, request: RequestState) -> None:
         """Leave the request's current drafter (its state there is to be freed)."""
@@ -227,14 +257,14 @@ class RequestPool:
         the request's tokens left and context allow."""
         return min(self.config.model_free_method.num_layers, self.max_depth(request))
 
-    def model_free_partner(self, request: RequestState) -> str | None:
-        """The model-free draft whose tree merges with the request's model draft this step and
-        whose acceptance plans the model's depth (`merge_drafts = model-free`,
-        `model_beside_copy = planned`); None where none does."""
+    def model_free_partner(self, request: RequestState, model: str | None = None) -> str | None:
+        """The model-free draft whose tree merges with the request's model draft (`model`,
+        where not its current one) this step and whose acceptance plans the model's depth
+        (`merge_drafts = model-free`, `model_beside_copy = planned`); None where none does."""
         config = self.config
         if config.merge_drafts != "model-free" or config.model_beside_copy != "planned":
             return None
-        if request.draft_model in config.model_free_drafts:
+        if (model or request.draft_model) in config.model_free_drafts:
             return None
         return self.first_live_model_free()
 

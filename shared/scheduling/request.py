@@ -113,6 +113,9 @@ class RequestState:
     draft_model: str | None = None  # the model drafting for it now ...
     drafter: str | None = None  # ... on this replica (sticky)
     standby: Standby | None = None  # fast switching: where it will most likely draft next
+    # drafters the request switched away from, by model, keeping its committed tokens so that a
+    # switch back appends only what they missed (a chooser with `parks_switched`)
+    parked: dict[str, Standby] = field(default_factory=dict)
     in_flight: bool = False  # part of a micro-batch on its way through drafters and verifier
     cancelled: bool = False
     finish_reason: FinishReason | None = None
@@ -174,6 +177,8 @@ class RequestState:
         self.num_seen_by_drafter = 0
         if self.standby is not None:
             self.standby.num_seen = 0
+        for parked in self.parked.values():
+            parked.num_seen = 0
 
     def record_step(
         self,

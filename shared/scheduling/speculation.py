@@ -179,6 +179,37 @@ def plan_depths(
     of drafting and verification; every prefix is priced at once.
     """
     depth = {q.request_id: 0 for q in queries}
+    levels, goodput = _priced_prefixes(queries, cost, prefill_tokens, budget, context, num_requests)
+    best = int(np.argmax(goodput))  # the first of equals
+    for _, i, _ in levels[:best]:
+        depth[queries[i].request_id] += 1
+    return depth
+
+
+def planned_goodput(
+    queries: Sequence[DepthQuery],
+    cost: CostModel,
+    *,
+    prefill_tokens: int,
+    budget: int,
+    context: int,
+    num_requests: int | None = None,
+) -> float:
+    """Expected committed tokens per millisecond of `plan_depths`' plan for `queries`."""
+    _, goodput = _priced_prefixes(queries, cost, prefill_tokens, budget, context, num_requests)
+    return float(goodput.max())
+
+
+def _priced_prefixes(
+    queries: Sequence[DepthQuery],
+    cost: CostModel,
+    prefill_tokens: int,
+    budget: int,
+    context: int,
+    num_requests: int | None,
+) -> tuple[list[tuple[float, int, int]], np.ndarray]:
+    """The levels best first (-gain, query, depth) within the budget, and [K + 1] the goodput
+    of each prefix of them (prefix k takes levels[:k])."""
     first_nodes = len(queries) + prefill_tokens  # one root per decoding request
     levels = sorted(
         (-gain, i, d)
@@ -186,10 +217,8 @@ def plan_depths(
         if q.rate > 0
         for d, gain in enumerate(q.level_gains(), start=1)
     )[: max(0, budget - first_nodes)]
-    if not levels:
-        return depth
-    # prefix k (0..K) takes levels[:k]: [K + 1] expected tokens and milliseconds (the roots and
-    # what the model-free partners are expected to add whatever the models draft)
+    # expected tokens: the roots and what the model-free partners are expected to add whatever
+    # the models draft, then each level's gain
     base = len(queries) + sum(q.partner_tokens() for q in queries)
     tokens = base - np.concatenate(([0.0], np.cumsum([g for g, _, _ in levels])))
     num_prefixes = len(levels) + 1
@@ -197,10 +226,7 @@ def plan_depths(
     for model in sorted({queries[i].draft_model for _, i, _ in levels}):
         if cost.has_draft(model):  # a draft without a profile is taken as free
             step_ms = step_ms + _drafting_ms(model, levels, queries, cost, context)
-    best = int(np.argmax(tokens / step_ms))  # the first of equals
-    for _, i, _ in levels[:best]:
-        depth[queries[i].request_id] += 1
-    return depth
+    return levels, tokens / step_ms
 
 
 def _non_increasing(values: list[float]) -> list[float]:
