@@ -34,7 +34,7 @@ from shared.engine.spec_engine import SpecEngine
 from shared.engine.verifier import Verifier
 from shared.grammar.matcher import GrammarBook
 from shared.model import load_model, load_target
-from shared.model.cost_profiles import load_or_measure
+from shared.model.cost_profiles import ProfileChoice, load_or_measure
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
 from shared.model.precision import TARGET_DTYPES, check_target_precision
 from shared.model.quantized import uses_int8
@@ -100,12 +100,14 @@ class Models:
         self.models: dict[str, Drafter] = {}
         self.planner = planner
         self._costs: dict[tuple[str, ...], object] = {}
+        # each model's profile, spot-checked once: every engine prices it alike
+        self._chosen: dict[str, ProfileChoice] = {}
         if planner == "goodput":
             # the target's profile brings its kernel plan: loaded before any run, so plain
             # decoding multiplies with the kernels speculation verifies with (as `augury
             # generate` does); other planners load no profile and plan no kernels at all
             self._costs[()] = load_or_measure(
-                self.verifier.runner, {}, target_name=self.target_dir.name
+                self.verifier.runner, {}, target_name=self.target_dir.name, chosen=self._chosen
             )
 
     def model_draft(self, name: str) -> Drafter:
@@ -149,7 +151,7 @@ class Models:
         key = tuple(sorted(models))
         if self.planner == "goodput" and key not in self._costs:
             self._costs[key] = load_or_measure(
-                self.verifier.runner, models, target_name=self.target_dir.name
+                self.verifier.runner, models, target_name=self.target_dir.name, chosen=self._chosen
             )
         cost = self._costs.get(key)
         scheduling = SchedulerConfig(

@@ -259,13 +259,16 @@ async def bench_services(args: argparse.Namespace) -> str:
                 # its prefill, and plain rounds more of it than feature-draft speculation
                 "enable_prefix_caching": False,
             },
-            models={"model_free": tuple(args.model_free)},
+            # the set's chooser (`scheduler.draft_chooser` auto) for its served drafts
+            models={"model_free": tuple(args.model_free), "model_set": args.model_set},
             service={"cell": "bench", "replica": "bench"},
         )
-        # the first is the draft every request uses
-        served = args.drafts or [
-            args.draft or next(iter(model_set_drafts(args.model_set, served=True)))
-        ]
+        # SmolLM2: its first draft, the one every request uses under the `fixed` chooser;
+        # another set: its served drafts, chosen as its services choose
+        default = list(model_set_drafts(args.model_set, served=True))
+        if args.model_set == SMOLLM2 or args.draft:
+            default = [args.draft or default[0]]
+        served = args.drafts or default
         if served == ["none"]:  # the model-free drafts alone
             served = []
         drafts = model_set_drafts(args.model_set)
@@ -348,7 +351,8 @@ def main() -> None:
         nargs="+",
         help="with --services: the stack's draft set, in order (the first drafts every request, "
         "as the default chooser does; the services' default: draft-e draft-s draft-m draft-l); "
-        "none: no model draft, the --model-free drafts alone; default: --draft alone",
+        "none: no model draft, the --model-free drafts alone; default: --draft alone, or "
+        "without it the set's served drafts (SmolLM2: draft-e alone)",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="engine mode: 0 is greedy")
     ap.add_argument("--seed", type=int, help="engine mode: seeded (coupled) sampling")

@@ -161,6 +161,9 @@ async def publish_own_profile(
         cache_dir=engine.profile_cache_dir or CACHE_DIR,
         max_tokens=min(engine.max_tokens_per_step, QUICK_MAX_TOKENS),
         reference=reference,
+        # the cell's models load side by side at start: a spot check would time the others'
+        # loading, not this machine (`docs/cost-model.md`)
+        check_stored=False,
     )
     published = choice.profile is not None and (choice.trusted or role == TARGET)
     if published:

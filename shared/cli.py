@@ -32,6 +32,7 @@ from shared.model.quantized import DRAFT_WEIGHTS, uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.request import AcceptanceStats
+from shared.settings import MODEL_SET_CHOOSERS
 from shared.values.logprobs import TokenLogprobs
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
@@ -82,8 +83,8 @@ def _add_model_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument(
         "--draft",
         help="a draft of the model set (ngram and suffix load no model), a checkpoint dir or a "
-        f".gguf file (default: the model set's default draft; {DEFAULT_GENERATE_DRAFT} for "
-        f"{SMOLLM2})",
+        f".gguf file (default: the model set's served drafts, chosen per step as its services "
+        f"choose; {DEFAULT_GENERATE_DRAFT} for {SMOLLM2})",
     )
     gen.add_argument(
         "--model-free",
@@ -212,11 +213,26 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
     return target, str(checkpoint_dir(args.draft))
 
 
+def load_drafter(args: argparse.Namespace, draft_path: str, target_path: str) -> Drafter:
+    model = load_model(
+        draft_path, target_path=target_path, int8=uses_int8(args.draft_weights, "cpu")
+    )
+    return Drafter(ModelRunner(model), name=Path(draft_path).name)
+
+
+def _served_others(model_set: str) -> list[Path]:
+    """The model set's served model drafts after its first, which `resolve_models` gives."""
+    from shared.model.model_set import model_set_drafts
+
+    return list(model_set_drafts(model_set, served=True).values())[1:]
+
+
 def generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    served_set = args.draft is None and not args.no_spec and args.model_set != SMOLLM2
     target_path, draft_path = resolve_models(args)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     try:
@@ -229,16 +245,12 @@ def generate(args: argparse.Namespace) -> int:
     if draft_path in MODEL_FREE_KINDS:
         drafter = ModelFreeDrafter(draft_path)
     elif draft_path:
-        drafter = Drafter(
-            ModelRunner(
-                load_model(
-                    draft_path,
-                    target_path=target_path,
-                    int8=uses_int8(args.draft_weights, "cpu"),
-                )
-            ),
-            name=Path(draft_path).name,
-        )
+        drafter = load_drafter(args, draft_path, target_path)
+    # the set's other served model drafts, beside its first (the planner picks per step)
+    others = [
+        load_drafter(args, str(path), target_path)
+        for path in (_served_others(args.model_set) if served_set else [])
+    ]
     group = None
     if args.tp > 1:
         from shared.model.rank_group import start_local_group
@@ -249,7 +261,7 @@ def generate(args: argparse.Namespace) -> int:
         target = load_target(target_path, precision)
         verifier = Verifier(ModelRunner(target, exact_attention=args.exact_attention))
     try:
-        return _generate(args, tokenizer, target_path, draft_path, drafter, verifier)
+        return _generate(args, tokenizer, target_path, draft_path, drafter, verifier, others)
     finally:
         if group is not None:
             group.close()
@@ -262,21 +274,24 @@ def _generate(
     draft_path: str | None,
     drafter: Drafter | ModelFreeDrafter | None,
     verifier: Verifier,
+    others: Sequence[Drafter] = (),
 ) -> int:
     drafters = {drafter.name: drafter} if drafter is not None else {}
+    drafters |= {other.name: other for other in others}
     if args.model_free != "none" and isinstance(drafter, Drafter):  # a model draft's partner
         drafters[args.model_free] = ModelFreeDrafter(args.model_free)
     # the cost profile brings the kernel plan it was measured with: plain decoding uses it too
     cost = load_or_measure(
         verifier.runner,
-        {drafter.name: drafter.runner} if isinstance(drafter, Drafter) else {},
+        {name: d.runner for name, d in drafters.items() if isinstance(d, Drafter)},
         target_name=Path(target_path).name,
     )
+    chooser = MODEL_SET_CHOOSERS[args.model_set] if others else "fixed"
     engine = SpecEngine(
         verifier,
         drafters,
         build_method(args) if drafter else None,
-        SchedulerConfig(planner=args.planner),
+        SchedulerConfig(planner=args.planner, draft_chooser=chooser),
         eos_token_ids=verifier.runner.cfg.eos_token_ids,
         cost=cost if args.planner == "goodput" else None,
         tokenizer=tokenizer,
@@ -299,8 +314,10 @@ def _generate(
     stats = engine.stats
     print(f"target forwards       {stats.num_target_forwards} (after prefill)")
     if drafter is not None:
-        extra = f", merged with {args.model_free}" if len(drafters) > 1 else ""
-        print(f"draft                 {draft_path} ({args.method}{extra})")
+        beside = "".join(f", {other.name}" for other in others)
+        chosen = f"; {chooser} choice among it{beside}" if others else ""
+        merged = f", merged with {args.model_free}" if args.model_free in drafters else ""
+        print(f"draft                 {draft_path} ({args.method}{merged}{chosen})")
         _print_draft_stats(stats)
     return 0
 

@@ -118,6 +118,11 @@ class DraftModelSettings(_Group):
 
 # The model sets `shared.model.model_set` knows (`MODEL_SETS` there).
 ModelSetName = Literal["smollm2", "qwen2.5-coder"]
+# `scheduler.draft_chooser = auto`: each set's chooser for its served drafts. qwen2.5-coder
+# serves a cheap feature draft and the accurate 0.5B, and the planner picks per request (faster
+# than either fixed on code and code editing, docs/benchmarks.md); SmolLM2 serves draft-e first,
+# which no choice among its four drafts beat (docs/drafters.md).
+MODEL_SET_CHOOSERS: dict[str, str] = {"smollm2": "fixed", "qwen2.5-coder": "planned"}
 
 
 class ModelsSettings(_Group):
@@ -302,11 +307,12 @@ class SchedulerSettings(_Group):
     length_predictor: Literal["learned", "oracle"] = "learned"
     laps: LapsSettings = LapsSettings()
     # draft model per request and step: fixed (the first configured live draft), lbss (Spin's
-    # bandit), greedy-length, eps-greedy, counterfactual, planned (the goodput planner's);
+    # bandit), greedy-length, eps-greedy, counterfactual, planned (the goodput planner's); auto:
+    # the model set's (MODEL_SET_CHOOSERS), fixed where drafts are configured by hand;
     # shared/scheduling/draft_choice.py
     draft_chooser: Literal[
-        "fixed", "lbss", "greedy-length", "eps-greedy", "counterfactual", "planned"
-    ] = "fixed"
+        "auto", "fixed", "lbss", "greedy-length", "eps-greedy", "counterfactual", "planned"
+    ] = "auto"
     lbss: LbssSettings = LbssSettings()
     # Spin's fast switching: keep the KV of each drafting request in step on the draft model the
     # chooser expects it to move to next, so that a switch costs no prefill (lbss, eps-greedy)
@@ -422,6 +428,17 @@ class AugurySettings(BaseSettings):
         if ctx is not None and self.engine.block_size > ctx:
             raise ValueError("engine.block_size must not exceed engine.max_context")
         return self
+
+
+def draft_chooser(settings: AugurySettings) -> str:
+    """`scheduler.draft_chooser`, with `auto` resolved: the model set's chooser, or `fixed`
+    where the drafts are configured by hand."""
+    chooser = settings.scheduler.draft_chooser
+    if chooser != "auto":
+        return chooser
+    if settings.models.drafts:
+        return "fixed"
+    return MODEL_SET_CHOOSERS[settings.models.model_set]
 
 
 def env_name(location: tuple[int | str, ...]) -> str:

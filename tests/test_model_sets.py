@@ -115,6 +115,25 @@ def test_settings_name_the_model_set(monkeypatch):
         load_settings()
 
 
+def test_each_model_set_has_its_chooser_unless_one_is_set(monkeypatch, tmp_path):
+    """`scheduler.draft_chooser = auto` (the default): qwen2.5-coder's served drafts are chosen
+    by the planner, SmolLM2's first served draft is kept, hand-configured drafts are fixed, and
+    a chooser set by name wins."""
+    from shared.scheduling.config import SchedulerConfig
+
+    def chooser() -> str:
+        return SchedulerConfig.from_settings(load_settings()).draft_chooser
+
+    monkeypatch.delenv("AUGURY_MODELS__DRAFTS", raising=False)
+    assert chooser() == "fixed"
+    monkeypatch.setenv("AUGURY_MODELS__MODEL_SET", "qwen2.5-coder")
+    assert chooser() == "planned"
+    monkeypatch.setenv("AUGURY_MODELS__DRAFTS", f'[{{"name": "mine", "dir": "{tmp_path}"}}]')
+    assert chooser() == "fixed"
+    monkeypatch.setenv("AUGURY_SCHEDULER__DRAFT_CHOOSER", "lbss")
+    assert chooser() == "lbss"
+
+
 def test_services_resolve_the_model_set(cache_home, monkeypatch, tmp_path):
     from services.runtime import resolve_models
 

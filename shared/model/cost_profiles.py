@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,9 @@ from shared.scheduling.cost_model import (
 log = logging.getLogger(__name__)
 QUICK_MAX_TOKENS = 64
 SPOT_TOKENS = (1, 8)  # one request's forwards timed against a stored profile
+# the first forwards after a model loads run up to 3x slow (seen here): warm up first, and take
+# the fastest of several
+SPOT_WARMUP = 2
 SPOT_REPEATS = 3
 SPOT_TOLERANCE = 1.25  # a stored profile within this factor of this machine stands as stored
 # Quick profiles measured at start are kept here, so that the next start loads them.
@@ -221,17 +225,23 @@ def choose_profile(
 
 def spot_ratio(runner: ModelRunner, profile: ModelProfile) -> float | None:
     """This machine's time for a few one-request forwards (`SPOT_TOKENS`, at the profile's
-    first context, median of `SPOT_REPEATS`) over the profile's, their median ratio; None where
-    the free KV cannot hold the request."""
+    first context, the fastest of `SPOT_REPEATS` after `SPOT_WARMUP`) over the profile's, their
+    median ratio; None where the free KV cannot hold the request."""
     curve = profile.single or profile.curve
     context = curve.contexts[0]
     tokens = [n for n in SPOT_TOKENS if n <= curve.tokens[-1] and (profile.single or n == 1)]
     try:
-        measured = measure_curve(runner, tokens, [context], repeats=SPOT_REPEATS, max_requests=1)
+        runs = [
+            measure_curve(
+                runner, tokens, [context], repeats=1, warmup=SPOT_WARMUP * (i == 0), max_requests=1
+            )
+            for i in range(SPOT_REPEATS)
+        ]
     except (OutOfKVMemoryError, ValueError):
         return None
-    rows = zip(tokens, measured.ms_grid, strict=True)
-    ratios = [row[0] / curve.ms(n, context) for n, row in rows]
+    # the fastest of the repeats: interference only ever adds time
+    fastest = [min(run.ms_grid[i][0] for run in runs) for i in range(len(tokens))]
+    ratios = [ms / curve.ms(n, context) for n, ms in zip(tokens, fastest, strict=True)]
     return float(np.median(ratios))
 
 
@@ -279,22 +289,32 @@ def load_or_measure(
     measure: bool = True,
     plan_kernels: bool = True,
     check_stored: bool = True,
+    chosen: dict[str, ProfileChoice] | None = None,
 ) -> CostModel | None:
     """The cost model of `target` and `drafts` on this machine, or None when the target has no
     profile and measuring is not allowed (a draft without one is dropped, with a warning).
-    `check_stored` False: stored profiles as stored (a simulation of the machine they name)."""
+    `check_stored` False: stored profiles as stored (a simulation of the machine they name).
+    `chosen`: each model's choice so far in this process, by name, taken as it is and added
+    to (engines sharing runners then price each model alike, spot-checked once)."""
     kwargs = {
         "directory": directory,
         "measure": measure,
         "plan_kernels": plan_kernels,
         "check_stored": check_stored,
     }
-    target_profile = choose_profile(target, target_name, **kwargs).profile
+    chosen = {} if chosen is None else chosen
+
+    def choice(runner: ModelRunner, name: str, **extra: Any) -> ProfileChoice:
+        if name not in chosen:
+            chosen[name] = choose_profile(runner, name, **kwargs, **extra)
+        return chosen[name]
+
+    target_profile = choice(target, target_name).profile
     if target_profile is None:
         return None
     draft_profiles = {}
     for name, runner in drafts.items():
-        found = choose_profile(runner, name, reference=target_profile, **kwargs)
+        found = choice(runner, name, reference=target_profile)
         if found.trusted and found.profile is not None:  # a suspect draft: dropped, logged
             draft_profiles[name] = found.profile
     return CostModel(CostProfile(target=target_profile, drafts=draft_profiles))

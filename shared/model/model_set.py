@@ -121,6 +121,9 @@ def model_set_drafts(name: str = SMOLLM2, *, served: bool = False) -> dict[str, 
     cut = qwen_coder.cut_draft_dir()
     if not (cut / "config.json").is_file():  # installed before the installer wrote it
         return full
-    # served: the 0.5B with a 32k-token head, which measured 0-10% faster than the full one
+    # served: the 0.5B with a 32k-token head, which measured 0-10% faster than the full one,
+    # and the feature draft beside it (the planner picks per request: MODEL_SET_CHOOSERS)
     cut_draft = {qwen_coder.CUT_DRAFT_NAME: cut}
-    return cut_draft if served else {**cut_draft, **full}
+    if not served:
+        return {**cut_draft, **full}
+    return cut_draft | {n: p for n, p in full.items() if n == QWEN_FEATURE_DRAFT_NAME}

@@ -15,7 +15,13 @@ from shared.scheduling.core import (
     ModelBesideCopy,
     SpeculationPlanner,
 )
-from shared.settings import AugurySettings, LapsSettings, LbssSettings, SloSettings
+from shared.settings import (
+    AugurySettings,
+    LapsSettings,
+    LbssSettings,
+    SloSettings,
+    draft_chooser,
+)
 
 
 class SchedulerConfig(BaseModel):
@@ -61,7 +67,7 @@ class SchedulerConfig(BaseModel):
             policy=s.policy,
             length_predictor=s.length_predictor,
             laps=s.laps,
-            draft_chooser=s.draft_chooser,
+            draft_chooser=draft_chooser(settings),
             lbss=s.lbss,
             fast_switching=s.fast_switching,
             merge_drafts=s.merge_drafts,
