@@ -52,11 +52,11 @@ SPOT_TOLERANCE = 1.25  # a stored profile within this factor of this machine sta
 CACHE_DIR = Path.home() / ".cache" / "augury" / "profiles"
 
 
-def _stored(directories: list[Path], key: ProfileKey) -> ModelProfile | None:
-    """The newest stored profile whose key matches: same architecture (the fingerprint: costs
-    depend on shapes, not on names or weights), device, dtype and threads. Any model of any
-    profile file counts, the target's or a draft's."""
-    found: list[tuple[str, ModelProfile]] = []
+def _stored(directories: list[Path], key: ProfileKey) -> tuple[ModelProfile, Path] | None:
+    """The newest stored profile whose key matches, and the directory it is in: same
+    architecture (the fingerprint: costs depend on shapes, not on names or weights), device,
+    dtype and threads. Any model of any profile file counts, the target's or a draft's."""
+    found: list[tuple[str, ModelProfile, Path]] = []
     for directory in directories:
         for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
             try:
@@ -65,8 +65,11 @@ def _stored(directories: list[Path], key: ProfileKey) -> ModelProfile | None:
                 continue
             for model in (profile.target, *profile.drafts.values()):
                 if model.key.mismatch(key) is None and _prices_one_draft_token(model):
-                    found.append((profile.created, model))
-    return max(found, key=lambda item: item[0])[1] if found else None
+                    found.append((profile.created, model, directory))
+    if not found:
+        return None
+    _, model, directory = max(found, key=lambda item: item[0])
+    return model, directory
 
 
 def _prices_one_draft_token(model: ModelProfile) -> bool:
@@ -153,17 +156,19 @@ def choose_profile(
     measurements combined point by point; what passes is cached in `cache_dir`, what never
     passes is returned as "suspect" and not cached (the caller decides what to do with it).
     A profile matches by its key (architecture, device, dtype, threads), whichever model of a
-    stored profile it belongs to; `check_stored`: spot-check a stored one on this machine and
-    scale it where it is off (`spot_ratio`)."""
+    stored profile it belongs to; `check_stored`: spot-check one from `directory` (measured on
+    another machine, maybe) on this machine and scale it where it is off (`spot_ratio`)."""
     directory = directory or DEFAULT_PROFILES_DIR
     key = profile_key(runner, name)
-    stored = _stored([directory, cache_dir], key)
-    if stored is not None:
+    found = _stored([directory, cache_dir], key)
+    if found is not None:
+        stored, where = found
         if stored.kernels is not None and not runner.model.is_int8:
             runner.model.plan_kernels(plan=LinearPlan.from_dict(stored.kernels))
         detail = stored.key.file_stem
         log.info("cost profile of %s: loaded (%s)", name, detail)
-        ratio = spot_ratio(runner, stored) if check_stored else None
+        # a quick profile in the cache was measured on this machine: nothing to check
+        ratio = spot_ratio(runner, stored) if check_stored and where != cache_dir else None
         if ratio is not None and not 1 / SPOT_TOLERANCE <= ratio <= SPOT_TOLERANCE:
             log.warning(
                 "cost profile of %s: this machine runs its forwards at %.2fx the stored "
