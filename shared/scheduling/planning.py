@@ -62,9 +62,10 @@ class DraftPlanner:
         drafting = [r for r in batch.decode if r.request_id in methods]
         choice = pool.chooser.assign(drafting, live, pool.cost) if drafting else {}
         if getattr(pool.chooser, "planned", False) and pool.cost is not None:
+            step = step_shape(batch, pool.config.token_budget)
             for request in drafting:
                 choice[request.request_id] = self._planned_model(
-                    batch, request, methods[request.request_id], live
+                    step, request, methods[request.request_id], live
                 )
         queries: list[DepthQuery] = []
         placed: Placements = {}
@@ -108,7 +109,7 @@ class DraftPlanner:
         return self._with_partner(query, request, model)
 
     def _planned_model(
-        self, batch: MicroBatch, request: RequestState, method: DraftMethod, live: list[str]
+        self, step: dict[str, int], request: RequestState, method: DraftMethod, live: list[str]
     ) -> str:
         """The draft (`PlannedChoice`) whose plan for the request alone in this step's shape
         promises the most committed tokens per millisecond, counting what it would have to
@@ -120,12 +121,6 @@ class DraftPlanner:
         free = pool.config.model_free_drafts
         merges = pool.config.merge_drafts == "model-free" and pool.first_live_model_free()
         candidates = [m for m in live if not (merges and m in free)] or live
-        step = {
-            "prefill_tokens": 0,
-            "budget": pool.config.token_budget,
-            "context": mean_context(batch.decode),
-            "num_requests": len(batch.decode),
-        }
         scores = {}
         for model in candidates:
             own = pool.config.model_free_method if model in free else method
@@ -137,15 +132,13 @@ class DraftPlanner:
         return max(candidates, key=lambda m: (scores[m], m == current, m))
 
     def _backlog_on(self, request: RequestState, model: str) -> int:
-        """Committed tokens a drafter of `model` would have to append for the request: its
-        current one's, a standby's or parked one's, else all (less a cached prompt prefix)."""
+        """`drafter_backlog` of a drafter of `model`: its current one, a standby or a parked
+        one, else one new to the request."""
         if model == request.draft_model:
             return self.drafter_backlog(request)
         keeping = (request.standby, request.parked.get(model))
         held = max((s.num_seen for s in keeping if s is not None and s.model == model), default=0)
-        if held > 0:
-            return request.num_tokens - held
-        return request.num_tokens - request.num_cached_prompt_tokens
+        return self.drafter_backlog(request, held)
 
     def _with_partner(
         self, query: DepthQuery, request: RequestState, model: str | None = None
@@ -167,12 +160,7 @@ class DraftPlanner:
         pool = self.pool
         if pool.config.planner != "goodput" or pool.cost is None or not pool.selector.plans_depth:
             return {q.request_id: q.max_depth for q in queries}
-        step = {
-            "prefill_tokens": 0,  # planned before prompt chunks (they do not weigh on it)
-            "budget": pool.config.token_budget,
-            "context": mean_context(batch.decode),
-            "num_requests": len(batch.decode),
-        }
+        step = step_shape(batch, pool.config.token_budget)
         depths = plan_depths(queries, pool.cost, **step)
         due = [q for q in queries if self._probe_due(q.request_id, depths[q.request_id])]
         if due:  # probe only where a good draft would pay: a step of many requests may not
@@ -224,12 +212,14 @@ class DraftPlanner:
                 return start, log.take(lo, end)
         return None
 
-    def drafter_backlog(self, request: RequestState) -> int:
-        """Committed tokens the drafter must still forward: those it has not seen, less, for a
-        drafter new to the request, the prompt prefix the target found cached (a draft's prefix
-        cache names the same blocks for the same requests: most likely it holds them too)."""
-        unseen = request.num_tokens - request.num_seen_by_drafter
-        if request.num_seen_by_drafter == 0:
+    def drafter_backlog(self, request: RequestState, held: int | None = None) -> int:
+        """Committed tokens the drafter must still forward: those it has not seen (`held`: what
+        it holds, where not the request's current drafter), less, for a drafter new to the
+        request, the prompt prefix the target found cached (a draft's prefix cache names the
+        same blocks for the same requests: most likely it holds them too)."""
+        held = request.num_seen_by_drafter if held is None else held
+        unseen = request.num_tokens - held
+        if held == 0:
             unseen -= request.num_cached_prompt_tokens
         return unseen
 
@@ -294,6 +284,17 @@ class DraftPlanner:
         state.idle_steps = 0
         state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
         return True
+
+
+def step_shape(batch: MicroBatch, budget: int) -> dict[str, int]:
+    """The step the depth planner prices (`plan_depths`' keywords): planned before prompt
+    chunks, which do not weigh on it."""
+    return {
+        "prefill_tokens": 0,
+        "budget": budget,
+        "context": mean_context(batch.decode),
+        "num_requests": len(batch.decode),
+    }
 
 
 def keep_probes(batch: MicroBatch, drafted: Mapping[str, TokenTree], room: int) -> None:

@@ -160,17 +160,12 @@ class RequestPool:
     def leave_current(self, request: RequestState) -> None:
         """Switch away from the request's current drafter: parked there (it keeps the request's
         committed tokens for a switch back) where the chooser parks, else released."""
-        model, replica = request.draft_model, request.drafter
-        if not getattr(self.chooser, "parks_switched", False) or model is None or replica is None:
-            self.release_current(request)
-            return
-        if request.num_seen_by_drafter > 0:
-            request.parked[model] = Standby(model, replica, request.num_seen_by_drafter)
-        else:  # it holds nothing worth keeping
-            self.releases.append(Release(request.request_id, False, (model, replica)))
-        self.matcher.release(request.request_id)
-        request.draft_model = request.drafter = None
-        request.num_seen_by_drafter = 0
+        model, replica, held = request.draft_model, request.drafter, request.num_seen_by_drafter
+        parks = getattr(self.chooser, "parks_switched", False)
+        if parks and model is not None and replica is not None and held > 0:
+            request.parked[model] = Standby(model, replica, held)
+            request.draft_model = None  # kept there: `release_current` frees nothing
+        self.release_current(request)
 
     def take_parked(self, request: RequestState, model: str) -> Standby | None:
         """The request's parked drafter of `model` if it is on a live replica and holds
