@@ -242,7 +242,7 @@ async def bench_services(args: argparse.Namespace) -> str:
     from services.run import start_stack
     from services.runtime import ModelPaths
     from shared.bus import redis_url
-    from shared.settings import AugurySettings, RedisSettings
+    from shared.settings import MODEL_SET_CHOOSERS, AugurySettings, RedisSettings
     from tests.test_services_support import Client
 
     by_kind = prompts_by_kind(args.per_kind, args.model_set, args.kinds)
@@ -263,10 +263,10 @@ async def bench_services(args: argparse.Namespace) -> str:
             models={"model_free": tuple(args.model_free), "model_set": args.model_set},
             service={"cell": "bench", "replica": "bench"},
         )
-        # SmolLM2: its first draft, the one every request uses under the `fixed` chooser;
-        # another set: its served drafts, chosen as its services choose
+        # the set's served drafts where its chooser picks among them; under `fixed` (SmolLM2)
+        # the first, which every request uses
         default = list(model_set_drafts(args.model_set, served=True))
-        if args.model_set == SMOLLM2 or args.draft:
+        if MODEL_SET_CHOOSERS[args.model_set] == "fixed" or args.draft:
             default = [args.draft or default[0]]
         served = args.drafts or default
         if served == ["none"]:  # the model-free drafts alone
