@@ -10,10 +10,14 @@ the table gives tokens per target forward (bonus included) per kind and whether 
 equals plain decoding token for token. A configuration is a draft of the model set (`draft-e`,
 `draft-l`, ...), a model-free draft (`ngram`, `suffix`), a model draft merged with a model-free
 one (`draft-e+ngram`: their trees merged, the model drafting only what the copy is not expected
-to deliver; `draft-e+ngram=always`: both draft every step), or `choose:` and drafts
+to deliver; `draft-e+ngram=always`: both draft every step; `=runs`: the model planned by the
+copy's acceptance after steps that ended as its last one did, `model_beside_copy`), or
+`choose:` and drafts
 (`choose:draft-e,ngram,suffix`: the counterfactual chooser among them, merging on), or `plan:`
 and drafts (`plan:draft-e,draft-l,ngram`: the planner's choice among the model drafts, the
-model-free one merged beside them).
+model-free one merged beside them). `@field=value,...` after any of them changes fields of the
+drafting method (`draft-e@max_width=2`) or of the scheduler's configuration
+(`draft-e+ngram@calibrate_costs=false`).
 """
 
 from __future__ import annotations
@@ -133,10 +137,12 @@ class Models:
         max_running_requests: int | None = None,
     ) -> SpecEngine:
         chooser = "fixed"
-        config, _, overrides = config.partition("@")  # NAME@field=value,...: the method changed
-        method = with_overrides(method, overrides)
-        always = config.endswith("=always")  # the model planned as if alone beside the copy
-        config = config.removesuffix("=always")
+        # NAME@field=value,...: fields of the method or of the scheduler's configuration changed
+        config, _, overrides = config.partition("@")
+        method, scheduler_fields = with_overrides(method, overrides)
+        # NAME=always: the model planned as if alone beside the copy; =runs: by the copy's
+        # acceptance after steps that ended as its last one did (`model_beside_copy`)
+        config, _, beside = config.partition("=")
         names = config.split("+")
         if config.startswith("choose:"):
             chooser, names = "counterfactual", config.removeprefix("choose:").split(",")
@@ -154,10 +160,13 @@ class Models:
                 self.verifier.runner, models, target_name=self.target_dir.name, chosen=self._chosen
             )
         cost = self._costs.get(key)
+        if cost is not None:  # its own calibration: each engine measures its own steps
+            cost = cost.fresh()  # type: ignore[attr-defined]
         scheduling = SchedulerConfig(
             planner=self.planner,
             draft_chooser=chooser,
-            model_beside_copy="always" if always else "planned",
+            model_beside_copy=beside or "planned",
+            **scheduler_fields,
         )
         if max_running_requests is not None:
             scheduling = scheduling.model_copy(
@@ -177,14 +186,20 @@ class Models:
         return engine
 
 
-def with_overrides(method: DraftMethod, overrides: str) -> DraftMethod:
-    """`method` with `field=value,...` (numbers) changed: `max_width=2,min_path_prob=0.05`."""
+def with_overrides(method: DraftMethod, overrides: str) -> tuple[DraftMethod, dict[str, str]]:
+    """`method` with `field=value,...` changed where the field is the method's (numbers:
+    `max_width=2,min_path_prob=0.05`), and the others, for the scheduler's configuration
+    (`calibrate_costs=false`; validated there)."""
     changes: dict[str, int | float] = {}
+    others: dict[str, str] = {}
     for item in filter(None, overrides.split(",")):
         name, _, value = item.partition("=")
+        if name in SchedulerConfig.model_fields:
+            others[name] = value
+            continue
         current = getattr(method, name)  # an unknown field raises here
         changes[name] = type(current)(value)
-    return dataclasses.replace(method, **changes) if changes else method
+    return (dataclasses.replace(method, **changes) if changes else method), others
 
 
 def plain_outputs(models: Models, batch: dict[str, list[list[int]]], max_tokens: int) -> dict:

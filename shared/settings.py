@@ -209,6 +209,10 @@ class SpeculationSettings(_Group):
     # goodput: each request's speculation is sized by the cost model every step (plain
     # decoding included); fixed: always the method's whole tree
     planner: Literal["goodput", "fixed"] = "goodput"
+    # the cost model's answers scaled, per model, by what its drafter calls and verifications
+    # measured against the profile (a profile times bare forwards; a step pays more). Off: on
+    # the qwen2.5-coder set it moved the planner's choice toward the cheaper, weaker draft
+    calibrate_costs: bool = False
     min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     chain_length: PositiveInt = 4
     static_expansion: tuple[PositiveInt, ...] = (2, 2, 1, 1)  # SpecInfer's <k1..km>
@@ -325,8 +329,10 @@ class SchedulerSettings(_Group):
     # else off
     merge_drafts: Literal["auto", "off", "standby", "at-risk", "model-free"] = "auto"
     # with "model-free": "planned", the model drafts only the levels its partner is not expected
-    # to deliver (none inside a copy; the partner drafts alone then); "always", as if alone
-    model_beside_copy: Literal["planned", "always"] = "planned"
+    # to deliver (none inside a copy; the partner drafts alone then), by the partner's last few
+    # steps' acceptance; "runs", by its acceptance after steps that ended as its last one did;
+    # "always", as if alone
+    model_beside_copy: Literal["planned", "runs", "always"] = "planned"
     replica_matcher: Literal["least-loaded"] = "least-loaded"
     tree_selection: TreeSelection = "goodput"
     slo: SloSettings = SloSettings()

@@ -79,6 +79,27 @@ def test_merged_with_a_model_draft_greedy_equals_plain(
     assert engine.stats.mean_accepted_length >= FLOOR
 
 
+@pytest.mark.parametrize("beside", ["planned", "runs"])
+def test_both_partner_estimates_keep_greedy_output(
+    tiny_target_dir, tiny_draft_dir, plain_outputs, beside
+):
+    """Planned by the goodput planner (a cost model: the partner's estimate decides the
+    model's depth; the useless tiny model sits out and the copy drafts alone, 1.45 tokens a
+    forward measured) and without one (both draft every step)."""
+    for cost, floor in ((cost_model(CPU_CURVE, [(1, 3.3), (64, 6.0)]), 1.35), (None, FLOOR)):
+        engine = SpecEngine(
+            Verifier(runner(tiny_target_dir)),
+            {"d": model_draft(tiny_draft_dir, name="d"), "ngram": ModelFreeDrafter("ngram")},
+            CHAIN,
+            SchedulerConfig(model_beside_copy=beside, calibrate_costs=False),
+            cost=cost,
+        )
+        reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        assert [r.output for r in reqs] == plain_outputs
+        assert engine.core.num_merged_trees > 0
+        assert engine.stats.mean_accepted_length >= floor
+
+
 def test_a_model_that_does_not_pay_leaves_the_copy_beside_it_running(
     tiny_target_dir, tiny_draft_dir, plain_outputs
 ):
@@ -102,7 +123,8 @@ def test_a_model_that_does_not_pay_leaves_the_copy_beside_it_running(
             Verifier(runner(tiny_target_dir)),
             {"d": model, "ngram": ModelFreeDrafter("ngram")},
             CHAIN,
-            SchedulerConfig(model_beside_copy=mode),
+            # the synthetic costs stand as given, not as the tiny models' forwards measure
+            SchedulerConfig(model_beside_copy=mode, calibrate_costs=False),
             cost=cost_model(CPU_CURVE, [(1, 3.3), (64, 6.0)]),
         )
         reqs = engine.generate(COPY_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))

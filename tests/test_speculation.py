@@ -23,7 +23,10 @@ from shared.scheduling.speculation import (
     FIRST_PROBE_INTERVAL,
     MAX_PROBE_INTERVAL,
     PRIOR_RATE,
+    RECENT_ESTIMATE_DECAY,
     AcceptanceEstimate,
+    CopyEstimate,
+    CopyRuns,
     DepthQuery,
     plan_depths,
     select_by_goodput,
@@ -135,6 +138,57 @@ def test_a_model_beside_a_copying_partner_drafts_only_what_the_copy_leaves() -> 
     shallow = replace(copying, partner_depth=1)
     expected = 0.8 * 0.05 + sum(0.8**d for d in range(2, 5))
     assert sum(shallow.level_gains()) == pytest.approx(expected)
+
+
+def test_by_runs_a_copy_the_target_left_does_not_keep_the_model_quiet() -> None:
+    """Open text where the copy now and then finds a short run (a phrase of the question):
+    three tokens accepted, then the target leaves it, and the next matches are junk. Planned by
+    the copy's reach as a run after such stops (`model_beside_copy = "runs"`), the model drafts
+    on the step after the short copy; by the copy's last few steps (the default) that step reads
+    as a copy in progress and the model sits out. Inside a copy that runs through its tree, the
+    model sits out by either."""
+    # the bf16 1.5B on a CPU whose four-row products cost about what one row's do, and the
+    # 0.5B-32k's forward at a fifth of its one-token forward
+    cost = cost_model([(1, 10.0), (4, 10.8), (16, 20.0), (64, 60.0)], [(1, 1.9), (64, 4.0)])
+    step = {"prefill_tokens": 0, "budget": 512, "context": 100}
+    alone = query("r", 0.8)
+
+    def planned_after(trials: list[tuple[int, int]]) -> tuple[int, int, float]:
+        runs, recent = CopyRuns(), AcceptanceEstimate()
+        for trial in trials:
+            runs.observe(*trial)
+            recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
+        first, deeper = runs.current().rates()
+        by_runs = replace(alone, partner_rate=deeper, partner_first=first, partner_depth=16)
+        by_recent = replace(alone, partner_rate=recent.rate(weight=1.0), partner_depth=16)
+        depth = plan_depths([by_runs], cost, **step)["r"]
+        return depth, plan_depths([by_recent], cost, **step)["r"], by_runs.partner_tokens()
+
+    short_copies = ([(0, 1)] * 5 + [(3, 4)]) * 3
+    planned, recent, expected = planned_after(short_copies)
+    assert planned >= 2 and recent == 0
+    assert expected < 1.0  # half a token a step is what the copy delivered after a stop
+    assert plan_depths([alone], cost, **step)["r"] == planned
+    planned, recent, expected = planned_after([(16, 16)] * 8)
+    assert planned == 0 and recent == 0 and expected > 8
+
+
+def test_a_copy_estimate_reads_a_run_as_one_trial_and_its_continuation() -> None:
+    estimate = CopyEstimate()
+    estimate.observe(3, 4)  # three accepted, the fourth rejected
+    estimate.observe(0, 1)  # rejected at once
+    estimate.observe(5, 5)  # accepted to the end of its tree
+    # first: 1, 0, 1 of one trial each, decayed by 0.9 a step
+    first = (estimate.first.successes, estimate.first.trials)
+    assert first == pytest.approx((0.81 + 1, 0.81 + 0.9 + 1))
+    # deeper: 2 of 3 (the first step), then 4 of 4; the junk step adds nothing there
+    deeper = (estimate.deeper.successes, estimate.deeper.trials)
+    assert deeper == pytest.approx((0.9 * 2 + 4, 0.9 * 3 + 4))
+    runs = CopyRuns()
+    runs.observe(5, 5)
+    assert runs.running and runs.after_stopped.first.trials == 1
+    runs.observe(2, 3)
+    assert not runs.running and runs.after_running.first.trials == 1
 
 
 @settings(max_examples=150, deadline=None)

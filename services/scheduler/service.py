@@ -47,7 +47,7 @@ from shared.bus.cell_stats import QueueTimes, publish_forever, publish_scheduler
 from shared.bus.lease import Lease
 from shared.bus.preemptions import add_preemptions
 from shared.errors import ContextLengthError, InvalidRequestError
-from shared.scheduling.core import MicroBatch, StepOutput, mean_context
+from shared.scheduling.core import DraftTiming, MicroBatch, StepOutput, mean_context
 from shared.scheduling.executor import (
     Drafted,
     DraftKey,
@@ -473,10 +473,11 @@ class SchedulerService:
             await self._count_preemptions()  # the core's, up to this batch
             if batch.is_empty:
                 return
-            drafted, draft_ms = await self._draft(batch)
+            drafted, draft_ms, timings = await self._draft(batch)
             trees = self.core.select_trees(batch, drafted.trees, time.time(), drafted.partners)
             job = VerifyJob(batch.id, verify_requests(self.core, batch, trees))
             result = await self._verify(job)
+            self.core.note_costs(batch, timings, result.verify_ms or None)
             results = step_results(result.entries)
             outputs = self.core.observe(batch, results, time.time())
             members = {r.request_id: r for r in batch.members}
@@ -519,14 +520,15 @@ class SchedulerService:
         )
 
     # ---- drafting --------------------------------------------------------------------------------
-    async def _draft(self, batch: MicroBatch) -> tuple[Drafted, float]:
-        """The trees the drafters answered in time (`DraftRound.apply`), and the slowest
-        replica's drafting time. Fast switching's warm-ups (`batch.warm`) and the standby
-        trees to merge go to the standby replicas in the same round: one DraftJob per replica."""
+    async def _draft(self, batch: MicroBatch) -> tuple[Drafted, float, list[DraftTiming]]:
+        """The trees the drafters answered in time (`DraftRound.apply`), the slowest replica's
+        drafting time and each replica's, as it measured it. Fast switching's warm-ups
+        (`batch.warm`) and the standby trees to merge go to the standby replicas in the same
+        round: one DraftJob per replica."""
         drafts = DraftRound.of(self.core, batch)
         jobs = drafts.by_replica()
         if not jobs:
-            return drafts.apply(self.core, {}), 0.0
+            return drafts.apply(self.core, {}), 0.0, []
         waits = {key: self._candidates.expect((batch.id, key[1])) for key in jobs}
         await self._publish(
             [
@@ -541,16 +543,26 @@ class SchedulerService:
         self.stats.draft_timeouts += len(pending)
         answers: dict[DraftKey, DraftedTree] = {}
         draft_ms = 0.0
+        timings = []
         for (model, replica), wait in waits.items():
             if wait not in done or wait.cancelled():
                 continue  # no answer in time: that drafter's state is unknown
             answer = wait.result()
             draft_ms = max(draft_ms, answer.draft_ms)
+            asked = jobs[model, replica]
+            appended = {job.entry.request_id: len(job.entry.new_tokens) for job in asked}
+            grown = [
+                (appended[d.request_id], d.tree)
+                for d in answer.entries
+                if d.tree is not None and d.request_id in appended
+            ]
+            if grown and answer.draft_ms > 0:
+                timings.append(DraftTiming(model, tuple(grown), answer.draft_ms))
             for drafted in answer.entries:
                 key = (model, replica, drafted.request_id)
                 if key not in answers or answers[key].step != drafted.step:
                     answers[key] = self._rooted(drafted)  # the first of the step asked wins
-        return drafts.apply(self.core, answers), draft_ms
+        return drafts.apply(self.core, answers), draft_ms, timings
 
     def _rooted(self, drafted: DraftedTree) -> DraftedTree:
         """The answer, or an error where its tree grows from another token than the request's

@@ -23,6 +23,7 @@ from shared.grammar.spec import check_structured
 from shared.model.kv_cache import SwappedKV
 from shared.scheduling.config import SchedulerConfig
 from shared.scheduling.core import (
+    DraftTiming,
     MicroBatch,
     StepOutput,
     StepResult,
@@ -91,6 +92,9 @@ class LocalTransport:
         self.drafters = drafters
         self.clock = clock
         self._swapped: dict[str, SwappedKV] = {}
+        # what the last micro-batch's drafter calls and verification took (`take_timings`)
+        self._drafting: list[DraftTiming] = []
+        self._verify_ms: float | None = None
 
     def swap_out(self, request: RequestState) -> None:
         rid = request.request_id
@@ -113,7 +117,10 @@ class LocalTransport:
         answers: dict[DraftKey, DraftedTree] = {}
         for (model, method), keys in groups.items():
             requests = [entries[key] for key in keys]
+            start = self.clock()
             trees = self.drafters[model].draft(requests, method.for_batch(len(requests)))
+            drafted = tuple((len(r.new_tokens), trees[r.request_id]) for r in requests)
+            self._drafting.append(DraftTiming(model, drafted, (self.clock() - start) * 1e3))
             for key, request in zip(keys, requests, strict=True):
                 answers[key] = DraftedTree(request.request_id, request.step, trees[key[2]])
         return answers
@@ -122,7 +129,18 @@ class LocalTransport:
         return self.clock()
 
     def verify(self, batch: MicroBatch, entries: Sequence[VerifyRequest]) -> list[VerifiedRequest]:
-        return self.verifier.step(entries) if entries else []
+        if not entries:
+            return []
+        start = self.clock()
+        verified = self.verifier.step(entries)
+        self._verify_ms = (self.clock() - start) * 1e3
+        return verified
+
+    def take_timings(self) -> tuple[list[DraftTiming], float | None]:
+        """The drafter calls and the verification measured since the last call."""
+        timings, verify_ms = self._drafting, self._verify_ms
+        self._drafting, self._verify_ms = [], None
+        return timings, verify_ms
 
     def free_target(self, request_id: str) -> None:
         self.verifier.free(request_id)
@@ -314,6 +332,7 @@ class SpecEngine:
         if batch is None:
             return []
         results = self.driver.run(batch)
+        self.core.note_costs(batch, *self.transport.take_timings())
         if self.observer is not None:
             self.observer(batch, results)
         outputs = batch.failed + self.driver.finish(batch, results, self.clock())

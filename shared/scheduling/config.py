@@ -47,6 +47,7 @@ class SchedulerConfig(BaseModel):
     replica_matcher: str = "least-loaded"
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
+    calibrate_costs: bool = False  # measured step parts scale the cost model (settings)
     slo: SloSettings = SloSettings()  # SLO classes (request intake) and the SLO-aware selectors
 
     @property
@@ -75,5 +76,6 @@ class SchedulerConfig(BaseModel):
             replica_matcher=s.replica_matcher,
             tree_selection=s.tree_selection,
             planner=s.speculation.planner,
+            calibrate_costs=s.speculation.calibrate_costs,
             slo=s.slo,
         )

@@ -54,6 +54,7 @@ from shared.scheduling.core_types import (
     token_paths,
     tree_capacity_with,
 )
+from shared.scheduling.cost_calibration import DraftTiming, note_step_costs
 from shared.scheduling.cost_model import CostModel
 from shared.scheduling.draft_choice import DraftChooser, FixedDraftModel
 from shared.scheduling.features import FeatureLog
@@ -72,6 +73,7 @@ __all__ = [
     "WARM_METHOD",
     "CoreConfig",
     "DraftPlan",
+    "DraftTiming",
     "KVView",
     "MergePolicy",
     "ModelBesideCopy",
@@ -343,6 +345,14 @@ class SchedulerCore:
         shares = self.learner.cost_shares(batch)
         self._end_batch(batch)
         return self.committer.commit(batch, results, now, shares)
+
+    def note_costs(
+        self, batch: MicroBatch, drafting: Sequence[DraftTiming], verify_ms: float | None
+    ) -> None:
+        """What the micro-batch's drafter calls and verification (`verify_ms`; None: not
+        measured) took: calibrates the cost model (`cost_calibration`), where configured."""
+        if self.cost is not None and self.config.calibrate_costs:
+            note_step_costs(self.cost, batch, drafting, verify_ms)
 
     def abandon(self, batch: MicroBatch) -> None:
         """The executor could not finish this micro-batch: its requests are free to be scheduled

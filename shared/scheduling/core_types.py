@@ -22,7 +22,7 @@ SpeculationPlanner = Literal["goodput", "fixed"]
 # objective that they are not meeting; "model-free": every request drafting with a model also
 # gets the first live model-free draft's tree (`CoreConfig.model_free_drafts`), merged
 MergePolicy = Literal["off", "standby", "at-risk", "model-free"]
-ModelBesideCopy = Literal["planned", "always"]
+ModelBesideCopy = Literal["planned", "runs", "always"]
 # Which decoding requests a micro-batch takes: the first in the policy's order ("policy"), or
 # its share of each draft model's requests ("per-draft", Spin §V-B: the batch on each drafter is
 # split into the M micro-batches, so that no micro-batch waits on one drafter holding most of it)
@@ -48,6 +48,8 @@ class CoreConfig:
     # goodput: size each request's speculation by the cost model (zero included);
     # fixed: always draft the method's full tree
     planner: SpeculationPlanner = "goodput"
+    # scale the cost model by what the executor measured of each step (`cost_calibration`)
+    calibrate_costs: bool = False
     # Draft models that read the target's features (EAGLE-style), and the features' width: the
     # core then asks the verifier for features and keeps them per request (`features.py`).
     feature_drafts: frozenset[str] = frozenset()

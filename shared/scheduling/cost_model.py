@@ -12,6 +12,11 @@ device, the dtype and the CPU threads, and `CostProfile.check` refuses a profile
 (`ProfileMismatchError` names the field). Fingerprints, the processor's name and the search of a
 profile directory (`load_matching`, `find_profile`) are in `shared.model.profile_files`.
 
+A profile times bare forwards. What a step pays in a running process is more: a drafter grows
+trees and samples between its forwards, the verifier builds tree masks and accepts. So a
+`CostModel` may be calibrated as it runs (`calibrate`): per role (the target, each draft), the
+measured time of what it did over the profile's figure for it, decayed, scales every answer.
+
 This module is pure Python (numpy at most): the scheduler core imports it and never touches
 tensors or reads the machine.
 """
@@ -34,6 +39,11 @@ TYPICAL_CONTEXT = 256
 # AdaServe's baseline latency is measured by plain decoding at batch 8, 32 + 128 tokens.
 BASELINE_BATCH = 8
 BASELINE_CONTEXT = 96
+TARGET_ROLE = "target"  # the verifier's role in `CostModel.scales`
+# calibration: weight of the scale before each measurement, and the range of one measurement's
+# ratio (a step that waited on something else is not what a forward costs)
+SCALE_DECAY = 0.9
+SCALE_RATIO_CLIP = (0.5, 3.0)
 
 
 def slug(text: str) -> str:
@@ -299,6 +309,23 @@ class CostModel:
         self._verify = _Curves(profile.target)
         self._drafts = {name: _Curves(p) for name, p in profile.drafts.items()}
         self._budgets: dict[tuple[float, int], int] = {}  # hardware_budget's, read every step
+        # measured over the profile's figure, per role (`TARGET_ROLE` or a draft's name)
+        self.scales: dict[str, float] = {}
+
+    def fresh(self) -> CostModel:
+        """The same profile, uncalibrated: for a scheduler of its own (a calibration is what
+        one process's forwards cost)."""
+        return CostModel(self.profile)
+
+    def calibrate(self, role: str, modeled_ms: float, measured_ms: float) -> None:
+        """Fold one measurement into `role`'s scale: `measured_ms` for work whose answer here,
+        as scaled now, is `modeled_ms`."""
+        scale = self.scales.get(role, 1.0)
+        base = modeled_ms / scale
+        if base <= 0.0 or measured_ms <= 0.0:
+            return
+        ratio = min(max(measured_ms / base, SCALE_RATIO_CLIP[0]), SCALE_RATIO_CLIP[1])
+        self.scales[role] = SCALE_DECAY * scale + (1.0 - SCALE_DECAY) * ratio
 
     @property
     def draft_models(self) -> list[str]:
@@ -312,17 +339,24 @@ class CostModel:
         """The largest forward the target was measured at (past it, costs are extrapolated)."""
         return self._verify.max_tokens
 
+    def draft_max_tokens(self, model: str) -> int:
+        """The largest forward draft `model` was measured at."""
+        return self._drafts[model].max_tokens
+
     def verify_ms(self, num_tokens: int, context: int, num_requests: int | None = None) -> float:
         """One target forward of `num_tokens` tokens (all requests of a step together) at a
         typical per-request context `context`, over `num_requests` requests (None: as many as
         the profile's spread layout puts them in)."""
-        return self._verify.ms(num_tokens, context, num_requests)
+        return self._verify.ms(num_tokens, context, num_requests) * self.scales.get(
+            TARGET_ROLE, 1.0
+        )
 
     def verify_ms_many(
         self, num_tokens: np.ndarray, context: int, num_requests: int | None = None
     ) -> np.ndarray:
         """`verify_ms` of every entry of `num_tokens` (a planner's candidate step sizes)."""
-        return self._verify.ms_many(num_tokens, context, num_requests)
+        scale = self.scales.get(TARGET_ROLE, 1.0)
+        return self._verify.ms_many(num_tokens, context, num_requests) * scale
 
     def draft_forward_ms(
         self, model: str, num_tokens: int, context: int, num_requests: int | None = None
@@ -334,7 +368,7 @@ class CostModel:
             raise KeyError(
                 f"no cost profile for draft {model!r} (have {self.draft_models})"
             ) from None
-        return curves.ms(num_tokens, context, num_requests)
+        return curves.ms(num_tokens, context, num_requests) * self.scales.get(model, 1.0)
 
     def draft_tree_ms(
         self,
@@ -358,7 +392,8 @@ class CostModel:
         """`draft_forward_ms` of every entry of `num_tokens` (with its own request count)."""
         if model not in self._drafts:
             raise KeyError(f"no cost profile for draft {model!r} (have {self.draft_models})")
-        return self._drafts[model].ms_many(num_tokens, context, num_requests)
+        scale = self.scales.get(model, 1.0)
+        return self._drafts[model].ms_many(num_tokens, context, num_requests) * scale
 
     def draft_cost_per_token_ms(self, model: str, context: int = TYPICAL_CONTEXT) -> float:
         """A draft forward of one token at context `context` (default 256)."""

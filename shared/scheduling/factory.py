@@ -130,6 +130,7 @@ def make_core(
             micro_batch_split=config.micro_batch_split,
             method=method,
             planner=config.planner,
+            calibrate_costs=config.calibrate_costs,
             feature_drafts=target.feature_drafts,
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,

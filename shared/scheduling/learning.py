@@ -139,15 +139,19 @@ class Learner:
         """A model-free partner's tree: learn from its verified part where it was merged, and
         wait for the tokens that settle its counterfactual acceptance."""
         model = batch.merge[request.request_id].model
-        recent = self.pool.state(request, model).recent  # how far it is copying right now
+        trial = None
         if partner.num_nodes == 1:  # nothing to copy here: the model beside it should draft
-            recent.observe(0, 1, decay=RECENT_ESTIMATE_DECAY)
+            trial = (0, 1)
         elif verified is not None and request.request_id in batch.own_trees:
             part, accepted = own_part(verified, partner, result.tokens[: result.num_accepted])
             if part.num_nodes > 1:
                 trial = depth_trial(partner, part, accepted, result)
                 self._learn_state(request, model, part, trial, accepted)
-                recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
+        if trial is not None:  # how far it is copying right now
+            state = self.pool.state(request, model)
+            self.pool.copy_estimate(model, state.runs.running).observe(*trial)
+            state.runs.observe(*trial)
+            state.recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
         others = None
         if self.pool.cost is not None:
             nodes, context = self._step_load(batch)

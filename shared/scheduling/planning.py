@@ -143,16 +143,22 @@ class DraftPlanner:
     def _with_partner(
         self, query: DepthQuery, request: RequestState, model: str | None = None
     ) -> DepthQuery:
-        """The query with its model-free partner's recent acceptance, where one merges beside
-        the request's model draft (`model`, where not its current one; `merge_drafts`
-        "model-free"; `StandbyPlanner`)."""
+        """The query with its model-free partner's expected acceptance, where one merges
+        beside the request's model draft (`model`, where not its current one; `merge_drafts`
+        "model-free"; `StandbyPlanner`): in its last few steps or, with `model_beside_copy`
+        "runs", after steps that ended as its last one did (`CopyRuns`)."""
         pool = self.pool
         partner = pool.model_free_partner(request, model)
         if partner is None:
             return query
-        prior = pool.model_estimate(partner).rate()
-        rate = pool.state(request, partner).recent.rate(prior, weight=1.0)
-        return replace(query, partner_rate=rate, partner_depth=pool.model_free_depth(request))
+        state = pool.state(request, partner)
+        depth = pool.model_free_depth(request)
+        if pool.config.model_beside_copy != "runs":
+            rate = state.recent.rate(pool.model_estimate(partner).rate(), weight=1.0)
+            return replace(query, partner_rate=rate, partner_depth=depth)
+        prior = pool.copy_estimate(partner, state.runs.running)
+        first, deeper = state.runs.current().rates(prior)
+        return replace(query, partner_rate=deeper, partner_depth=depth, partner_first=first)
 
     def _depths(self, batch: MicroBatch, queries: list[DepthQuery]) -> dict[str, int]:
         """Each query's depth: the goodput planner's (a probe of one level where one is due and

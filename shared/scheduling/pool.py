@@ -24,7 +24,7 @@ from shared.scheduling.ordering import SchedulingPolicy
 from shared.scheduling.prefix_index import PrefixIndex
 from shared.scheduling.replicas import ReplicaMatcher
 from shared.scheduling.request import FinishReason, RequestState, Standby
-from shared.scheduling.speculation import AcceptanceEstimate, SpeculationState
+from shared.scheduling.speculation import AcceptanceEstimate, CopyEstimate, SpeculationState
 from shared.scheduling.tree_selection import TreeSelector
 from shared.values.methods import DraftMethod
 
@@ -61,6 +61,8 @@ class RequestPool:
         # what the planner remembers, per request and draft model
         self.speculation: dict[str, dict[str, SpeculationState]] = {}
         self.model_estimates: dict[str, AcceptanceEstimate] = {}
+        # a model-free draft's over all requests, by how its previous step ended (`CopyRuns`)
+        self.copy_estimates: dict[tuple[str, bool], CopyEstimate] = {}
         self.features: dict[str, FeatureLog] = {}  # feature-level drafts: the target's
         self.counterfactuals: dict[str, list[PendingCounterfactual]] = {}
         self._arrivals = itertools.count()
@@ -257,7 +259,7 @@ class RequestPool:
         where not its current one) this step and whose acceptance plans the model's depth
         (`merge_drafts = model-free`, `model_beside_copy = planned`); None where none does."""
         config = self.config
-        if config.merge_drafts != "model-free" or config.model_beside_copy != "planned":
+        if config.merge_drafts != "model-free" or config.model_beside_copy == "always":
             return None
         if (model or request.draft_model) in config.model_free_drafts:
             return None
@@ -273,3 +275,6 @@ class RequestPool:
 
     def model_estimate(self, model: str) -> AcceptanceEstimate:
         return self.model_estimates.setdefault(model, AcceptanceEstimate())
+
+    def copy_estimate(self, model: str, running: bool) -> CopyEstimate:
+        return self.copy_estimates.setdefault((model, running), CopyEstimate())

@@ -24,8 +24,13 @@ whose draft keeps failing stops paying for it, and one whose draft is accurate d
    highest goodput. Drafting is spent by then, so only T_verify counts.
 
 A model-free partner merged with the model's tree (a copy from the context) is free to draft;
-the model's levels count only for what the partner is not expected to deliver, by the partner's
-recent acceptance, so inside a copy the model does not draft and the step costs one forward.
+the model's levels count only for what the partner is not expected to deliver, so inside a copy
+the model does not draft and the step costs one forward. What the partner is expected to deliver
+is its per-depth acceptance over mostly its latest step (a copy starts and ends abruptly) or,
+with `model_beside_copy = "runs"`, its acceptance on the steps that followed a step like the
+last one (`CopyRuns`): a copy that was still matching when the step's tokens ran out mostly goes
+on; one the target left (or no match at all) is followed by a fresh match, on open text mostly
+a poor one, so the model drafts.
 
 A request planned at depth 0 probes again (depth 1) after an interval that doubles each time the
 probe does not change the plan, so an estimate can recover without paying every step; and only
@@ -54,8 +59,8 @@ CALIBRATION_CLIP = (0.25, 4.0)
 FIRST_PROBE_INTERVAL = 4
 MAX_PROBE_INTERVAL = 64
 OPTIMISTIC_RATE = 0.9  # a probe is worth it only if a draft this good would pay in the step
-# weight of older steps in a draft's recent per-depth estimate (`SpeculationState.recent`): a
-# copy from the context starts and ends abruptly, and the model beside it should follow
+# weight of older steps in a model-free partner's recent per-depth estimate (`recent`): a copy
+# from the context starts and ends abruptly, and the model beside it should follow
 RECENT_ESTIMATE_DECAY = 0.25
 # a drafter's backlog is spread over the steps of at most this many of the request's tokens to
 # come: `max_tokens` is only a bound on its length (a chat answer is typically shorter)
@@ -80,13 +85,58 @@ class AcceptanceEstimate:
 
 
 @dataclass
+class CopyEstimate:
+    """A model-free draft's reach as a run: a copy is on or off, so whether its first token is
+    accepted (`first`) is estimated apart from each deeper level given the one before
+    (`deeper`); its path reaches depth d with probability first * deeper^(d-1). One per-depth
+    rate would read three copied tokens among junk steps as a fair chance at every level."""
+
+    first: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    deeper: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+
+    def observe(self, num_accepted: int, num_tried: int) -> None:
+        """A verified step's trial (levels accepted, levels tried: one more where rejected)."""
+        self.first.observe(min(num_accepted, 1), 1)
+        if num_accepted >= 1 and num_tried > 1:
+            self.deeper.observe(num_accepted - 1, num_tried - 1)
+
+    def rates(self, prior: CopyEstimate | None = None, weight: float = 1.0) -> tuple[float, float]:
+        """(first, deeper), each shrunk toward `prior`'s (the draft's over all requests)."""
+        if prior is None:
+            return self.first.rate(weight=weight), self.deeper.rate(weight=weight)
+        first, deeper = prior.rates()
+        return self.first.rate(first, weight), self.deeper.rate(deeper, weight)
+
+
+@dataclass
+class CopyRuns:
+    """A model-free draft's `CopyEstimate` kept apart by how its previous verified step ended:
+    `running` (its path still matched the target's tokens when they ran out: the copy goes on)
+    or stopped (the target left the copy, or there was nothing to copy)."""
+
+    after_running: CopyEstimate = field(default_factory=CopyEstimate)
+    after_stopped: CopyEstimate = field(default_factory=CopyEstimate)
+    running: bool = False
+
+    def observe(self, num_accepted: int, num_tried: int) -> None:
+        self.current().observe(num_accepted, num_tried)
+        self.running = num_accepted > 0 and num_accepted == num_tried
+
+    def current(self) -> CopyEstimate:
+        """The estimate that speaks for the next step."""
+        return self.after_running if self.running else self.after_stopped
+
+
+@dataclass
 class SpeculationState:
     """What the planner remembers of one request (on one draft model)."""
 
     estimate: AcceptanceEstimate
-    # the same, mostly the latest step (`RECENT_ESTIMATE_DECAY`): how far a model-free partner
-    # is copying right now, which decides whether the model beside it drafts at all
+    # a model-free partner's per-depth acceptance mostly in its latest step
+    # (`RECENT_ESTIMATE_DECAY`), which decides whether the model beside it drafts at all; and,
+    # for `model_beside_copy = "runs"`, its reach by how its last step ended
     recent: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    runs: CopyRuns = field(default_factory=CopyRuns)
     calibration: float = 1.0  # accepted / sum f(i) of what was verified, decayed
     idle_steps: int = 0  # steps planned at depth 0 since the last draft
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -103,14 +153,23 @@ class DepthQuery:
     rate: float  # per-depth acceptance estimate
     new_tokens: int  # committed tokens the drafter has not seen (its root forward)
     tokens_left: int | None = None  # output tokens the request may still commit (None: unknown)
-    # a model-free partner drafting beside the model (merged trees): its recent per-depth
-    # acceptance and its depth; the model's level d pays only where the partner falls short
+    # a model-free partner drafting beside the model (merged trees): its path reaches depth d
+    # with probability partner_first * partner_rate^(d-1) (partner_first None: partner_rate^d),
+    # up to its depth; the model's level d pays only where the partner falls short
     partner_rate: float = 0.0
     partner_depth: int = 0
+    partner_first: float | None = None
+
+    def partner_reach(self, depth: int) -> float:
+        """The probability that the partner's path is accepted to `depth`."""
+        if depth > self.partner_depth:
+            return 0.0
+        first = self.partner_rate if self.partner_first is None else self.partner_first
+        return first * self.partner_rate ** (depth - 1)
 
     def partner_tokens(self) -> float:
-        """The partner's expected accepted tokens: sum of partner_rate^d over its depths."""
-        return sum(self.partner_rate**d for d in range(1, self.partner_depth + 1))
+        """The partner's expected accepted tokens: its reach summed over its depths."""
+        return sum(self.partner_reach(d) for d in range(1, self.partner_depth + 1))
 
     def level_gains(self) -> list[float]:
         """Expected tokens the model's levels 1..max_depth add, each over the one before. With
@@ -119,10 +178,7 @@ class DepthQuery:
         partner sure of its first tokens), so rising runs are pooled into their mean: the
         planner takes a request's levels in order, best first, and the totals are unchanged."""
         depth = min(self.max_depth, self.method.num_layers)
-        gains = []
-        for d in range(1, depth + 1):
-            covered = self.partner_rate**d if d <= self.partner_depth else 0.0
-            gains.append(self.rate**d * (1.0 - covered))
+        gains = [self.rate**d * (1.0 - self.partner_reach(d)) for d in range(1, depth + 1)]
         return _non_increasing(gains)
 
     def root_tokens(self) -> float:
