@@ -85,6 +85,20 @@ def test_equal_drafts_the_cheaper_one() -> None:
     check_releases(ex, rids)
 
 
+def test_a_draft_whose_first_step_missed_is_tried_again() -> None:
+    """The cheaper "d" misses on its first step only, "e" agrees 70% of the time: "d" is tried
+    again and kept (its first miss once ruled it out for the rest of the run)."""
+    core, ex, rids = planned_run({("d", "r"): 0.0, ("e", "r"): 0.7}, max_tokens=300)
+    drafters = ex.drafters
+    while "d" not in models_by_step(ex, "r"):
+        ex.step()
+    drafters.by_model[("d", "r")] = 1.0
+    ex.run()
+    steps = models_by_step(ex, "r")
+    assert steps[-20:] == ["d"] * 20, steps
+    check_releases(ex, rids)
+
+
 def test_a_switch_back_resumes_the_parked_drafter() -> None:
     """A request leaves "d" when it stops agreeing and returns when "e" does too: the return
     appends only what "d" missed (the fake drafter checks its state against the plan), and

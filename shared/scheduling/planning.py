@@ -114,8 +114,10 @@ class DraftPlanner:
         """The draft (`PlannedChoice`) whose plan for the request alone in this step's shape
         promises the most committed tokens per millisecond, counting what it would have to
         catch up. A model-free draft is a candidate only where none merges beside the models
-        (there, a model planned at depth 0 leaves the step to it). A draft never observed is
-        taken at `OPTIMISTIC_RATE`, so each is tried once; after that, by what it achieved."""
+        (there, a model planned at depth 0 leaves the step to it). Each draft is taken at what
+        it achieved shrunk toward `OPTIMISTIC_RATE` (`PRIOR_WEIGHT` pseudo-observations): one
+        never observed at that rate, so each is tried; one whose first steps missed is tried
+        again before its record rules it out (a single miss locked a draft out for good)."""
         pool = self.pool
         assert pool.cost is not None
         free = pool.config.model_free_drafts
@@ -124,12 +126,15 @@ class DraftPlanner:
         scores = {}
         for model in candidates:
             own = pool.config.model_free_method if model in free else method
-            untried = pool.model_estimate(model).trials == 0
-            prior = OPTIMISTIC_RATE if untried else None
-            query = self._query(request, model, own, self._backlog_on(request, model), prior)
+            backlog = self._backlog_on(request, model)
+            query = self._query(request, model, own, backlog, self.choice_prior(model))
             scores[model] = planned_goodput([query], pool.cost, **step)
         current = request.draft_model
         return max(candidates, key=lambda m: (scores[m], m == current, m))
+
+    def choice_prior(self, model: str) -> float | None:
+        """The prior of `model`'s acceptance over all requests when choosing a draft."""
+        return OPTIMISTIC_RATE
 
     def _backlog_on(self, request: RequestState, model: str) -> int:
         """`drafter_backlog` of a drafter of `model`: its current one, a standby or a parked
