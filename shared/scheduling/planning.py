@@ -127,14 +127,10 @@ class DraftPlanner:
         for model in candidates:
             own = pool.config.model_free_method if model in free else method
             backlog = self._backlog_on(request, model)
-            query = self._query(request, model, own, backlog, self.choice_prior(model))
+            query = self._query(request, model, own, backlog, OPTIMISTIC_RATE)
             scores[model] = planned_goodput([query], pool.cost, **step)
         current = request.draft_model
         return max(candidates, key=lambda m: (scores[m], m == current, m))
-
-    def choice_prior(self, model: str) -> float | None:
-        """The prior of `model`'s acceptance over all requests when choosing a draft."""
-        return OPTIMISTIC_RATE
 
     def _backlog_on(self, request: RequestState, model: str) -> int:
         """`drafter_backlog` of a drafter of `model`: its current one, a standby or a parked
