@@ -44,6 +44,7 @@ from shared.model.precision import TARGET_DTYPES, check_target_precision
 from shared.model.quantized import uses_int8
 from shared.model.runner import ModelRunner
 from shared.scheduling.config import SchedulerConfig
+from shared.scheduling.cost_model import CostModel
 from shared.values.methods import DraftMethod
 from shared.values.sampling import SamplingParams
 from tools.workloads import COPY_KINDS, conversation_ids, workload_messages
@@ -103,7 +104,7 @@ class Models:
         )
         self.models: dict[str, Drafter] = {}
         self.planner = planner
-        self._costs: dict[tuple[str, ...], object] = {}
+        self._costs: dict[tuple[str, ...], CostModel | None] = {}
         # each model's profile, spot-checked once: every engine prices it alike
         self._chosen: dict[str, ProfileChoice] = {}
         if planner == "goodput":
@@ -161,7 +162,7 @@ class Models:
             )
         cost = self._costs.get(key)
         if cost is not None:  # its own calibration: each engine measures its own steps
-            cost = cost.fresh()  # type: ignore[attr-defined]
+            cost = cost.fresh()
         scheduling = SchedulerConfig(
             planner=self.planner,
             draft_chooser=chooser,
@@ -179,7 +180,7 @@ class Models:
             scheduling,
             eos_token_ids=self.target.cfg.eos_token_ids,
             grammar=self.grammar,
-            cost=cost,  # type: ignore[arg-type]
+            cost=cost,
         )
         if chooser == "fixed":  # the model draft first, as written
             engine.core.chooser.preferred = list(names)  # type: ignore[attr-defined]

@@ -210,8 +210,8 @@ class SpeculationSettings(_Group):
     # decoding included); fixed: always the method's whole tree
     planner: Literal["goodput", "fixed"] = "goodput"
     # the cost model's answers scaled, per model, by what its drafter calls and verifications
-    # measured against the profile (a profile times bare forwards; a step pays more). Off: on
-    # the qwen2.5-coder set it moved the planner's choice toward the cheaper, weaker draft
+    # measured against the profile (a profile times bare forwards; a step pays more). Off: not
+    # yet shown to pay (docs/cost-model.md)
     calibrate_costs: bool = False
     min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     chain_length: PositiveInt = 4

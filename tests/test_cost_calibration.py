@@ -85,3 +85,25 @@ def test_the_engine_calibrates_from_its_own_steps(
     # the tiny models' forwards take well under the synthetic 10 ms and 1.9 ms
     assert set(cost.scales) == {TARGET_ROLE, "d"}
     assert all(scale < 1.0 for scale in cost.scales.values())
+
+
+def test_the_scheduler_service_times_each_replica_by_what_it_grew() -> None:
+    from types import SimpleNamespace
+
+    from services.scheduler.service import SchedulerService
+
+    def job(rid: str, appended: int) -> SimpleNamespace:
+        return SimpleNamespace(entry=SimpleNamespace(request_id=rid, new_tokens=(0,) * appended))
+
+    def drafted(rid: str, tree: TokenTree | None) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, tree=tree)
+
+    asked = [job("a", 4), job("b", 1), job("c", 2)]
+    answer = SimpleNamespace(
+        entries=[drafted("a", chain(3)), drafted("b", chain(2)), drafted("c", None)], draft_ms=7.5
+    )
+    [timing] = SchedulerService._timing("d", asked, answer)  # type: ignore[arg-type]
+    assert timing.model == "d" and timing.measured_ms == 7.5
+    assert [(n, t.num_nodes) for n, t in timing.drafted] == [(4, 4), (1, 3)]
+    unmeasured = SimpleNamespace(entries=answer.entries, draft_ms=0.0)
+    assert SchedulerService._timing("d", asked, unmeasured) == []  # type: ignore[arg-type]

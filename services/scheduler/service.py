@@ -60,6 +60,7 @@ from shared.scheduling.executor import (
     step_results,
     verify_requests,
 )
+from shared.scheduling.executor import DraftJob as RoundJob
 from shared.scheduling.factory import TargetInfo, build_core
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.settings import AugurySettings
@@ -543,26 +544,34 @@ class SchedulerService:
         self.stats.draft_timeouts += len(pending)
         answers: dict[DraftKey, DraftedTree] = {}
         draft_ms = 0.0
-        timings = []
+        timings: list[DraftTiming] = []
+        calibrating = self.core.cost is not None and self.core.config.calibrate_costs
         for (model, replica), wait in waits.items():
             if wait not in done or wait.cancelled():
                 continue  # no answer in time: that drafter's state is unknown
             answer = wait.result()
             draft_ms = max(draft_ms, answer.draft_ms)
-            asked = jobs[model, replica]
-            appended = {job.entry.request_id: len(job.entry.new_tokens) for job in asked}
-            grown = [
-                (appended[d.request_id], d.tree)
-                for d in answer.entries
-                if d.tree is not None and d.request_id in appended
-            ]
-            if grown and answer.draft_ms > 0:
-                timings.append(DraftTiming(model, tuple(grown), answer.draft_ms))
+            if calibrating:
+                timings += self._timing(model, jobs[model, replica], answer)
             for drafted in answer.entries:
                 key = (model, replica, drafted.request_id)
                 if key not in answers or answers[key].step != drafted.step:
                     answers[key] = self._rooted(drafted)  # the first of the step asked wins
         return drafts.apply(self.core, answers), draft_ms, timings
+
+    @staticmethod
+    def _timing(model: str, asked: Sequence[RoundJob], answer: CandidateTrees) -> list[DraftTiming]:
+        """The replica's drafting as it measured it, with what each request appended and grew
+        (`SchedulerCore.note_costs`); none where it grew nothing or did not measure."""
+        appended = {job.entry.request_id: len(job.entry.new_tokens) for job in asked}
+        grown = tuple(
+            (appended[d.request_id], d.tree)
+            for d in answer.entries
+            if d.tree is not None and d.request_id in appended
+        )
+        if not grown or answer.draft_ms <= 0:
+            return []
+        return [DraftTiming(model, grown, answer.draft_ms)]
 
     def _rooted(self, drafted: DraftedTree) -> DraftedTree:
         """The answer, or an error where its tree grows from another token than the request's

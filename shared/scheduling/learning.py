@@ -147,11 +147,13 @@ class Learner:
             if part.num_nodes > 1:
                 trial = depth_trial(partner, part, accepted, result)
                 self._learn_state(request, model, part, trial, accepted)
-        if trial is not None:  # how far it is copying right now
+        if trial is not None:  # how far it is copying right now, as the planner reads it
             state = self.pool.state(request, model)
-            self.pool.copy_estimate(model, state.runs.running).observe(*trial)
-            state.runs.observe(*trial)
-            state.recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
+            if self.pool.config.model_beside_copy == "runs":
+                self.pool.copy_estimate(model, state.runs.running).observe(*trial)
+                state.runs.observe(*trial)
+            else:
+                state.recent.observe(*trial, decay=RECENT_ESTIMATE_DECAY)
         others = None
         if self.pool.cost is not None:
             nodes, context = self._step_load(batch)

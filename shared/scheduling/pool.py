@@ -257,7 +257,7 @@ class RequestPool:
     def model_free_partner(self, request: RequestState, model: str | None = None) -> str | None:
         """The model-free draft whose tree merges with the request's model draft (`model`,
         where not its current one) this step and whose acceptance plans the model's depth
-        (`merge_drafts = model-free`, `model_beside_copy = planned`); None where none does."""
+        (`merge_drafts = model-free`, `model_beside_copy` not "always"); None where none does."""
         config = self.config
         if config.merge_drafts != "model-free" or config.model_beside_copy == "always":
             return None

@@ -133,8 +133,8 @@ class SpeculationState:
 
     estimate: AcceptanceEstimate
     # a model-free partner's per-depth acceptance mostly in its latest step
-    # (`RECENT_ESTIMATE_DECAY`), which decides whether the model beside it drafts at all; and,
-    # for `model_beside_copy = "runs"`, its reach by how its last step ended
+    # (`RECENT_ESTIMATE_DECAY`), which decides whether the model beside it drafts at all, or,
+    # with `model_beside_copy = "runs"`, its reach by how its last step ended (one is kept)
     recent: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     runs: CopyRuns = field(default_factory=CopyRuns)
     calibration: float = 1.0  # accepted / sum f(i) of what was verified, decayed
