@@ -13,6 +13,7 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
 )
+from shared.scheduling.draft_choice import ChooserTraits
 from shared.scheduling.micro_batches import StepShape, choose_micro_batches, cycle_ms
 from shared.values.methods import DraftMethod
 from tests.test_scheduler_core import FakeKV, executor, greedy, make_request
@@ -124,7 +125,7 @@ def test_the_setting_auto_starts_the_most_lanes_and_lets_the_core_choose() -> No
     assert split.config.micro_batch_split == "per-draft"
 
 
-class ByName:
+class ByName(ChooserTraits):
     """Draft model by request name: "b*" drafts with "big", the rest with "small"."""
 
     name = "by-name"

@@ -16,6 +16,7 @@ from shared.scheduling.cost_model import (
     ModelProfile,
     ProfileKey,
 )
+from shared.scheduling.draft_choice import ChooserTraits
 from shared.scheduling.request import RequestState
 from shared.values.methods import DraftMethod
 from tools.sim.acceptance import AcceptanceModel, RecordedStep, Session
@@ -123,7 +124,7 @@ def flat_profile(ms: float, name: str) -> ModelProfile:
     return ModelProfile(key=key, curve=curve)
 
 
-class Alternate:
+class Alternate(ChooserTraits):
     """Draft a, then b, then a, ... for every request, step by step."""
 
     name = "alternate"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import DraftOutcome, GoodputTable
+from shared.scheduling.draft_choice import ChooserTraits, DraftOutcome, GoodputTable
 from shared.scheduling.lbss import Lbss
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
@@ -27,7 +27,7 @@ EXPLORE_WITHIN = 0.5
 PRIOR_STEPS = 2.0
 
 
-class Counterfactual:
+class Counterfactual(ChooserTraits):
     """Model-free drafts judged on every step by what they would have achieved, model drafts by
     LBSS among themselves; per request, the model-free draft with the best recent goodput wins
     over LBSS's model when it is at least as good (decayed means per request and draft). A miss

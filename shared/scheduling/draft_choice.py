@@ -73,6 +73,9 @@ class DraftOutcome:
 class DraftChooser(Protocol):
     name: str
     learns: bool  # reads `observe`: the core prices each request's share of a step only then
+    planned: bool  # the goodput planner picks each drafting request's model (`DraftPlanner`)
+    parks_switched: bool  # a request switching away keeps its state on the old drafter
+    counterfactual: bool  # the core scores model-free trees beside every model draft for it
 
     def assign(
         self, requests: Sequence[RequestState], live_models: Sequence[str], cost: CostModel | None
@@ -94,6 +97,14 @@ class DraftChooser(Protocol):
     def forget(self, request_id: str) -> None:
         """The request finished."""
         ...
+
+
+class ChooserTraits:
+    """What the core and planner ask of a chooser beyond its methods; most answer no to all."""
+
+    planned = False
+    parks_switched = False
+    counterfactual = False
 
 
 @dataclass
@@ -174,7 +185,7 @@ class GoodputTable:
         return max(others, key=lambda m: self.estimate(request.request_id, m), default=None)
 
 
-class FixedDraftModel:
+class FixedDraftModel(ChooserTraits):
     """The first of the preferred models that is alive (configured order), else any live one;
     a request keeps its model while it lives."""
 
@@ -208,7 +219,7 @@ class FixedDraftModel:
         pass
 
 
-class GreedyByLength:
+class GreedyByLength(ChooserTraits):
     """Spin's Greedy: a prompt's rank among recent prompts picks the model, shorter prompts the
     smaller models (`preferred` lists them smallest first); kept for the request's life."""
 
@@ -251,7 +262,7 @@ class GreedyByLength:
         self._chosen.pop(request_id, None)
 
 
-class EpsilonGreedy:
+class EpsilonGreedy(ChooserTraits):
     """Each step: with probability ε every request tries a random live model; otherwise each
     takes its best model by observed goodput."""
 
@@ -286,7 +297,7 @@ class EpsilonGreedy:
         self.table.forget(request_id)
 
 
-class PlannedChoice:
+class PlannedChoice(ChooserTraits):
     """The speculation planner chooses (`DraftPlanner`, which reads `planned`); this object only
     answers for requests it leaves out: each keeps its model, a new one takes the first
     preferred. A request switching away parks its drafter (`parks_switched`), so a switch back
@@ -315,7 +326,7 @@ class PlannedChoice:
         pass
 
 
-class Oracle:
+class Oracle(ChooserTraits):
     """Each request's model, assigned in advance by an experiment (`bench.drafters`: the
     per-request best of fixed-draft runs, which is no bound since a step waits for its slowest
     drafter, or the batch-aware search); a request it does not know gets the first live model."""

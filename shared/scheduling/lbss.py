@@ -41,7 +41,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from shared.scheduling.cost_model import CostModel
-from shared.scheduling.draft_choice import DraftOutcome, GoodputTable
+from shared.scheduling.draft_choice import ChooserTraits, DraftOutcome, GoodputTable
 from shared.scheduling.request import RequestState
 from shared.settings import LbssSettings
 
@@ -64,7 +64,7 @@ def max_weight_assignment(weights: np.ndarray, capacities: Sequence[int]) -> lis
     return assigned
 
 
-class Lbss:
+class Lbss(ChooserTraits):
     name = "lbss"
     learns = True
 

@@ -61,7 +61,7 @@ class DraftPlanner:
         live = sorted(pool.drafters)
         drafting = [r for r in batch.decode if r.request_id in methods]
         choice = pool.chooser.assign(drafting, live, pool.cost) if drafting else {}
-        if getattr(pool.chooser, "planned", False) and pool.cost is not None:
+        if pool.chooser.planned and pool.cost is not None:
             step = step_shape(batch, pool.config.token_budget)
             for request in drafting:
                 choice[request.request_id] = self._planned_model(

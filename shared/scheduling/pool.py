@@ -163,8 +163,7 @@ class RequestPool:
         """Switch away from the request's current drafter: parked there (it keeps the request's
         committed tokens for a switch back) where the chooser parks, else released."""
         model, replica, held = request.draft_model, request.drafter, request.num_seen_by_drafter
-        parks = getattr(self.chooser, "parks_switched", False)
-        if parks and model is not None and replica is not None and held > 0:
+        if self.chooser.parks_switched and model is not None and replica is not None and held > 0:
             request.parked[model] = Standby(model, replica, held)
             request.draft_model = None  # kept there: `release_current` frees nothing
         self.release_current(request)
@@ -241,9 +240,9 @@ class RequestPool:
     def scores_model_free(self) -> bool:
         """Whether every request drafting with a model also gets a model-free draft's tree, to
         merge (`merge_drafts = model-free`) or to score (a chooser that reads counterfactuals)."""
-        reads = getattr(self.chooser, "counterfactual", False)
         config = self.config
-        return bool(config.model_free_drafts) and (config.merge_drafts == "model-free" or reads)
+        merges = config.merge_drafts == "model-free"
+        return bool(config.model_free_drafts) and (merges or self.chooser.counterfactual)
 
     def first_live_model_free(self) -> str | None:
         """The model-free draft that drafts beside model drafts: the first configured live one."""
