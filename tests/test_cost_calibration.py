@@ -107,3 +107,14 @@ def test_the_scheduler_service_times_each_replica_by_what_it_grew() -> None:
     assert [(n, t.num_nodes) for n, t in timing.drafted] == [(4, 4), (1, 3)]
     unmeasured = SimpleNamespace(entries=answer.entries, draft_ms=0.0)
     assert SchedulerService._timing("d", asked, unmeasured) == []  # type: ignore[arg-type]
+
+
+def test_a_rebuilt_cost_model_keeps_the_scales_of_unchanged_profiles() -> None:
+    from services.scheduler.drafters import kept_scales
+
+    was = {"target": "t1", "draft:a": "a1", "draft:b": "b1"}
+    now = {"target": "t1", "draft:a": "a2", "draft:b": "b1", "draft:c": "c1"}
+    scales = {TARGET_ROLE: 0.8, "a": 1.5, "b": 1.2}
+    # a's profile was republished: its measured steps no longer speak for it
+    assert kept_scales(scales, was, now) == {TARGET_ROLE: 0.8, "b": 1.2}
+    assert kept_scales(scales, {}, now) == {}

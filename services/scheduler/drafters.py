@@ -19,6 +19,16 @@ from shared.wire.streams import DRAFTER
 log = logging.getLogger(__name__)
 
 
+def kept_scales(
+    scales: dict[str, float], was: dict[str, str], now: dict[str, str]
+) -> dict[str, float]:
+    """The calibration (`CostModel.scales`) of each role whose published profile is unchanged:
+    a new draft's profile rebuilds the cost model, and the others' measured steps still hold.
+    Profiles are keyed `target` and `draft:<model>`, scales `target` and `<model>`."""
+    same = {role.removeprefix("draft:") for role, text in now.items() if was.get(role) == text}
+    return {role: scale for role, scale in scales.items() if role in same}
+
+
 class DrafterDirectory:
     def __init__(self, bus: Bus, cell: str, core: SchedulerCore) -> None:
         self.bus = bus
@@ -58,10 +68,13 @@ class DrafterDirectory:
         raw = {role: p.model_dump_json() for role, p in profiles.items()}
         if raw == self._profiles:
             return
-        self._profiles = raw
+        was, self._profiles = self._profiles, raw
         assembled = assemble(profiles)
         if assembled is not None:
-            self.core.cost = CostModel(assembled)
+            cost = CostModel(assembled)
+            if self.core.cost is not None:
+                cost.scales = kept_scales(self.core.cost.scales, was, raw)
+            self.core.cost = cost
             log.info("cost model: target and drafts %s", sorted(assembled.drafts))
 
     async def start(self) -> None:
