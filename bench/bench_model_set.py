@@ -106,11 +106,15 @@ def measure(runs: dict[str, Run], batch: dict[str, list[list[int]]]) -> dict[str
         for i, prompt in enumerate(kind_prompts):
             names = list(runs)
             names = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
-            outputs, seconds = {}, {}
+            outputs, seconds, per_forward, drafted = {}, {}, {}, {}
             for name in names:
                 start = time.perf_counter()
                 outputs[name], forwards, steps = runs[name](prompt)
                 seconds[name] = time.perf_counter() - start
+                if forwards:
+                    per_forward[name] = round(len(outputs[name]) / forwards, 2)
+                if len(steps) > 1:
+                    drafted[name] = steps
                 t = tallies[name][kind]
                 t.seconds += seconds[name]
                 t.tokens += len(outputs[name])
@@ -125,6 +129,7 @@ def measure(runs: dict[str, Run], batch: dict[str, list[list[int]]]) -> dict[str
                 t.worst = min(t.worst, len(outputs[name]) / seconds[name] / plain_rate)
             line = {n: round(len(outputs[n]) / seconds[n], 2) for n in runs}
             print(kind, i, "tok/s", line, flush=True)
+            print(kind, i, "tok/fwd", per_forward, *(["steps", drafted] if drafted else []))
     return tallies
 
 
