@@ -545,7 +545,7 @@ class SchedulerService:
         answers: dict[DraftKey, DraftedTree] = {}
         draft_ms = 0.0
         timings: list[DraftTiming] = []
-        calibrating = self.core.cost is not None and self.core.config.calibrate_costs
+        calibrating = self.core.calibrating
         for (model, replica), wait in waits.items():
             if wait not in done or wait.cancelled():
                 continue  # no answer in time: that drafter's state is unknown

@@ -92,7 +92,9 @@ class LocalTransport:
         self.drafters = drafters
         self.clock = clock
         self._swapped: dict[str, SwappedKV] = {}
-        # what the last micro-batch's drafter calls and verification took (`take_timings`)
+        # while `timed` (the core calibrates its costs): what the last micro-batch's drafter
+        # calls and verification took (`take_timings`)
+        self.timed = False
         self._drafting: list[DraftTiming] = []
         self._verify_ms: float | None = None
 
@@ -119,8 +121,9 @@ class LocalTransport:
             requests = [entries[key] for key in keys]
             start = self.clock()
             trees = self.drafters[model].draft(requests, method.for_batch(len(requests)))
-            drafted = tuple((len(r.new_tokens), trees[r.request_id]) for r in requests)
-            self._drafting.append(DraftTiming(model, drafted, (self.clock() - start) * 1e3))
+            if self.timed:
+                drafted = tuple((len(r.new_tokens), trees[r.request_id]) for r in requests)
+                self._drafting.append(DraftTiming(model, drafted, (self.clock() - start) * 1e3))
             for key, request in zip(keys, requests, strict=True):
                 answers[key] = DraftedTree(request.request_id, request.step, trees[key[2]])
         return answers
@@ -133,7 +136,8 @@ class LocalTransport:
             return []
         start = self.clock()
         verified = self.verifier.step(entries)
-        self._verify_ms = (self.clock() - start) * 1e3
+        if self.timed:
+            self._verify_ms = (self.clock() - start) * 1e3
         return verified
 
     def take_timings(self) -> tuple[list[DraftTiming], float | None]:
@@ -331,8 +335,10 @@ class SpecEngine:
         batch = self.core.next_batch(self.clock(), self.kv)
         if batch is None:
             return []
+        self.transport.timed = self.core.calibrating  # a cost model may come later
         results = self.driver.run(batch)
-        self.core.note_costs(batch, *self.transport.take_timings())
+        if self.transport.timed:
+            self.core.note_costs(batch, *self.transport.take_timings())
         if self.observer is not None:
             self.observer(batch, results)
         outputs = batch.failed + self.driver.finish(batch, results, self.clock())

@@ -346,12 +346,18 @@ class SchedulerCore:
         self._end_batch(batch)
         return self.committer.commit(batch, results, now, shares)
 
+    @property
+    def calibrating(self) -> bool:
+        """Whether `note_costs` reads anything: executors measure their calls only then."""
+        return self.cost is not None and self.config.calibrate_costs
+
     def note_costs(
         self, batch: MicroBatch, drafting: Sequence[DraftTiming], verify_ms: float | None
     ) -> None:
         """What the micro-batch's drafter calls and verification (`verify_ms`; None: not
         measured) took: calibrates the cost model (`cost_calibration`), where configured."""
-        if self.cost is not None and self.config.calibrate_costs:
+        if self.calibrating:
+            assert self.cost is not None
             note_step_costs(self.cost, batch, drafting, verify_ms)
 
     def abandon(self, batch: MicroBatch) -> None:
