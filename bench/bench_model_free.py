@@ -17,7 +17,7 @@ copy's acceptance after steps that ended as its last one did, `model_beside_copy
 and drafts (`plan:draft-e,draft-l,ngram`: the planner's choice among the model drafts, the
 model-free one merged beside them). `@field=value,...` after any of them changes fields of the
 drafting method (`draft-e@max_width=2`) or of the scheduler's configuration
-(`draft-e+ngram@calibrate_costs=false`).
+(`draft-e+ngram@calibrate_costs=true`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 from shared.bus import Bus, live_replicas
 from shared.bus.heartbeat import refresh_forever
-from shared.bus.profiles import assemble, read_profiles
+from shared.bus.profiles import assemble, read_profiles, role_name
 from shared.scheduling.core import SchedulerCore
 from shared.scheduling.cost_model import CostModel
 from shared.wire.streams import DRAFTER
@@ -25,7 +25,7 @@ def kept_scales(
     """The calibration (`CostModel.scales`) of each role whose published profile is unchanged:
     a new draft's profile rebuilds the cost model, and the others' measured steps still hold.
     Profiles are keyed `target` and `draft:<model>`, scales `target` and `<model>`."""
-    same = {role.removeprefix("draft:") for role, text in now.items() if was.get(role) == text}
+    same = {role_name(role) for role, text in now.items() if was.get(role) == text}
     return {role: scale for role, scale in scales.items() if role in same}
 
 

@@ -12,8 +12,16 @@ from shared.wire.streams import cell_prefix, profile_key, profile_pattern
 TARGET = "target"
 
 
+DRAFT_PREFIX = "draft:"
+
+
 def draft_role(model: str) -> str:
-    return f"draft:{model}"
+    return f"{DRAFT_PREFIX}{model}"
+
+
+def role_name(role: str) -> str:
+    """A published role as the cost model names it: a draft's model, or `target`."""
+    return role.removeprefix(DRAFT_PREFIX)
 
 
 async def publish_profile(bus: Bus, cell: str, role: str, profile: ModelProfile) -> None:
@@ -41,9 +49,7 @@ def assemble(profiles: dict[str, ModelProfile]) -> CostProfile | None:
     target = profiles.get(TARGET)
     if target is None:
         return None
-    drafts = {
-        role.removeprefix("draft:"): p for role, p in profiles.items() if role.startswith("draft:")
-    }
+    drafts = {role_name(role): p for role, p in profiles.items() if role.startswith(DRAFT_PREFIX)}
     method = "published by the model services"
     return CostProfile(target=target, drafts=drafts, method=method)
 
