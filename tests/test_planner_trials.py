@@ -49,3 +49,24 @@ def test_the_estimate_no_longer_runs_high_where_the_selector_cuts():
         drafted.observe(*depth_trial(DRAFTED, KEPT, 1, result))
     assert kept.rate() > 0.85
     assert abs(drafted.rate() - 0.5) < 0.02
+
+
+def test_a_leaf_above_the_asked_depth_is_a_rejection():
+    assert levels_accepted(DRAFTED, [9, 1], asked_depth=3) == (1, True)  # stopped short
+    assert levels_accepted(DRAFTED, [9, 1], asked_depth=1) == (1, False)  # as deep as asked
+    assert levels_accepted(DRAFTED, [5, 6, 7, 3], asked_depth=3) == (3, False)
+    assert levels_accepted(DRAFTED, [5, 6], asked_depth=5) == (2, False)  # the tokens ran out
+
+
+def test_a_draft_that_stops_short_is_not_read_as_one_that_accepts_deep():
+    """Asked for 3 levels, a draft whose accepted path always ends at a leaf after level 1 (a
+    flat draft's dynamic tree spends its nodes on width) delivers 1 token a step: censored at
+    the leaf, its per-depth rate would climb toward 1 and promise 3; counted, it falls toward
+    1/2, which promises what it delivers at the depth asked (1/2 + 1/4 + 1/8 below 1)."""
+    censored, counted = AcceptanceEstimate(), AcceptanceEstimate()
+    for _ in range(50):
+        result = step([9, 1], 1)
+        censored.observe(*depth_trial(DRAFTED, DRAFTED, 1, result))
+        counted.observe(*depth_trial(DRAFTED, DRAFTED, 1, result, asked_depth=3))
+    assert censored.rate() > 0.85
+    assert abs(counted.rate() - 0.5) < 0.02

@@ -25,7 +25,11 @@ from shared.values.tree import TokenTree, counterfactual_accepted, levels_accept
 
 
 def depth_trial(
-    drafted: TokenTree | None, verified: TokenTree, accepted: int, result: StepResult
+    drafted: TokenTree | None,
+    verified: TokenTree,
+    accepted: int,
+    result: StepResult,
+    asked_depth: int | None = None,
 ) -> tuple[int, int]:
     """(levels accepted, levels tried) for the planner's per-depth estimate. From the tree as
     drafted where it is known: the target's bonus token says whether the level below the
@@ -34,10 +38,13 @@ def depth_trial(
     a drafted token no more often than verification would accept it). From the verified tree
     alone, a step whose every verified level was accepted counts no failure, and the selector
     cuts exactly where the draft is unsure: the estimate would run high and the planner draft
-    deeper than pays."""
+    deeper than pays. Where the accepted path ends at a leaf above `asked_depth` (the depth
+    the planner asked for), the level below counts as a failure: the planner paid for it and
+    it delivered nothing (censored there, a draft whose trees stop short reads as one that
+    accepts deep, and is chosen over one that does)."""
     if drafted is None:
         return accepted, int(verified.depths().max())
-    levels, rejected = levels_accepted(drafted, result.tokens)
+    levels, rejected = levels_accepted(drafted, result.tokens, asked_depth)
     if levels < accepted:  # the verified tree is not a subtree of the drafted one (a merge)
         return accepted, int(verified.depths().max())
     return levels, levels + 1 if rejected else levels
@@ -73,7 +80,9 @@ class Learner:
                     tree, batch.own_trees[rid], result.tokens[: result.num_accepted]
                 )
             if learned.num_nodes > 1:
-                trial = depth_trial(batch.drafted_trees.get(rid), learned, accepted, result)
+                plan = batch.drafts.get(rid)
+                asked = plan.max_depth if plan is not None else None
+                trial = depth_trial(batch.drafted_trees.get(rid), learned, accepted, result, asked)
                 self._learn_state(request, request.draft_model, learned, trial, accepted)
             # the chooser judges what choosing the draft delivered: where a model-free draft's
             # tree was merged into it, the whole merged tree's acceptance (what the model-free
