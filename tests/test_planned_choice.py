@@ -43,9 +43,17 @@ class PerModelDrafters(FakeDrafters):
         return super()._tree(plan, request)
 
 
-def planned_run(agree: Mapping[tuple[str, str], float], max_tokens: int = 400):
+def planned_run(
+    agree: Mapping[tuple[str, str], float], max_tokens: int = 400, switch_margin: float = 0.0
+):
     core = SchedulerCore(
-        CoreConfig(vocab_size=VOCAB, max_context=8192, method=CHAIN, token_budget=64),
+        CoreConfig(
+            vocab_size=VOCAB,
+            max_context=8192,
+            method=CHAIN,
+            token_budget=64,
+            switch_margin=switch_margin,
+        ),
         chooser=PlannedChoice(["d", "e"]),
         cost=two_draft_cost(),  # "d" costs half of "e"
     )
@@ -97,6 +105,26 @@ def test_a_draft_whose_first_step_missed_is_tried_again() -> None:
     steps = models_by_step(ex, "r")
     assert steps[-20:] == ["d"] * 20, steps
     check_releases(ex, rids)
+
+
+def switches(steps: list[str]) -> int:
+    return sum(a != b for a, b in zip(steps, steps[1:], strict=False))
+
+
+def test_a_switch_margin_keeps_a_near_tie_from_flipping() -> None:
+    """Two drafts whose goodput is about level for the request: with no margin the choice
+    follows each step's noise in the estimates; a margin keeps the current draft through it,
+    and the output is the target's either way."""
+    agree = {("d", "r"): 0.55, ("e", "r"): 0.65}
+    counts = {}
+    for margin in (0.0, 0.3):
+        core, ex, rids = planned_run(agree, max_tokens=300, switch_margin=margin)
+        ex.run()
+        assert ex.streamed["r"] == greedy(make_request("r", 6).prompt, 300)
+        counts[margin] = switches(models_by_step(ex, "r"))
+        check_releases(ex, rids)
+    assert counts[0.0] >= 4, counts
+    assert counts[0.3] < counts[0.0] / 2, counts
 
 
 def test_a_switch_back_resumes_the_parked_drafter() -> None:

@@ -48,6 +48,7 @@ class SchedulerConfig(BaseModel):
     tree_selection: str = "goodput"
     planner: SpeculationPlanner = "goodput"
     calibrate_costs: bool = False  # measured step parts scale the cost model (settings)
+    switch_margin: float = Field(0.0, ge=0)  # the planned choice's margin to switch (settings)
     slo: SloSettings = SloSettings()  # SLO classes (request intake) and the SLO-aware selectors
 
     @property
@@ -77,5 +78,6 @@ class SchedulerConfig(BaseModel):
             tree_selection=s.tree_selection,
             planner=s.speculation.planner,
             calibrate_costs=s.speculation.calibrate_costs,
+            switch_margin=s.speculation.switch_margin,
             slo=s.slo,
         )

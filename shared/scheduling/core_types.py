@@ -50,6 +50,9 @@ class CoreConfig:
     planner: SpeculationPlanner = "goodput"
     # scale the cost model by what the executor measured of each step (`cost_calibration`)
     calibrate_costs: bool = False
+    # the planned draft choice leaves a request's current draft only for one whose planned
+    # goodput is this fraction higher
+    switch_margin: float = 0.0
     # Draft models that read the target's features (EAGLE-style), and the features' width: the
     # core then asks the verifier for features and keeps them per request (`features.py`).
     feature_drafts: frozenset[str] = frozenset()

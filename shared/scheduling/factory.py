@@ -131,6 +131,7 @@ def make_core(
             method=method,
             planner=config.planner,
             calibrate_costs=config.calibrate_costs,
+            switch_margin=config.switch_margin,
             feature_drafts=target.feature_drafts,
             feature_size=target.hidden_size,
             fast_switching=config.fast_switching,

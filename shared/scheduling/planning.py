@@ -117,7 +117,9 @@ class DraftPlanner:
         (there, a model planned at depth 0 leaves the step to it). Each draft is taken at what
         it achieved shrunk toward `OPTIMISTIC_RATE` (`PRIOR_WEIGHT` pseudo-observations): one
         never observed at that rate, so each is tried; one whose first steps missed is tried
-        again before its record rules it out (a single miss locked a draft out for good)."""
+        again before its record rules it out (a single miss locked a draft out for good).
+        The current draft's score counts `switch_margin` more: leaving it costs the next one
+        a catch-up forward, and near ties would otherwise flip from step to step."""
         pool = self.pool
         assert pool.cost is not None
         free = pool.config.model_free_drafts
@@ -130,6 +132,8 @@ class DraftPlanner:
             query = self._query(request, model, own, backlog, OPTIMISTIC_RATE)
             scores[model] = planned_goodput([query], pool.cost, **step)
         current = request.draft_model
+        if current in scores:
+            scores[current] *= 1.0 + pool.config.switch_margin
         return max(candidates, key=lambda m: (scores[m], m == current, m))
 
     def _backlog_on(self, request: RequestState, model: str) -> int:
