@@ -215,7 +215,8 @@ class SpeculationSettings(_Group):
     calibrate_costs: bool = False
     # the planned draft choice keeps a request's current draft unless another's planned goodput
     # is this fraction higher (0: the higher score wins; a switch costs the other drafter a
-    # catch-up forward of what it missed). Off: not yet shown to pay (docs/drafters.md)
+    # catch-up forward of what it missed). Off: measured, it made the first choice stickier,
+    # good or bad (docs/drafters.md)
     switch_margin: Annotated[float, Field(ge=0.0)] = 0.0
     min_path_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     chain_length: PositiveInt = 4
