@@ -200,10 +200,9 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
         args.draft = DEFAULT_GENERATE_DRAFT
     if args.draft in MODEL_FREE_KINDS:
         return target, args.draft
-    if args.draft in ALL_DRAFT_NAMES or (
-        args.model_set != SMOLLM2 and args.draft in model_set_drafts(args.model_set)
-    ):
-        found = model_set_drafts(args.model_set).get(args.draft)
+    drafts = model_set_drafts(args.model_set)
+    if args.draft in ALL_DRAFT_NAMES or (args.model_set != SMOLLM2 and args.draft in drafts):
+        found = drafts.get(args.draft)
         if found is None and args.model_set != SMOLLM2:
             raise SystemExit(f"draft {args.draft!r} is not in model set {args.model_set!r}")
         if found is None:
