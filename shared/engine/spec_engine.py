@@ -337,8 +337,7 @@ class SpecEngine:
             return []
         self.transport.timed = self.core.calibrating  # a cost model may come later
         results = self.driver.run(batch)
-        if self.transport.timed:
-            self.core.note_costs(batch, *self.transport.take_timings())
+        self.core.note_costs(batch, *self.transport.take_timings())
         if self.observer is not None:
             self.observer(batch, results)
         outputs = batch.failed + self.driver.finish(batch, results, self.clock())
