@@ -60,6 +60,12 @@ def settings_for(server: EmbeddedRedis, tmp_path: Path, cell: str, **engine: Any
     )
 
 
+# A tiny model's forwards take about a millisecond, so the other test worker's load can make a
+# background measurement's repeats disagree: the cases that expect a trusted result try for about
+# 10 s (0.3 s doubling) before they give up, as a deployment retries over minutes.
+PATIENT = {"profile_refresh_tries": 6, "profile_refresh_backoff_s": 0.3}
+
+
 def cached(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "cache").glob("*.json")) if (tmp_path / "cache").exists() else []
 
@@ -112,7 +118,7 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
     caplog: pytest.LogCaptureFixture,
     quick_retries: None,
 ) -> None:
-    settings = settings_for(server, tmp_path, "refresh", profile_refresh_tries=3)
+    settings = settings_for(server, tmp_path, "refresh", **PATIENT)
     caplog.set_level(logging.INFO)
 
     async def run() -> None:
@@ -138,7 +144,7 @@ def test_a_suspect_profile_is_replaced_once_the_device_is_quiet(
 
     asyncio.run(run())
     assert len(cached(tmp_path)) == 1  # the next start loads it
-    assert "measuring again in the background (try 1 of 3" in caplog.text
+    assert "measuring again in the background (try 1 of 6" in caplog.text
     assert "checked and kept" in caplog.text and "is in force and published" in caplog.text
     assert "ms per forward by tokens at context 0" in caplog.text  # what it measured
 
@@ -176,7 +182,7 @@ def test_the_refresh_waits_while_forwards_keep_coming(
 ) -> None:
     """Work every 0.1 s on the model thread (through the service's device activity, as each job
     runs) keeps the device from being quiet for 0.3 s: no measurement until it stops."""
-    settings = settings_for(server, tmp_path, "refresh-waits", profile_refresh_tries=3)
+    settings = settings_for(server, tmp_path, "refresh-waits", **PATIENT)
 
     async def run() -> None:
         async with suspect_service(settings, server, runner) as (service, _, _):
