@@ -3,6 +3,7 @@ SIGKILLs and restarts the gateway, scheduler, verifier and drafter processes mid
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_tiny_checkpoint
-from tools.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, apply_event
+from tools.chaos.client import COMPLETED, FAILED, HUNG, Chunk, Received, Replay, apply_event
 from tools.chaos.cluster import Draft
 from tools.chaos.compare import Reference, compare
 from tools.chaos.faults import Kill
@@ -28,6 +29,7 @@ from tools.chaos.report import (
     service_rows,
 )
 from tools.chaos.run import ChaosConfig, recovery_settings, run_chaos
+from tools.chaos.workload import ChaosRequest
 from tools.load.client import RequestFailed
 
 # ---- comparison and report on hand-made records ---------------------------------------------
@@ -132,6 +134,30 @@ def test_phases_and_gateway_deaths() -> None:
     assert gateway_died(cut, KILLS)
     assert not gateway_died(refused, KILLS)  # it reached the new gateway
     assert not gateway_died(received(4, FAILED, never_connected=True, ended=20.0), KILLS)
+
+
+def test_a_connection_dropped_under_the_request_reached_the_gateway() -> None:
+    """A gateway that accepts the connection and dies before reading the request (a SIGKILL
+    at that moment): the client's write or read fails with an OS error, not a refusal, so
+    the request counts as connected, and as failed on a dying gateway if one was killed then."""
+
+    async def run() -> Received:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.transport.abort()  # a reset, as the kernel sends for a killed process
+
+        server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            replay = Replay(f"http://127.0.0.1:{port}", "m", hang_s=5.0, connect_timeout_s=1.0)
+            request = ChaosRequest(0, "chat", tuple(range(50_000)), 4, send_at_s=0.0)
+            (got,) = await replay.run([request])
+            return got
+
+    got = asyncio.run(run())
+    assert got.status == FAILED and got.connect_retries == 0, got
+    assert got.connected_at_s is not None
+    kill = Kill("gateway", "g0", killed_at_s=got.connected_at_s)
+    assert gateway_died(got, [kill])
 
 
 def test_report_counts_and_verdict() -> None:

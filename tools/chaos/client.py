@@ -148,6 +148,11 @@ class Replay:
                 received.connect_retries += 1
                 await asyncio.sleep(RETRY_S)
                 continue
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                # connected, then the connection broke while the request was written: it reached
+                # a gateway (one killed at that moment dies under the request's body)
+                received.connected_at_s = attempt_at
+                raise
             received.connected_at_s = attempt_at
             try:
                 async with response:
