@@ -8,7 +8,7 @@ from __future__ import annotations
 from shared.scheduling.core_types import StepResult
 from shared.scheduling.learning import depth_trial
 from shared.scheduling.speculation import AcceptanceEstimate
-from shared.values.tree import TokenTree, levels_accepted
+from shared.values.tree import STOP_LEAF, STOP_REJECTED, STOP_UNKNOWN, TokenTree, levels_accepted
 
 # root 0 -> 5 -> 6 -> 7, and 0 -> 9 (a leaf)
 DRAFTED = TokenTree.build([0, 5, 6, 7, 9], [-1, 0, 1, 2, 0], [0.0, -0.1, -0.5, -1.5, -2.0])
@@ -20,11 +20,11 @@ def step(tokens: list[int], accepted: int) -> StepResult:
 
 
 def test_levels_accepted_tells_a_rejection_from_a_leaf_and_from_tokens_running_out():
-    assert levels_accepted(DRAFTED, [5, 6, 8]) == (2, True)  # 8 is none of 6's children
-    assert levels_accepted(DRAFTED, [9, 1]) == (1, False)  # 9 is a leaf: nothing deeper drafted
-    assert levels_accepted(DRAFTED, [4]) == (0, True)
-    assert levels_accepted(DRAFTED, [5, 6]) == (2, False)  # 7 might have been accepted
-    assert levels_accepted(DRAFTED, [5, 6, 7, 3]) == (3, False)  # past the deepest leaf
+    assert levels_accepted(DRAFTED, [5, 6, 8]) == (2, STOP_REJECTED)  # 8 is none of 6's children
+    assert levels_accepted(DRAFTED, [9, 1]) == (1, STOP_LEAF)  # 9: nothing deeper drafted
+    assert levels_accepted(DRAFTED, [4]) == (0, STOP_REJECTED)
+    assert levels_accepted(DRAFTED, [5, 6]) == (2, STOP_UNKNOWN)  # 7 might have been accepted
+    assert levels_accepted(DRAFTED, [5, 6, 7, 3]) == (3, STOP_LEAF)  # past the deepest leaf
 
 
 def test_a_pruned_level_the_target_rejects_counts_as_a_failure():
@@ -52,10 +52,10 @@ def test_the_estimate_no_longer_runs_high_where_the_selector_cuts():
 
 
 def test_a_leaf_above_the_asked_depth_is_a_rejection():
-    assert levels_accepted(DRAFTED, [9, 1], asked_depth=3) == (1, True)  # stopped short
-    assert levels_accepted(DRAFTED, [9, 1], asked_depth=1) == (1, False)  # as deep as asked
-    assert levels_accepted(DRAFTED, [5, 6, 7, 3], asked_depth=3) == (3, False)
-    assert levels_accepted(DRAFTED, [5, 6], asked_depth=5) == (2, False)  # the tokens ran out
+    assert depth_trial(DRAFTED, KEPT, 1, step([9, 1], 1), asked_depth=3) == (1, 2)  # short
+    assert depth_trial(DRAFTED, KEPT, 1, step([9, 1], 1), asked_depth=1) == (1, 1)  # as asked
+    assert depth_trial(DRAFTED, KEPT, 1, step([5, 6, 7, 3], 1), asked_depth=3) == (3, 3)
+    assert depth_trial(DRAFTED, KEPT, 1, step([5, 6], 1), asked_depth=5) == (2, 2)  # ran out
 
 
 def test_a_draft_that_stops_short_is_not_read_as_one_that_accepts_deep():

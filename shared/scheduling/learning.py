@@ -21,7 +21,13 @@ from shared.scheduling.draft_choice import DraftOutcome
 from shared.scheduling.pool import RequestPool
 from shared.scheduling.request import AcceptanceStats, RequestState
 from shared.scheduling.speculation import CALIBRATION_CLIP, DECAY, RECENT_ESTIMATE_DECAY
-from shared.values.tree import TokenTree, counterfactual_accepted, levels_accepted
+from shared.values.tree import (
+    STOP_LEAF,
+    STOP_REJECTED,
+    TokenTree,
+    counterfactual_accepted,
+    levels_accepted,
+)
 
 
 def depth_trial(
@@ -44,7 +50,9 @@ def depth_trial(
     accepts deep, and is chosen over one that does)."""
     if drafted is None:
         return accepted, int(verified.depths().max())
-    levels, rejected = levels_accepted(drafted, result.tokens, asked_depth)
+    levels, stop = levels_accepted(drafted, result.tokens)
+    short = stop == STOP_LEAF and asked_depth is not None and levels < asked_depth
+    rejected = stop == STOP_REJECTED or short
     if levels < accepted:  # the verified tree is not a subtree of the drafted one (a merge)
         return accepted, int(verified.depths().max())
     return levels, levels + 1 if rejected else levels

@@ -228,18 +228,11 @@ STOP_LEAF = "leaf"  # the path reached a leaf: the tree says nothing deeper
 STOP_UNKNOWN = "unknown"  # the committed tokens ran out at a node with children
 
 
-def levels_accepted(
-    tree: TokenTree, committed: Sequence[int], asked_depth: int | None = None
-) -> tuple[int, bool]:
-    """How many levels of `tree` the committed tokens accept, and whether the next level was
-    rejected (the target's token there is none of the drafted children): a level-by-level
-    trial outcome, censored (not rejected) where the path reached a leaf or the tokens ran out.
-    With `asked_depth` (how deep the drafter was asked to go), a leaf shallower than that is a
-    rejection too: the draft stopped short of a level it was asked for (a dynamic tree spends
-    its nodes on width where it is unsure), and that level delivered nothing."""
-    accepted, stop = _follow(tree, committed)
-    short = stop == STOP_LEAF and asked_depth is not None and accepted < asked_depth
-    return accepted, stop == STOP_REJECTED or short
+def levels_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[int, str]:
+    """How many levels of `tree` the committed tokens accept, and where the path stopped:
+    `STOP_REJECTED` (the target's next token is none of the drafted children), `STOP_LEAF` (the
+    tree says nothing deeper) or `STOP_UNKNOWN` (the tokens ran out at a node with children)."""
+    return _follow(tree, committed)
 
 
 def _follow(tree: TokenTree, committed: Sequence[int]) -> tuple[int, str]:
