@@ -166,8 +166,7 @@ class Models:
         scheduling = SchedulerConfig(
             planner=self.planner,
             draft_chooser=chooser,
-            model_beside_copy=beside or "planned",
-            **scheduler_fields,
+            **{"model_beside_copy": beside or "planned", **scheduler_fields},
         )
         if max_running_requests is not None:
             scheduling = scheduling.model_copy(
