@@ -219,7 +219,7 @@ def counterfactual_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[
     deterministic child is accepted exactly when the token the target emits at its parent is
     that child's token (on rejection the token is removed from what the target samples), and
     the committed tokens are distributed as the target's own."""
-    accepted, stop = _follow(tree, committed)
+    accepted, stop = levels_accepted(tree, committed)
     return accepted, stop != STOP_UNKNOWN
 
 
@@ -232,10 +232,6 @@ def levels_accepted(tree: TokenTree, committed: Sequence[int]) -> tuple[int, str
     """How many levels of `tree` the committed tokens accept, and where the path stopped:
     `STOP_REJECTED` (the target's next token is none of the drafted children), `STOP_LEAF` (the
     tree says nothing deeper) or `STOP_UNKNOWN` (the tokens ran out at a node with children)."""
-    return _follow(tree, committed)
-
-
-def _follow(tree: TokenTree, committed: Sequence[int]) -> tuple[int, str]:
     children = tree.children()
     node, accepted = 0, 0
     for token in committed:
