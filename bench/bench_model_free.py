@@ -163,10 +163,10 @@ class Models:
         cost = self._costs.get(key)
         if cost is not None:  # its own calibration: each engine measures its own steps
             cost = cost.fresh()
+        if beside:
+            scheduler_fields["model_beside_copy"] = beside
         scheduling = SchedulerConfig(
-            planner=self.planner,
-            draft_chooser=chooser,
-            **{"model_beside_copy": beside or "planned", **scheduler_fields},
+            planner=self.planner, draft_chooser=chooser, **scheduler_fields
         )
         if max_running_requests is not None:
             scheduling = scheduling.model_copy(
