@@ -51,11 +51,10 @@ def depth_trial(
     if drafted is None:
         return accepted, int(verified.depths().max())
     levels, stop = levels_accepted(drafted, result.tokens)
-    short = stop == STOP_LEAF and asked_depth is not None and levels < asked_depth
-    rejected = stop == STOP_REJECTED or short
     if levels < accepted:  # the verified tree is not a subtree of the drafted one (a merge)
         return accepted, int(verified.depths().max())
-    return levels, levels + 1 if rejected else levels
+    short = stop == STOP_LEAF and asked_depth is not None and levels < asked_depth
+    return levels, levels + 1 if stop == STOP_REJECTED or short else levels
 
 
 class Learner:
