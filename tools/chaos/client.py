@@ -2,7 +2,8 @@
 
 A request whose connection is refused (the gateway is down: nothing listens on its port) never
 reached the system; the client tries again every `RETRY_S` until the gateway is back, within
-`connect_timeout_s`, and counts the tries. Once connected, the request ends one of three ways:
+`connect_timeout_s`, and counts the tries. Once connected (accepted: a connection that breaks
+while the request is still being written counts), the request ends one of three ways:
 its stream finishes (completed), the server says why it failed (an HTTP error status, an
 `error` event) or the connection drops (failed, with the error kept), or nothing arrives for
 `hang_s` (hung; the client gives up on it). Every chunk's text and the token count its usage
