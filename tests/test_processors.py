@@ -150,6 +150,20 @@ def test_processors_match_the_reference_per_node(name):
     torch.testing.assert_close(sub, got[:, ids])
 
 
+@pytest.mark.parametrize("name", ["presence", "repetition", "all"])
+def test_the_first_step_penalizes_only_what_the_prompt_holds(name):
+    """No output and no draft path yet: the counts are empty, only the prompt is seen."""
+    params = SamplingParams(temperature=0.7, max_tokens=30, **PROCESSORS[name])
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(2)) * 3
+    prompt = [3, 4, 4, 9]
+    history = token_history(params, prompt, [], eos_token_ids=[2, 31])
+    got = process_logits(logits, params, history, [[]])
+    want = reference_logits(logits[0], params, prompt, [], [2, 31])
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+    untouched = [t for t in range(40) if t not in {2, 3, 4, 9, 31}]
+    torch.testing.assert_close(got[0, untouched], logits[0, untouched])
+
+
 def test_min_p_drops_what_is_less_likely_than_min_p_times_the_likeliest():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
     probs = processed_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))[0]

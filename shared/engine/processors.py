@@ -52,28 +52,36 @@ def _columns(
     return cols.clamp_min(0), keep
 
 
-def path_counts(
+def seen_counts(
     history: TokenHistory,
     paths: Sequence[Sequence[int]],
     num_cols: int,
     column_of: torch.Tensor | None,
     device: torch.device,
-) -> torch.Tensor:
-    """[N, C] float32: how often each column's token occurs in the output plus row's path."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The columns a penalty can touch and what it reads there: ([S] long, the columns of every
+    token in the prompt, the output or a row's path; [N, S] float32, how often each occurs in the
+    output plus the row's path; [S] bool, whether it occurs in the prompt). S is at most the
+    tokens seen, so penalizing costs that, not the vocabulary, per row."""
     output = torch.tensor(history.output, dtype=torch.long, device=device)
-    cols, keep = _columns(output, column_of, num_cols)
-    base = torch.bincount(cols[keep], minlength=num_cols).float()  # [C]
-    counts = base.expand(len(paths), num_cols).clone()  # [N, C]
-    rows = [row for row, path in enumerate(paths) for _ in path]
-    if rows:
-        flat = [token for path in paths for token in path]
-        path_ids = torch.tensor(flat, dtype=torch.long, device=device)
-        pcols, pkeep = _columns(path_ids, column_of, num_cols)
-        row_idx = torch.tensor(rows, dtype=torch.long, device=device)[pkeep]
-        counts.index_put_(
-            (row_idx, pcols[pkeep]), torch.ones_like(row_idx, dtype=torch.float32), accumulate=True
-        )
-    return counts
+    prompt = torch.tensor(history.prompt, dtype=torch.long, device=device)
+    flat = torch.tensor([t for path in paths for t in path], dtype=torch.long, device=device)
+    rows = torch.tensor(
+        [row for row, path in enumerate(paths) for _ in path], dtype=torch.long, device=device
+    )
+    parts = [_columns(ids, column_of, num_cols) for ids in (output, prompt, flat)]
+    (out_cols, out_keep), (prompt_cols, prompt_keep), (path_cols, path_keep) = parts
+    kept = [out_cols[out_keep], prompt_cols[prompt_keep], path_cols[path_keep]]
+    columns, index = torch.unique(torch.cat(kept), return_inverse=True)  # [S], [kept]
+    out_at, prompt_at, path_at = index.split([len(k) for k in kept])
+    counts = torch.bincount(out_at, minlength=len(columns)).float()  # [S]
+    counts = counts.expand(len(paths), len(columns)).clone()  # [N, S]
+    counts.index_put_(
+        (rows[path_keep], path_at), torch.ones_like(path_at, dtype=torch.float32), accumulate=True
+    )
+    in_prompt = torch.zeros(len(columns), dtype=torch.bool, device=device)
+    in_prompt[prompt_at] = True
+    return columns, counts, in_prompt
 
 
 def process_logits(
@@ -102,20 +110,18 @@ def process_logits(
         x[:, cols[keep]] += bias[keep]
     if params.needs_counts:
         assert history is not None
-        counts = path_counts(history, paths, num_cols, column_of, device)  # [N, C]
-        seen = counts > 0  # [N, C]
+        columns, counts, in_prompt = seen_counts(history, paths, num_cols, column_of, device)
+        seen = counts > 0  # [N, S]
+        y = x[:, columns]  # [N, S]
         if params.repetition_penalty != 1.0:
-            in_prompt = torch.zeros(num_cols, dtype=torch.bool, device=device)  # [C]
-            prompt = torch.tensor(history.prompt, dtype=torch.long, device=device)
-            pcols, pkeep = _columns(prompt, column_of, num_cols)
-            in_prompt[pcols[pkeep]] = True
             penalty = params.repetition_penalty
             repeated = seen | in_prompt[None, :]
-            x = torch.where(repeated, torch.where(x > 0, x / penalty, x * penalty), x)
+            y = torch.where(repeated, torch.where(y > 0, y / penalty, y * penalty), y)
         if params.frequency_penalty:
-            x -= params.frequency_penalty * counts
+            y -= params.frequency_penalty * counts
         if params.presence_penalty:
-            x -= params.presence_penalty * seen.float()
+            y -= params.presence_penalty * seen.float()
+        x[:, columns] = y
     if params.min_tokens and history is not None and history.end_ids:
         blocked = [
             row
