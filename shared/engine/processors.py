@@ -162,19 +162,27 @@ def coupled_scores(
     positions: Sequence[int],  # [N] the output position each row's next token takes
     column_ids: torch.Tensor | None = None,  # [C] long: each column's full id; None: the column
 ) -> torch.Tensor:
-    """[N, C] float64: log of the processed distribution plus the request's Gumbel noise of each
-    row's output position. Its argmax is a sample of that distribution (Gumbel-max); rows of one
-    position share the noise, so a draft scoring its rows this way proposes the token the target
-    will pick wherever the two distributions agree."""
+    """[N, C] float64: the processed distribution's log-probabilities, up to a constant per row
+    (the logits over the temperature, -inf where min_p, top-k or top-p drop a token), plus the
+    request's Gumbel noise of each row's output position. Its argmax is a sample of that
+    distribution (Gumbel-max); rows of one position share the noise, so a draft scoring its rows
+    this way proposes the token the target will pick wherever the two distributions agree.
+    Nothing downstream reads more than each row's order or its softmax, which the constant
+    does not change, so no softmax and log over the vocabulary are paid per row."""
     assert params.seed is not None
-    scores = torch.log(processed_probs(logits, params))  # -inf where a filter dropped the token
+    scores = logits.double().div_(params.temperature)
+    if params.min_p > 0.0 or 0 < params.top_k < logits.shape[1] or params.top_p < 1.0:
+        scores = scores.masked_fill(processed_probs(logits, params) == 0, float("-inf"))
     num_cols = logits.shape[1]
     size = num_cols if column_ids is None else int(column_ids.max()) + 1
-    noise: dict[int, np.ndarray] = {}
+    distinct = sorted(set(positions))
     rows = []
-    for position in positions:
-        if position not in noise:
-            full = gumbel_noise(params.seed, position, size)
-            noise[position] = full if column_ids is None else full[column_ids.cpu().numpy()]
-        rows.append(noise[position])
-    return scores + torch.from_numpy(np.stack(rows)).to(scores.device)
+    for position in distinct:
+        full = gumbel_noise(params.seed, position, size)
+        rows.append(full if column_ids is None else full[column_ids.cpu().numpy()])
+    noise = torch.from_numpy(np.stack(rows)).to(scores.device)  # [P, C]
+    if distinct == list(positions):
+        return scores.add_(noise)
+    at = {position: i for i, position in enumerate(distinct)}
+    index = torch.tensor([at[p] for p in positions], dtype=torch.long, device=scores.device)
+    return scores.add_(noise[index])
