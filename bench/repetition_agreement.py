@@ -2,6 +2,7 @@
 without the penalty, and with the draft's logits moved to the target's level first.
 
     python -m bench.repetition_agreement --draft draft-m --per-kind 2 --tokens 48
+    python -m bench.repetition_agreement --model-set qwen2.5-coder --per-kind 2 --tokens 48
 
 vLLM's repetition penalty divides a seen token's positive logit by the penalty and multiplies a
 negative one, so unlike the other processors it depends on the logits' level, not only on their
@@ -27,7 +28,7 @@ import torch
 from bench.bench_speculation import KINDS, KV_BYTES, prompts_by_kind
 from shared.model import load_model
 from shared.model.llama import LlamaModel
-from shared.model.model_set import all_draft_dirs, target_dir
+from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
 from shared.model.runner import ForwardItem, ModelRunner
 
 Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # target logits, draft logits, seen [V]
@@ -42,6 +43,22 @@ def all_logits(runner: ModelRunner, ids: Sequence[int]) -> torch.Tensor:
         runner.free_request("x")
 
 
+def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """`prompt` and its greedy continuation of n tokens, one token a forward on the KV cache."""
+    runner.add_request("g")
+    try:
+        chunk = list(prompt)
+        seq = list(prompt)
+        for _ in range(n):
+            logits = runner.forward([ForwardItem.chain("g", chunk)])[0]
+            runner.commit({"g": list(range(len(chunk)))})
+            chunk = [int(logits[-1].argmax())]
+            seq += chunk
+        return seq
+    finally:
+        runner.free_request("g")
+
+
 def penalized(x: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
@@ -50,9 +67,7 @@ def positions(
     target: ModelRunner, draft: ModelRunner, draft_ids: torch.Tensor, prompt: list[int], n: int
 ) -> list[Row]:
     """The target's greedy continuation of `prompt` (n tokens) and both models' rows there."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(all_logits(target, seq)[-1].argmax()))
+    seq = greedy(target, prompt, n)
     t = all_logits(target, seq)
     d = torch.full_like(t, float("-inf"))
     d[:, draft_ids] = all_logits(draft, seq)  # a reduced head's columns at their token ids
@@ -78,7 +93,8 @@ def scores(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft", default="draft-m")
+    parser.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    parser.add_argument("--draft", default="", help="default: draft-m, or the set's first draft")
     parser.add_argument("--per-kind", type=int, default=2, help=f"prompts of each of {KINDS}")
     parser.add_argument("--kinds", nargs="+", default=["chat", "everyday", "code"])
     parser.add_argument("--tokens", type=int, default=48, help="continuation per prompt")
@@ -94,12 +110,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    target_model = load_model(target_dir())
-    draft_model: LlamaModel = load_model(all_draft_dirs()[args.draft], target_path=target_dir())
+    target_dir = model_set_target(args.model_set)
+    drafts = model_set_drafts(args.model_set)
+    args.draft = args.draft or ("draft-m" if args.model_set == SMOLLM2 else next(iter(drafts)))
+    target_model = load_model(target_dir)
+    draft_model: LlamaModel = load_model(drafts[args.draft], target_path=target_dir)
     target = ModelRunner(target_model, kv_memory_bytes=KV_BYTES, prefix_caching=False)
     draft = ModelRunner(draft_model, kv_memory_bytes=KV_BYTES, prefix_caching=False)
     draft_ids = draft_model.output_token_ids.long()
-    prompts = prompts_by_kind(args.per_kind)
+    prompts = prompts_by_kind(args.per_kind, args.model_set)
     rows = [
         row
         for kind in args.kinds
