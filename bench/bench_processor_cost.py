@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from shared.engine.processors import _columns, process_logits
+from shared.engine.processors import process_logits
 from shared.values.sampling import SamplingParams, TokenHistory
 
 VARIANTS = {
@@ -42,8 +42,7 @@ def dense_penalties(
     seen = counts > 0
     if params.repetition_penalty != 1.0:
         in_prompt = torch.zeros(num_cols, dtype=torch.bool)
-        cols, keep = _columns(torch.tensor(history.prompt), None, num_cols)
-        in_prompt[cols[keep]] = True
+        in_prompt[torch.tensor(history.prompt)] = True
         p = params.repetition_penalty
         x = torch.where(seen | in_prompt[None, :], torch.where(x > 0, x / p, x * p), x)
     x -= params.frequency_penalty * counts
