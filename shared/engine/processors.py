@@ -170,16 +170,17 @@ def coupled_scores(
     Nothing downstream reads more than each row's order or its softmax, which the constant
     does not change, so no softmax and log over the vocabulary are paid per row."""
     assert params.seed is not None
-    scores = logits.double().div_(params.temperature)
+    scores = logits.to(torch.float64, copy=True).div_(params.temperature)
     if params.min_p > 0.0 or 0 < params.top_k < logits.shape[1] or params.top_p < 1.0:
         scores = scores.masked_fill(processed_probs(logits, params) == 0, float("-inf"))
     num_cols = logits.shape[1]
     size = num_cols if column_ids is None else int(column_ids.max()) + 1
+    columns = None if column_ids is None else column_ids.cpu().numpy()
     distinct = sorted(set(positions))
     rows = []
     for position in distinct:
         full = gumbel_noise(params.seed, position, size)
-        rows.append(full if column_ids is None else full[column_ids.cpu().numpy()])
+        rows.append(full if columns is None else full[columns])
     noise = torch.from_numpy(np.stack(rows)).to(scores.device)  # [P, C]
     if distinct == list(positions):
         return scores.add_(noise)
