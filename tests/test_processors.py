@@ -449,6 +449,32 @@ def test_gumbel_noise_depends_on_seed_and_position_only():
     assert not np.array_equal(a, gumbel_noise(8, 3, 50))
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 5}, {"top_p": 0.9, "min_p": 0.05}]
+)
+def test_coupled_scores_pick_the_gumbel_max_of_the_processed_distribution(options):
+    """The scores (logits over temperature plus noise, -inf where a filter drops a token) rank
+    every row as the log of the processed distribution plus the same noise does, and leave the
+    logits they were given as they were."""
+    from shared.engine.processors import coupled_scores
+    from shared.values.sampling import gumbel_noise
+
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=8, **options)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    before = logits.clone()
+    positions = [4, 5, 5, 6, 6, 6]
+    scores = coupled_scores(logits, params, positions)
+    assert torch.equal(logits, before)
+    noise = torch.from_numpy(np.stack([gumbel_noise(11, p, 64) for p in positions]))
+    definition = torch.log(processed_probs(logits, params)) + noise
+    assert torch.equal(scores.argmax(-1), definition.argmax(-1))
+    assert torch.equal(torch.isinf(scores), torch.isinf(definition))
+    finite = ~torch.isinf(scores)
+    torch.testing.assert_close(
+        torch.log_softmax(scores, -1)[finite], torch.log_softmax(definition, -1)[finite]
+    )
+
+
 # ---- augury generate -------------------------------------------------------------------------
 
 
