@@ -26,10 +26,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from bench.bench_speculation import KINDS, KV_BYTES, prompts_by_kind
+from shared.engine.spec_engine import SpecEngine
+from shared.engine.verifier import Verifier
 from shared.model import load_model
 from shared.model.llama import LlamaModel
 from shared.model.model_set import MODEL_SETS, SMOLLM2, model_set_drafts, model_set_target
 from shared.model.runner import ForwardItem, ModelRunner
+from shared.values.sampling import SamplingParams
 
 Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # target logits, draft logits, seen [V]
 
@@ -43,22 +46,6 @@ def all_logits(runner: ModelRunner, ids: Sequence[int]) -> torch.Tensor:
         runner.free_request("x")
 
 
-def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    """`prompt` and its greedy continuation of n tokens, one token a forward on the KV cache."""
-    runner.add_request("g")
-    try:
-        chunk = list(prompt)
-        seq = list(prompt)
-        for _ in range(n):
-            logits = runner.forward([ForwardItem.chain("g", chunk)])[0]
-            runner.commit({"g": list(range(len(chunk)))})
-            chunk = [int(logits[-1].argmax())]
-            seq += chunk
-        return seq
-    finally:
-        runner.free_request("g")
-
-
 def penalized(x: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
@@ -66,8 +53,11 @@ def penalized(x: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tens
 def positions(
     target: ModelRunner, draft: ModelRunner, draft_ids: torch.Tensor, prompt: list[int], n: int
 ) -> list[Row]:
-    """The target's greedy continuation of `prompt` (n tokens) and both models' rows there."""
-    seq = greedy(target, prompt, n)
+    """The target's greedy continuation of `prompt` (n tokens, the engine's plain decoding) and
+    both models' rows there."""
+    plain = SpecEngine(Verifier(target))
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    seq = [*prompt, *plain.generate([prompt], greedy)[0].output]
     t = all_logits(target, seq)
     d = torch.full_like(t, float("-inf"))
     d[:, draft_ids] = all_logits(draft, seq)  # a reduced head's columns at their token ids
