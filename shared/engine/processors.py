@@ -171,7 +171,7 @@ def coupled_scores(
     does not change, so no softmax and log over the vocabulary are paid per row."""
     assert params.seed is not None
     scores = logits.to(torch.float64, copy=True).div_(params.temperature)
-    if params.min_p > 0.0 or 0 < params.top_k < logits.shape[1] or params.top_p < 1.0:
+    if params.has_filters:
         scores = scores.masked_fill(processed_probs(logits, params) == 0, float("-inf"))
     num_cols = logits.shape[1]
     size = num_cols if column_ids is None else int(column_ids.max()) + 1
@@ -182,8 +182,6 @@ def coupled_scores(
         full = gumbel_noise(params.seed, position, size)
         rows.append(full if columns is None else full[columns])
     noise = torch.from_numpy(np.stack(rows)).to(scores.device)  # [P, C]
-    if distinct == list(positions):
-        return scores.add_(noise)
     at = {position: i for i, position in enumerate(distinct)}
     index = torch.tensor([at[p] for p in positions], dtype=torch.long, device=scores.device)
     return scores.add_(noise[index])

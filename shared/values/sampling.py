@@ -167,6 +167,11 @@ class SamplingParams:
         )
 
     @property
+    def has_filters(self) -> bool:
+        """Whether min_p, top-k or top-p may drop tokens after the temperature."""
+        return self.min_p > 0.0 or self.top_k > 0 or self.top_p < 1.0
+
+    @property
     def has_processors(self) -> bool:
         """Whether any logits processor changes the model's logits."""
         return self.needs_counts or bool(self.logit_bias) or self.min_tokens > 0
