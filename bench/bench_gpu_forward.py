@@ -25,28 +25,17 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.timing import median_ms
 from shared.model.kv_cache import SwappedKV
 from shared.model.runner import ForwardItem, ModelRunner
 from tools.profile import kv_bytes_for, random_model
 
 LAYOUTS = ((1, 1), (1, 16), (8, 1), (8, 2), (16, 16), (32, 16))  # (requests, tokens each)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure_layout(
@@ -83,8 +72,8 @@ def measure_layout(
     for runner in runners.values():
         for _ in range(3):  # the graphed runner records its graph here
             forward(runner)
-    eager_ms = _median_ms(lambda: forward(eager), repeats)
-    graphs_ms = _median_ms(lambda: forward(graphed), repeats)
+    eager_ms = median_ms(lambda: forward(eager), repeats, torch.cuda.synchronize)
+    graphs_ms = median_ms(lambda: forward(graphed), repeats, torch.cuda.synchronize)
 
     enqueue_times = []
     for _ in range(repeats):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from bench.timing import median_ms
 from shared.engine.processors import process_logits
 from shared.values.sampling import SamplingParams, TokenHistory
 
@@ -48,15 +48,6 @@ def dense_penalties(
     x -= params.frequency_penalty * counts
     x -= params.presence_penalty * seen.float()
     return x
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def time_both(
