@@ -3,6 +3,8 @@
     python -m bench.bench_model_set --model-set qwen2.5-coder --target-dtype bfloat16 \\
         --kinds code-edit revision code everyday --per-kind 3 --max-tokens 128 --json out.json
     python -m bench.bench_model_set --configs ngram draft-e draft-e+ngram --per-kind 2
+    python -m bench.bench_model_set --draft new=/tmp/qe/qwen2.5-coder-e \\
+        --configs qwen2.5-coder-e+ngram new+ngram      # a retrained draft against the committed
 
 Every prompt is decoded greedily by each configuration in turn, so drift in background load
 hits all alike: `plain` (this engine without a draft, the baseline at the same precision), the
@@ -163,7 +165,7 @@ def report(tallies: dict[str, dict[str, Tally]]) -> tuple[str, dict]:
     return "\n".join(lines), table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-set", choices=MODEL_SETS, default="qwen2.5-coder")
     ap.add_argument("--target-dtype", choices=TARGET_DTYPES, default="float32")
@@ -171,13 +173,23 @@ def main() -> None:
                     choices=[*COPY_KINDS, *DATASET_KINDS])  # fmt: skip
     ap.add_argument("--configs", nargs="+", help="default: the set's model draft, ngram, suffix, "
                     "the draft merged with each, the chooser among all three")  # fmt: skip
+    ap.add_argument("--draft", action="append", default=[], metavar="NAME=DIR",
+                    help="another draft directory beside the set's, named in --configs as NAME "
+                    "(e.g. one `python -m distill build --out DIR` trained, against the "
+                    "committed one)")  # fmt: skip
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted")
     ap.add_argument("--exact-attention", action="store_true", help="trees attend row by row")
     ap.add_argument("--per-kind", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    extra_drafts = {}
+    for extra in args.draft:
+        name, _, path = extra.partition("=")
+        if not name or not (Path(path) / "config.json").is_file():
+            ap.error(f"--draft {extra!r}: want NAME=DIR, a directory with a config.json")
+        extra_drafts[name] = Path(path)
     if args.threads:
         torch.set_num_threads(args.threads)
     draft = next(iter(model_set_drafts(args.model_set)))
@@ -186,6 +198,7 @@ def main() -> None:
     models = Models(
         "goodput", args.model_set, args.target_dtype, exact_attention=args.exact_attention
     )
+    models.draft_dirs |= extra_drafts
     runs = {PLAIN: engine_run(models, PLAIN, args.max_tokens)}
     runs |= {c: engine_run(models, c, args.max_tokens) for c in configs}
     if not args.no_assisted and args.target_dtype != "int8":  # transformers has no such target
