@@ -37,6 +37,7 @@ from shared.model.model_set import (
     DRAFT_NAMES,
     DRAFTS_DIR,
     MODEL_SETS,
+    REPO_ROOT,
     SMOLLM2,
     model_set_target,
     target_dir,
@@ -145,10 +146,13 @@ def rebuild_command(
         )
     if earlier is None:
         return first
+    drafts_dir = data.RECIPES[args.model_set].drafts_dir.relative_to(REPO_ROOT)
     command = (
-        f"python -m distill build --drafts {name} --continue-from models/drafts "
+        f"python -m distill build --drafts {name} --continue-from {drafts_dir} "
         f"--steps {spec.train_steps} --lr {spec.lr}"
     )
+    if args.model_set != SMOLLM2:
+        command = command.replace(" --drafts", f" --model-set {args.model_set} --drafts")
     if spec.is_feature_level:
         command += f" --feature-passes {args.feature_passes} --level-context {args.level_context}"
     before = earlier.get("rebuild", first)
@@ -230,7 +234,7 @@ def winners_cmd(args: argparse.Namespace) -> None:
 
 def levels_cmd(args: argparse.Namespace) -> None:
     """Feature-level drafts' held-out top-1 agreement with the target per tree level, on the
-    current recipe's held-out target answers (the cache must have been built)."""
+    model set's current recipe's held-out target answers (the cache must have been built)."""
     from distill.train import (
         BATCH_TOKENS,
         BatchBuilder,
@@ -240,18 +244,21 @@ def levels_cmd(args: argparse.Namespace) -> None:
     )
 
     torch.set_num_threads(args.threads)
-    if not data.features_path(args.cache).is_file():
+    recipe = data.RECIPES[args.model_set]
+    cache_dir: Path = args.cache or recipe.cache_dir
+    tdir = model_set_target(args.model_set)
+    if not data.features_path(cache_dir, recipe).is_file():
         raise SystemExit(
-            f"no feature cache for the current recipe in {args.cache}: "
-            "build it with `python -m distill build --drafts draft-e` first"
+            f"no feature cache for {args.model_set}'s current recipe in {cache_dir}: build it "
+            f"with `python -m distill build --model-set {args.model_set} --steps 1` first"
         )
-    cache = data.build_topk_cache(args.cache, target_dir())
-    gen_starts = data.load_gen_starts(args.cache)
-    features = data.load_features(args.cache)
+    cache = data.build_topk_cache(cache_dir, tdir, recipe)
+    gen_starts = data.load_gen_starts(cache_dir, recipe)
+    features = data.load_features(cache_dir, recipe)
     _, validation_ids = split_validation(cache)
     validation = make_batches(cache, BATCH_TOKENS, validation_ids)
     for path in args.drafts:
-        draft = load_trainable(path, target_dir()).eval()
+        draft = load_trainable(path, tdir).eval()
         if not draft.spec.is_feature_level:
             raise SystemExit(f"{path} is not a feature-level draft")
         builder = BatchBuilder(cache, draft.output_token_ids.numpy(), gen_starts, features)
@@ -409,7 +416,10 @@ def main() -> None:
     draft_weights_option(w)
     lv = sub.add_parser("levels", help="a feature-level draft's held-out top-1 per tree level")
     lv.add_argument("drafts", type=Path, nargs="+", help="draft directories")
-    lv.add_argument("--cache", type=Path, default=data.CACHE_ROOT)
+    lv.add_argument("--model-set", choices=MODEL_SETS, default=SMOLLM2)
+    lv.add_argument(
+        "--cache", type=Path, default=None, help=f"default: {data.CACHE_ROOT}[/<model set>]"
+    )
     lv.add_argument("--levels", type=int, default=4)
     lv.add_argument("--threads", type=int, default=2)
     fusion.add_parser(sub)
