@@ -39,7 +39,6 @@ from shared.model.model_set import (
     MODEL_SETS,
     REPO_ROOT,
     SMOLLM2,
-    model_set_target,
     target_dir,
 )
 
@@ -51,9 +50,7 @@ def build(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     seed_everything(SEED)
     model_set: str = args.model_set
-    recipe = data.RECIPES[model_set]
-    tdir = model_set_target(model_set)
-    cache_dir: Path = args.cache or recipe.cache_dir
+    recipe, tdir, cache_dir = data.set_data(model_set, args.cache)
     out_dir: Path = args.out or recipe.drafts_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -147,12 +144,11 @@ def rebuild_command(
     if earlier is None:
         return first
     drafts_dir = data.RECIPES[args.model_set].drafts_dir.relative_to(REPO_ROOT)
+    model_set = "" if args.model_set == SMOLLM2 else f" --model-set {args.model_set}"
     command = (
-        f"python -m distill build --drafts {name} --continue-from {drafts_dir} "
+        f"python -m distill build{model_set} --drafts {name} --continue-from {drafts_dir} "
         f"--steps {spec.train_steps} --lr {spec.lr}"
     )
-    if args.model_set != SMOLLM2:
-        command = command.replace(" --drafts", f" --model-set {args.model_set} --drafts")
     if spec.is_feature_level:
         command += f" --feature-passes {args.feature_passes} --level-context {args.level_context}"
     before = earlier.get("rebuild", first)
@@ -244,9 +240,7 @@ def levels_cmd(args: argparse.Namespace) -> None:
     )
 
     torch.set_num_threads(args.threads)
-    recipe = data.RECIPES[args.model_set]
-    cache_dir: Path = args.cache or recipe.cache_dir
-    tdir = model_set_target(args.model_set)
+    recipe, tdir, cache_dir = data.set_data(args.model_set, args.cache)
     if not data.features_path(cache_dir, recipe).is_file():
         raise SystemExit(
             f"no feature cache for {args.model_set}'s current recipe in {cache_dir}: build it "

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from shared import datasets
 from shared.model.hf_checkpoint import load_transformers_model
-from shared.model.model_set import DRAFTS_DIR, QWEN_DRAFTS_DIR, REPO_ROOT
+from shared.model.model_set import DRAFTS_DIR, QWEN_DRAFTS_DIR, REPO_ROOT, model_set_target
 
 CACHE_ROOT = REPO_ROOT / ".cache" / "distill"  # ignored by git
 TOP_K = 32
@@ -96,6 +96,15 @@ RECIPES = {
     ),
 }
 SMOLLM2_RECIPE = RECIPES["smollm2"]
+
+
+def set_data(
+    model_set: str, cache: Path | None, recipes: dict[str, Recipe] = RECIPES
+) -> tuple[Recipe, Path, Path]:
+    """A model set's distillation recipe (from `recipes`), target checkpoint and cache folder
+    (`cache` where given)."""
+    recipe = recipes[model_set]
+    return recipe, model_set_target(model_set), cache or recipe.cache_dir
 
 
 def data_tag(recipe: Recipe = SMOLLM2_RECIPE) -> str:

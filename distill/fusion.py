@@ -29,7 +29,7 @@ import torch
 from distill import data
 from distill.model import DRAFT_SPECS, MODEL_SET_DRAFTS, DraftSpec, new_draft
 from distill.train import FEATURE_PASSES, seed_everything, train_draft
-from shared.model.model_set import SMOLLM2, model_set_target
+from shared.model.model_set import SMOLLM2
 
 SEED = 1234
 # A tenth of SmolLM2's committed recipe (700 answers, about 9 minutes on a 2-core AMD EPYC; the
@@ -61,9 +61,7 @@ def expected_chain(levels: list[float]) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    recipe = RECIPES[args.model_set]
-    tdir = model_set_target(args.model_set)
-    cache_dir = args.cache or recipe.cache_dir
+    recipe, tdir, cache_dir = data.set_data(args.model_set, args.cache, RECIPES)
     num_layers = json.loads((tdir / "config.json").read_text())["num_hidden_layers"]
     layers = fused_layers(int(num_layers))
     started = time.time()
