@@ -84,9 +84,10 @@ class Models:
         kv_bytes: int = KV_BYTES,
         tokenizer: Any = None,  # engines given one serve structured requests
         exact_attention: bool = False,  # trees attend row by row (`ModelRunner`)
+        extra_drafts: dict[str, Path] | None = None,  # draft folders beside the set's, by name
     ) -> None:
         self.target_dir = model_set_target(model_set)
-        self.draft_dirs = model_set_drafts(model_set)
+        self.draft_dirs = model_set_drafts(model_set) | (extra_drafts or {})
         precision = check_target_precision(target_dtype, "cpu", setting="--target-dtype")
         self.dtype = precision.dtype
         self.kv_bytes = kv_bytes

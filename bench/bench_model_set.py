@@ -3,7 +3,7 @@
     python -m bench.bench_model_set --model-set qwen2.5-coder --target-dtype bfloat16 \\
         --kinds code-edit revision code everyday --per-kind 3 --max-tokens 128 --json out.json
     python -m bench.bench_model_set --configs ngram draft-e draft-e+ngram --per-kind 2
-    python -m bench.bench_model_set --draft new=/tmp/qe/qwen2.5-coder-e \\
+    python -m bench.bench_model_set --draft new=DIR/qwen2.5-coder-e \\
         --configs qwen2.5-coder-e+ngram new+ngram      # a retrained draft against the committed
 
 Every prompt is decoded greedily by each configuration in turn, so drift in background load
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    extra_drafts = {}
+    extra_drafts: dict[str, Path] = {}
     for extra in args.draft:
         name, _, path = extra.partition("=")
         if not name or not (Path(path) / "config.json").is_file():
@@ -196,9 +196,12 @@ def main(argv: list[str] | None = None) -> None:
     merged = [f"{draft}+ngram", f"{draft}+suffix", f"choose:{draft},ngram,suffix"]
     configs = args.configs or [draft, "ngram", "suffix", *merged]
     models = Models(
-        "goodput", args.model_set, args.target_dtype, exact_attention=args.exact_attention
+        "goodput",
+        args.model_set,
+        args.target_dtype,
+        exact_attention=args.exact_attention,
+        extra_drafts=extra_drafts,
     )
-    models.draft_dirs |= extra_drafts
     runs = {PLAIN: engine_run(models, PLAIN, args.max_tokens)}
     runs |= {c: engine_run(models, c, args.max_tokens) for c in configs}
     if not args.no_assisted and args.target_dtype != "int8":  # transformers has no such target
